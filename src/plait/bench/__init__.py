@@ -1,0 +1,1 @@
+"""Benchmarks: plait measured against its peers in the same run."""

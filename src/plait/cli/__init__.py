@@ -1,0 +1,1 @@
+"""The `plait` command line: one module per subcommand, registered in `main`."""

@@ -1,0 +1,45 @@
+"""Entry point of the `plait` console script: builds the parser from the subcommand modules."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+__all__ = ["main"]
+
+# subcommand name -> module under plait.cli that defines `add_parser(subparsers)`;
+# each module's parser sets `func` to the callable that runs it and returns an exit code.
+_SUBCOMMANDS = {
+    "train": "plait.cli.train",
+    "schedule": "plait.cli.schedule",
+    "bench": "plait.cli.bench",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="plait",
+        description="Train one PyTorch model on many workers, with a plan predicted before it runs.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, module in _SUBCOMMANDS.items():
+        importlib.import_module(module).add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except ValueError as err:  # bad user input: say what and how to fix it, no traceback
+        print(f"plait {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
