@@ -1,0 +1,69 @@
+"""Models as ordered lists of blocks that can be cut into pipeline stages.
+
+A block is an `nn.Module` whose forward takes one value, the previous block's output: a
+tensor, or a tuple or dict of tensors when a stage boundary carries several (a skip
+connection that jumps over a stage is simply an extra entry passed along). The first
+block takes the micro-batch input; the last returns what the loss function consumes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import nn
+
+__all__ = ["StageModule", "as_blocks", "equal_split", "stage_modules"]
+
+
+def as_blocks(model: nn.Module) -> list[nn.Module]:
+    """The ordered blocks of `model`: an `nn.Sequential`'s children, or `model.blocks()`."""
+    if isinstance(model, nn.Sequential):
+        return list(model.children())
+    blocks = getattr(model, "blocks", None)
+    if callable(blocks):
+        out = list(blocks())
+        if not all(isinstance(b, nn.Module) for b in out):
+            raise TypeError(f"{type(model).__name__}.blocks() must return nn.Module objects")
+        return out
+    raise TypeError(
+        f"{type(model).__name__} cannot be cut into pipeline stages: pass an nn.Sequential, "
+        "or give the model a `blocks()` method returning its layers in order"
+    )
+
+
+class StageModule(nn.Module):
+    """Consecutive blocks run one after another; one (virtual) pipeline stage."""
+
+    def __init__(self, blocks: Sequence[nn.Module], *, first_block: int = 0) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+        self.first_block = first_block
+
+    def forward(self, x: object) -> object:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def equal_split(num_blocks: int, num_stages: int) -> list[int]:
+    """Block counts per stage, as equal as possible (earlier stages get the remainder)."""
+    if num_stages > num_blocks:
+        raise ValueError(
+            f"{num_blocks} blocks cannot fill {num_stages} stages: use a model with at least "
+            f"{num_stages} blocks, or fewer pipeline ranks × chunks"
+        )
+    base, extra = divmod(num_blocks, num_stages)
+    return [base + (1 if s < extra else 0) for s in range(num_stages)]
+
+
+def stage_modules(blocks: Sequence[nn.Module], sizes: Sequence[int]) -> list[StageModule]:
+    """Cut `blocks` into consecutive stages of `sizes[i]` blocks each."""
+    if sum(sizes) != len(blocks) or any(n < 1 for n in sizes):
+        raise ValueError(
+            f"stage sizes {list(sizes)} must be positive and add up to {len(blocks)} blocks"
+        )
+    out, start = [], 0
+    for n in sizes:
+        out.append(StageModule(blocks[start : start + n], first_block=start))
+        start += n
+    return out

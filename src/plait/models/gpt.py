@@ -1,0 +1,155 @@
+"""A GPT-style decoder-only transformer, written as pipeline blocks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["GPT", "Attention", "GPTConfig", "Head", "MLP", "TokenEmbedding", "TransformerBlock"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class GPTConfig:
+    vocab_size: int = 96
+    seq_len: int = 64
+    num_layers: int = 4
+    hidden: int = 64
+    num_heads: int = 4
+    ffn_hidden: int | None = None  # default 4 × hidden
+    dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "seq_len", "num_layers", "hidden", "num_heads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.hidden % self.num_heads:
+            raise ValueError(
+                f"hidden={self.hidden} is not divisible by num_heads={self.num_heads}: "
+                "choose a hidden size that is a multiple of the head count"
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout={self.dropout} must be in [0, 1)")
+
+    @property
+    def ffn(self) -> int:
+        return self.ffn_hidden or 4 * self.hidden
+
+
+class TokenEmbedding(nn.Module):
+    """Token ids [batch, seq] -> hidden states [batch, seq, hidden] (token + position)."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(cfg.vocab_size, cfg.hidden)
+        self.pos = nn.Embedding(cfg.seq_len, cfg.hidden)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(ids.shape[1], device=ids.device)
+        return self.drop(self.tok(ids) + self.pos(positions))  # [batch, seq, hidden]
+
+
+class Attention(nn.Module):
+    """Causal multi-head self-attention with separate q, k, v projections (so that tensor
+    parallelism can shard them column-wise by heads)."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.head_dim = cfg.hidden // cfg.num_heads
+        self.q = nn.Linear(cfg.hidden, cfg.hidden)
+        self.k = nn.Linear(cfg.hidden, cfg.hidden)
+        self.v = nn.Linear(cfg.hidden, cfg.hidden)
+        self.proj = nn.Linear(cfg.hidden, cfg.hidden)
+        self.dropout = cfg.dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        # -1 heads: the projection's width decides, so a tensor-parallel shard of the
+        # projections computes its own heads unchanged.  [b, heads, s, head_dim]
+        q, k, v = (
+            t.view(b, s, -1, self.head_dim).transpose(1, 2)
+            for t in (self.q(x), self.k(x), self.v(x))
+        )
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+        )
+        return self.proj(y.transpose(1, 2).reshape(b, s, -1))  # [b, s, hidden]
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.up = nn.Linear(cfg.hidden, cfg.ffn)
+        self.down = nn.Linear(cfg.ffn, cfg.hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.gelu(self.up(x)))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm transformer layer: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.hidden)
+        self.attn = Attention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.hidden)
+        self.mlp = MLP(cfg)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.ln1(x)))
+        return x + self.drop(self.mlp(self.ln2(x)))
+
+
+class Head(nn.Module):
+    """Final layer norm and the language-model head: [b, s, hidden] -> logits [b, s, vocab]."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(cfg.hidden)
+        self.out = nn.Linear(cfg.hidden, cfg.vocab_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.ln(x))
+
+
+class GPT(nn.Module):
+    """Embedding, `num_layers` transformer blocks, head: `num_layers + 2` pipeline blocks."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.layers = nn.ModuleList(
+            [TokenEmbedding(cfg), *(TransformerBlock(cfg) for _ in range(cfg.num_layers)), Head(cfg)]
+        )
+        self.apply(self._init)
+
+    @staticmethod
+    def _init(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, std=0.02)
+
+    def blocks(self) -> list[nn.Module]:
+        return list(self.layers)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x: torch.Tensor = ids
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+    @staticmethod
+    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy; `targets` [batch, seq] are the shifted ids."""
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="mean")
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())

@@ -1,0 +1,59 @@
+"""Cutting a model into the stage modules one pipeline rank owns, and its micro-batches."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from plait.blocks import StageModule, as_blocks, equal_split, stage_modules
+from plait.schedule import Schedule
+
+__all__ = ["local_stages", "split_microbatches"]
+
+
+def local_stages(
+    model: nn.Module,
+    schedule: Schedule,
+    rank: int,
+    *,
+    sizes: Sequence[int] | None = None,
+    device: torch.device | str = "cpu",
+) -> dict[int, StageModule]:
+    """The stage modules of `rank` (global stage -> module), moved to `device`.
+
+    `sizes` gives the blocks per stage (a partition); by default blocks are split equally.
+    The other ranks' blocks are not kept.
+    """
+    blocks = as_blocks(model)
+    sizes = list(sizes) if sizes is not None else equal_split(len(blocks), schedule.num_stages)
+    if len(sizes) != schedule.num_stages:
+        raise ValueError(
+            f"partition has {len(sizes)} stages but the schedule has {schedule.num_stages}"
+        )
+    modules = stage_modules(blocks, sizes)
+    return {s: modules[s].to(device) for s in schedule.stages_of(rank)}
+
+
+def split_microbatches(batch: Any, num_microbatches: int) -> list[Any]:
+    """Split every tensor of `batch` (a tensor, tuple or dict) along dim 0 into equal parts."""
+    leaves, spec = pytree.tree_flatten(batch)
+    sizes = {t.shape[0] for t in leaves if isinstance(t, torch.Tensor)}
+    if len(sizes) != 1:
+        raise ValueError(f"batch tensors disagree on their batch size: {sorted(sizes)}")
+    size = sizes.pop()
+    if size % num_microbatches:
+        raise ValueError(
+            f"batch size {size} is not divisible by num_microbatches={num_microbatches}: "
+            "use a batch size that is a multiple of the micro-batch count"
+        )
+    parts = [t.chunk(num_microbatches) if isinstance(t, torch.Tensor) else None for t in leaves]
+    return [
+        pytree.tree_unflatten(
+            [p[i] if p is not None else leaf for p, leaf in zip(parts, leaves, strict=True)], spec
+        )
+        for i in range(num_microbatches)
+    ]
