@@ -8,7 +8,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["GPT", "Attention", "GPTConfig", "Head", "MLP", "TokenEmbedding", "TransformerBlock"]
+__all__ = [
+    "GPT",
+    "MLP",
+    "Attention",
+    "GPTConfig",
+    "Head",
+    "TokenEmbedding",
+    "TransformerBlock",
+    "generate",
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -153,3 +162,21 @@ class GPT(nn.Module):
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+
+@torch.no_grad()
+def generate(
+    model: GPT, prompt: torch.Tensor, num_tokens: int, *, temperature: float = 0.8,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Sample `num_tokens` continuations of `prompt` [seq] (ids); returns prompt + sample."""
+    was_training = model.training
+    model.eval()
+    ids = prompt.clone()
+    for _ in range(num_tokens):
+        window = ids[-model.cfg.seq_len :].unsqueeze(0)
+        logits = model(window)[0, -1] / max(temperature, 1e-5)
+        probs = torch.softmax(logits, dim=-1)
+        ids = torch.cat([ids, torch.multinomial(probs, 1, generator=generator)])
+    model.train(was_training)
+    return ids

@@ -1,0 +1,98 @@
+"""`plait train`: train a model on local workers, or inside an existing torchrun launch."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+__all__ = ["add_parser"]
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser(
+        "train",
+        help="train (default: a character-level GPT on the stdlib's source, 2 pipeline workers)",
+        description="Train a GPT on the Python standard library's own source code. Without "
+        "arguments: 2 local CPU workers, a 2-stage 1F1B pipeline, 300 steps. Run under torchrun "
+        "to span several machines (the launch then comes from torchrun, not --nproc).",
+    )
+    p.add_argument("--config", help="TOML file ([model], [pipeline] sections, the rest top level)")
+    p.add_argument("--max-steps", type=int, dest="max_steps")
+    p.add_argument("--run-dir", dest="run_dir", help="output folder (default: a new runs/<time>)")
+    p.add_argument("--nproc", type=int, help="local worker processes (default 2)")
+    p.add_argument("--batch-size", type=int, dest="batch_size")
+    p.add_argument("--lr", type=float)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--pp", type=int, dest="pipeline.pp", help="pipeline degree")
+    p.add_argument("--schedule", dest="pipeline.schedule",
+                   choices=["gpipe", "1f1b", "interleaved", "zb-h1"])
+    p.add_argument("--microbatches", type=int, dest="pipeline.microbatches")
+    p.add_argument("--chunks", type=int, dest="pipeline.chunks")
+    p.add_argument("--layers", type=int, dest="model.layers")
+    p.add_argument("--hidden", type=int, dest="model.hidden")
+    p.add_argument("--heads", type=int, dest="model.heads")
+    p.add_argument("--seq-len", type=int, dest="model.seq_len")
+    p.add_argument("--sample-chars", type=int, dest="sample_chars")
+    p.set_defaults(func=run)
+
+
+def _resolve(args: argparse.Namespace) -> dict[str, object]:
+    from plait.config import load_config
+
+    overrides = {k: v for k, v in vars(args).items() if k not in ("config", "func", "command")}
+    nproc, pp = overrides.get("nproc"), overrides.get("pipeline.pp")
+    # one of --nproc / --pp implies the other while pipeline parallelism is the only axis
+    if nproc is not None and pp is None:
+        overrides["pipeline.pp"] = nproc
+    if pp is not None and nproc is None:
+        overrides["nproc"] = pp
+    if "WORLD_SIZE" in os.environ and nproc is None:
+        overrides["nproc"] = overrides["pipeline.pp"] = int(os.environ["WORLD_SIZE"])
+    return load_config(args.config, **overrides).to_dict()
+
+
+def run(args: argparse.Namespace) -> int:
+    from plait.schedule import build
+    from plait.train import launch
+    from plait.train.loop import train_worker
+
+    cfg = _resolve(args)  # validated here, before any worker starts
+    pipe = cfg["pipeline"]
+    assert isinstance(pipe, dict)
+    schedule = build(pipe["schedule"], pipe["pp"], pipe["microbatches"], pipe["chunks"])
+    run_dir = Path(str(cfg["run_dir"] or Path("runs") / time.strftime("%Y%m%d-%H%M%S")))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cfg["run_dir"] = str(run_dir)
+    (run_dir / "config.json").write_text(json.dumps(cfg, indent=2))
+    (run_dir / "schedule.json").write_text(schedule.to_json())
+    if "RANK" in os.environ:  # inside torchrun: this process is one worker
+        summary = train_worker(cfg, str(run_dir))
+        if summary is not None:
+            _report(summary, run_dir, schedule)
+        return 0
+    print(f"plait train: {cfg['nproc']} workers, run folder {run_dir}")
+    results = launch(train_worker, int(str(cfg["nproc"])), cfg, str(run_dir))
+    summary = next(s for s in results.values() if s is not None)
+    _report(summary, run_dir, schedule)
+    return 0
+
+
+def _report(summary: dict[str, object], run_dir: Path, schedule: object) -> None:
+    from plait.schedule import Schedule, compute_only, format_grid
+
+    assert isinstance(schedule, Schedule)
+    print("\nschedule each step ran (unit costs; rows are ranks):")
+    print(format_grid(compute_only(schedule)))
+    print(f"\nsample:\n{summary['sample']}\n")
+    plan = summary["plan"]
+    print(
+        f"plan {plan} | loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f} | "
+        f"step {summary['step_time_s'] * 1e3:.1f} ms | {summary['tokens_per_s']:,.0f} tok/s | "
+        f"bubble {summary['bubble_fraction']:.1%} | peak memory "
+        f"{summary['peak_memory_bytes'] / 2**20:.0f} MiB (last stage's rank)"
+    )
+    print(f"run folder: {run_dir} (config.json, schedule.json, metrics.jsonl, timeline.json, "
+          "summary.json)")

@@ -1,0 +1,5 @@
+"""The user-facing engine: launching workers and running training on them."""
+
+from plait.train.launch import launch
+
+__all__ = ["launch"]
