@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["WorkerEnv", "init_worker", "worker_env"]
+__all__ = ["WorkerEnv", "init_worker", "launched_env", "run_id", "worker_env"]
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,16 @@ def worker_env() -> WorkerEnv:
         ) from None
 
 
+def launched_env() -> WorkerEnv | None:
+    """This process's place when a launcher (torchrun) started it, else None."""
+    return worker_env() if "RANK" in os.environ and "WORLD_SIZE" in os.environ else None
+
+
+def run_id() -> str | None:
+    """The launch's run id (torchrun's --rdzv-id), shared by every worker of the launch."""
+    return os.environ.get("TORCHELASTIC_RUN_ID")
+
+
 def init_worker(*, timeout_s: float = 300.0) -> tuple[WorkerEnv, torch.device]:
     """Join the default process group (NCCL on GPUs, gloo on CPU) and pick the device."""
     env = worker_env()
@@ -44,7 +54,8 @@ def init_worker(*, timeout_s: float = 300.0) -> tuple[WorkerEnv, torch.device]:
         device, backend = torch.device("cpu"), "gloo"
     if not dist.is_initialized():
         dist.init_process_group(
-            backend, timeout=datetime.timedelta(seconds=timeout_s), device_id=device
-            if device.type == "cuda" else None,
+            backend,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            device_id=device if device.type == "cuda" else None,
         )
     return env, device

@@ -22,7 +22,10 @@ def _entry(rank: int, world_size: int, store_path: str, fn: Callable[..., None],
     torch.set_num_threads(1)
     store = dist.FileStore(store_path, world_size)
     dist.init_process_group(
-        "gloo", store=store, rank=rank, world_size=world_size,
+        "gloo",
+        store=store,
+        rank=rank,
+        world_size=world_size,
         timeout=datetime.timedelta(seconds=60),
     )
     try:
@@ -35,6 +38,9 @@ def run_world(tmp_path: Path, world_size: int, fn: Callable[..., None], *args: A
     """Run `fn(rank, world_size, *args)` on `world_size` gloo processes; re-raise failures."""
     store = tmp_path / f"store-{world_size}-{fn.__name__}"
     mp.start_processes(
-        _entry, args=(world_size, str(store), fn, args), nprocs=world_size, join=True,
+        _entry,
+        args=(world_size, str(store), fn, args),
+        nprocs=world_size,
+        join=True,
         start_method="spawn",
     )

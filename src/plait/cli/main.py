@@ -20,10 +20,10 @@ _SUBCOMMANDS = {
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="plait",
-        description="Train one PyTorch model on many workers, with a plan predicted before it runs.",
+        description="Train one PyTorch model on many workers; plans predicted before they run.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, module in _SUBCOMMANDS.items():
+    for module in _SUBCOMMANDS.values():
         importlib.import_module(module).add_parser(sub)
     return parser
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from pathlib import Path
+from typing import Any
 
 __all__ = ["add_parser"]
 
@@ -27,8 +27,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--lr", type=float)
     p.add_argument("--seed", type=int)
     p.add_argument("--pp", type=int, dest="pipeline.pp", help="pipeline degree")
-    p.add_argument("--schedule", dest="pipeline.schedule",
-                   choices=["gpipe", "1f1b", "interleaved", "zb-h1"])
+    p.add_argument(
+        "--schedule", dest="pipeline.schedule", choices=["gpipe", "1f1b", "interleaved", "zb-h1"]
+    )
     p.add_argument("--microbatches", type=int, dest="pipeline.microbatches")
     p.add_argument("--chunks", type=int, dest="pipeline.chunks")
     p.add_argument("--layers", type=int, dest="model.layers")
@@ -41,6 +42,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
 
 def _resolve(args: argparse.Namespace) -> dict[str, object]:
     from plait.config import load_config
+    from plait.mesh import launched_env
 
     overrides = {k: v for k, v in vars(args).items() if k not in ("config", "func", "command")}
     nproc, pp = overrides.get("nproc"), overrides.get("pipeline.pp")
@@ -49,12 +51,14 @@ def _resolve(args: argparse.Namespace) -> dict[str, object]:
         overrides["pipeline.pp"] = nproc
     if pp is not None and nproc is None:
         overrides["nproc"] = pp
-    if "WORLD_SIZE" in os.environ and nproc is None:
-        overrides["nproc"] = overrides["pipeline.pp"] = int(os.environ["WORLD_SIZE"])
+    env = launched_env()
+    if env is not None and nproc is None:
+        overrides["nproc"] = overrides["pipeline.pp"] = env.world_size
     return load_config(args.config, **overrides).to_dict()
 
 
 def run(args: argparse.Namespace) -> int:
+    from plait.mesh import launched_env, run_id
     from plait.schedule import build
     from plait.train import launch
     from plait.train.loop import train_worker
@@ -63,12 +67,18 @@ def run(args: argparse.Namespace) -> int:
     pipe = cfg["pipeline"]
     assert isinstance(pipe, dict)
     schedule = build(pipe["schedule"], pipe["pp"], pipe["microbatches"], pipe["chunks"])
-    run_dir = Path(str(cfg["run_dir"] or Path("runs") / time.strftime("%Y%m%d-%H%M%S")))
+    env = launched_env()
+    # every worker of a torchrun launch must agree on the folder: name it after the launch
+    default = run_id() if env is not None else None
+    run_dir = Path(
+        str(cfg["run_dir"] or Path("runs") / (default or time.strftime("%Y%m%d-%H%M%S")))
+    )
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg["run_dir"] = str(run_dir)
-    (run_dir / "config.json").write_text(json.dumps(cfg, indent=2))
-    (run_dir / "schedule.json").write_text(schedule.to_json())
-    if "RANK" in os.environ:  # inside torchrun: this process is one worker
+    if env is None or env.rank == 0:
+        (run_dir / "config.json").write_text(json.dumps(cfg, indent=2))
+        (run_dir / "schedule.json").write_text(schedule.to_json())
+    if env is not None:  # inside torchrun: this process is one worker
         summary = train_worker(cfg, str(run_dir))
         if summary is not None:
             _report(summary, run_dir, schedule)
@@ -80,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _report(summary: dict[str, object], run_dir: Path, schedule: object) -> None:
+def _report(summary: dict[str, Any], run_dir: Path, schedule: object) -> None:
     from plait.schedule import Schedule, compute_only, format_grid
 
     assert isinstance(schedule, Schedule)
@@ -94,5 +104,7 @@ def _report(summary: dict[str, object], run_dir: Path, schedule: object) -> None
         f"bubble {summary['bubble_fraction']:.1%} | peak memory "
         f"{summary['peak_memory_bytes'] / 2**20:.0f} MiB (last stage's rank)"
     )
-    print(f"run folder: {run_dir} (config.json, schedule.json, metrics.jsonl, timeline.json, "
-          "summary.json)")
+    print(
+        f"run folder: {run_dir} (config.json, schedule.json, metrics.jsonl, timeline.json, "
+        "summary.json)"
+    )

@@ -24,8 +24,9 @@ class CharCorpus:
     def vocab_size(self) -> int:
         return len(self.alphabet)
 
-    def batch(self, step: int, batch_size: int, seq_len: int, *, seed: int = 0,
-              split: str = "train") -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(
+        self, step: int, batch_size: int, seq_len: int, *, seed: int = 0, split: str = "train"
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, targets) [batch, seq]: windows from the first 90% (train) or the rest."""
         cut = int(len(self.ids) * 0.9)
         lo, hi = (0, cut) if split == "train" else (cut, len(self.ids))

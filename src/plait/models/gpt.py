@@ -133,7 +133,11 @@ class GPT(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.layers = nn.ModuleList(
-            [TokenEmbedding(cfg), *(TransformerBlock(cfg) for _ in range(cfg.num_layers)), Head(cfg)]
+            [
+                TokenEmbedding(cfg),
+                *(TransformerBlock(cfg) for _ in range(cfg.num_layers)),
+                Head(cfg),
+            ]
         )
         self.apply(self._init)
 
@@ -166,7 +170,11 @@ class GPT(nn.Module):
 
 @torch.no_grad()
 def generate(
-    model: GPT, prompt: torch.Tensor, num_tokens: int, *, temperature: float = 0.8,
+    model: GPT,
+    prompt: torch.Tensor,
+    num_tokens: int,
+    *,
+    temperature: float = 0.8,
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
     """Sample `num_tokens` continuations of `prompt` [seq] (ids); returns prompt + sample."""

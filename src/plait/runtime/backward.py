@@ -43,7 +43,9 @@ def _input_grads(saved: Saved) -> list[torch.Tensor | None]:
     return [t.grad if t.requires_grad else None for t in saved.inputs]
 
 
-def backward_full(saved: Saved, output_grads: list[torch.Tensor] | None) -> list[torch.Tensor | None]:
+def backward_full(
+    saved: Saved, output_grads: list[torch.Tensor] | None
+) -> list[torch.Tensor | None]:
     """Input and weight gradients together; returns the gradients of the input leaves."""
     if saved.outputs:
         torch.autograd.backward(saved.outputs, grad_tensors=output_grads)
@@ -83,8 +85,11 @@ def backward_input(
         needing = [t for t in saved.inputs if t.requires_grad]
         if not needing:
             return _input_grads(saved)
-        grads = torch.autograd.grad(
-            saved.outputs, needing, grad_outputs=output_grads, retain_graph=True,
+        grads: tuple[torch.Tensor | None, ...] = torch.autograd.grad(
+            saved.outputs,
+            needing,
+            grad_outputs=output_grads,
+            retain_graph=True,
             allow_unused=True,
         )
         it = iter(grads)

@@ -52,8 +52,9 @@ class BoundaryMeta:
 
     def empty_grads(self, device: torch.device) -> list[torch.Tensor]:
         dtypes = self.torch_dtypes()
-        return [torch.empty(self.shapes[i], dtype=dtypes[i], device=device)
-                for i in self.grad_indices()]
+        return [
+            torch.empty(self.shapes[i], dtype=dtypes[i], device=device) for i in self.grad_indices()
+        ]
 
 
 def flatten(value: object) -> list[torch.Tensor]:

@@ -18,7 +18,7 @@ schedule the validator accepts.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,7 +83,7 @@ class PipelineExecutor:
     def __init__(
         self,
         schedule: Schedule,
-        stages: dict[int, nn.Module],
+        stages: Mapping[int, nn.Module],
         *,
         rank: int,
         loss_fn: LossFn,
@@ -154,8 +154,9 @@ class PipelineExecutor:
                 value = local[s - 1]
             else:
                 box: list[Any] = [None]
-                dist.recv_object_list(box, group=self.group, group_src=place[s - 1],
-                                      device=self._object_device())
+                dist.recv_object_list(
+                    box, group=self.group, group_src=place[s - 1], device=self._object_device()
+                )
                 self._meta[s] = box[0]
                 value = unflatten(box[0], [t.zero_() for t in box[0].empty(self.device)])
             local[s] = out = self._probe(s, value)
@@ -164,8 +165,12 @@ class PipelineExecutor:
             # self._meta[s + 1] is the boundary between s and s + 1, known to both sides
             self._meta[s + 1] = BoundaryMeta.of(out)
             if place[s + 1] != self.rank:
-                dist.send_object_list([self._meta[s + 1]], group=self.group,
-                                      group_dst=place[s + 1], device=self._object_device())
+                dist.send_object_list(
+                    [self._meta[s + 1]],
+                    group=self.group,
+                    group_dst=place[s + 1],
+                    device=self._object_device(),
+                )
 
     def _object_device(self) -> torch.device | None:
         return self.device if self.device.type == "cuda" else None
@@ -200,7 +205,9 @@ class PipelineExecutor:
             ActionRecord(self.rank, index, str(a), start + wait - state.t0, end - state.t0, wait)
         )
 
-    def _take(self, state: _StepState, key: tuple[Op, int, int]) -> tuple[list[torch.Tensor], float]:
+    def _take(
+        self, state: _StepState, key: tuple[Op, int, int]
+    ) -> tuple[list[torch.Tensor], float]:
         """The data of a posted receive, waiting for it; returns (tensors, seconds waited)."""
         pending = state.received.pop(key)
         t = time.perf_counter()
@@ -241,7 +248,9 @@ class PipelineExecutor:
             state.outgoing[(Op.SEND_F, s, m)] = detached
         return wait
 
-    def _output_grads(self, state: _StepState, a: Action) -> tuple[list[torch.Tensor] | None, float]:
+    def _output_grads(
+        self, state: _StepState, a: Action
+    ) -> tuple[list[torch.Tensor] | None, float]:
         s, m = a.stage, a.microbatch
         if s == self.last_stage:
             return None, 0.0
@@ -270,10 +279,12 @@ class PipelineExecutor:
             return wait
         meta = self._meta[s]
         grads = [
-            g if g is not None else torch.zeros(meta.shapes[i], dtype=meta.torch_dtypes()[i],
-                                                device=self.device)
-            for g, i in zip((input_grads[i] for i in meta.grad_indices()), meta.grad_indices(),
-                            strict=True)
+            g
+            if g is not None
+            else torch.zeros(meta.shapes[i], dtype=meta.torch_dtypes()[i], device=self.device)
+            for g, i in zip(
+                (input_grads[i] for i in meta.grad_indices()), meta.grad_indices(), strict=True
+            )
         ]
         if self.schedule.stage_to_rank[s - 1] == self.rank:
             state.local[(Op.B, s - 1, m)] = grads

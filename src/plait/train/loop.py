@@ -34,8 +34,13 @@ def config_from_dict(data: dict[str, Any]) -> TrainConfig:
 def _gpt_config(cfg: TrainConfig, vocab_size: int) -> GPTConfig:
     m = cfg.model
     return GPTConfig(
-        vocab_size=vocab_size, seq_len=m.seq_len, num_layers=m.layers, hidden=m.hidden,
-        num_heads=m.heads, ffn_hidden=m.ffn_hidden, dropout=m.dropout,
+        vocab_size=vocab_size,
+        seq_len=m.seq_len,
+        num_layers=m.layers,
+        hidden=m.hidden,
+        num_heads=m.heads,
+        ffn_hidden=m.ffn_hidden,
+        dropout=m.dropout,
     )
 
 
@@ -79,8 +84,14 @@ def train_worker(cfg_data: dict[str, Any], run_dir: str) -> dict[str, Any] | Non
 
 def _gather_records(result: StepResult, rank: int, world: int) -> list[list[dict[str, Any]]]:
     mine = [
-        {"rank": r.rank, "index": r.index, "label": r.label, "start": r.start, "end": r.end,
-         "wait": r.wait}
+        {
+            "rank": r.rank,
+            "index": r.index,
+            "label": r.label,
+            "start": r.start,
+            "end": r.end,
+            "wait": r.wait,
+        }
         for r in result.records
     ]
     out: list[Any] = [None] * world
@@ -88,8 +99,9 @@ def _gather_records(result: StepResult, rank: int, world: int) -> list[list[dict
     return out
 
 
-def _sample(model: GPT, stages: dict[int, Any], corpus: Any, cfg: TrainConfig, rank: int,
-            world: int) -> str:
+def _sample(
+    model: GPT, stages: dict[int, Any], corpus: Any, cfg: TrainConfig, rank: int, world: int
+) -> str:
     """Gather every rank's trained blocks into one model and sample from it (small models)."""
     states: list[Any] = [None] * world
     mine = {s: {k: v.detach().cpu() for k, v in m.state_dict().items()} for s, m in stages.items()}
@@ -127,31 +139,44 @@ class _Logger:
         self.metrics = (run_dir / "metrics.jsonl").open("w")
         self.losses: list[float] = []
         self.progress = Progress(
-            TextColumn("[bold]train"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-            TextColumn("loss {task.fields[loss]:.3f}"), TextColumn("{task.fields[tps]:,.0f} tok/s"),
-            TimeRemainingColumn(), transient=False,
+            TextColumn("[bold]train"),
+            BarColumn(),
+            TextColumn("{task.completed}/{task.total}"),
+            TextColumn("loss {task.fields[loss]:.3f}"),
+            TextColumn("{task.fields[tps]:,.0f} tok/s"),
+            TimeRemainingColumn(),
+            transient=False,
         )
         self.task = self.progress.add_task("train", total=cfg.max_steps, loss=float("nan"), tps=0.0)
         self.progress.start()
 
     def step(self, step: int, loss: float, seconds: float) -> None:
         self.losses.append(loss)
-        row = {"step": step, "loss": loss, "step_time_s": seconds,
-               "tokens_per_s": self.tokens / seconds}
+        row = {
+            "step": step,
+            "loss": loss,
+            "step_time_s": seconds,
+            "tokens_per_s": self.tokens / seconds,
+        }
         self.metrics.write(json.dumps(row) + "\n")
         if step % self.cfg.log_every == 0 or step == self.cfg.max_steps - 1:
             self.metrics.flush()
         self.progress.update(self.task, advance=1, loss=loss, tps=self.tokens / seconds)
 
-    def finish(self, schedule: Any, times: list[float], records: list[list[dict[str, Any]]],
-               sample: str) -> dict[str, Any]:
+    def finish(
+        self, schedule: Any, times: list[float], records: list[list[dict[str, Any]]], sample: str
+    ) -> dict[str, Any]:
         self.progress.stop()
         self.metrics.close()
         steady = times[len(times) // 5 :] or times
         step_time = statistics.median(steady)
         summary = {
-            "plan": {"pp": schedule.num_ranks, "schedule": schedule.kind,
-                     "microbatches": schedule.num_microbatches, "chunks": schedule.num_chunks},
+            "plan": {
+                "pp": schedule.num_ranks,
+                "schedule": schedule.kind,
+                "microbatches": schedule.num_microbatches,
+                "chunks": schedule.num_chunks,
+            },
             "steps": len(times),
             "first_loss": self.losses[0],
             "final_loss": statistics.mean(self.losses[-10:]),

@@ -1,0 +1,50 @@
+"""Configuration: TOML and flags build validated dataclasses; bad input names the fix."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from plait.config import TrainConfig, load_config
+
+
+def test_defaults_are_the_readme_job() -> None:
+    cfg = load_config()
+    assert (cfg.nproc, cfg.pipeline.pp, cfg.pipeline.schedule) == (2, 2, "1f1b")
+    assert cfg.model.name == "gpt"
+
+
+def test_toml_and_overrides(tmp_path: Path) -> None:
+    path = tmp_path / "run.toml"
+    path.write_text(
+        'nproc = 4\nmax_steps = 7\n[model]\nlayers = 6\n[pipeline]\npp = 4\nschedule = "gpipe"\n'
+    )
+    cfg = load_config(path, max_steps=3, **{"pipeline.microbatches": 8})
+    assert (cfg.max_steps, cfg.model.layers, cfg.pipeline.pp) == (3, 6, 4)
+    assert cfg.pipeline.microbatches == 8
+    assert isinstance(cfg, TrainConfig)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"nproc": 3}, "nproc=3 workers but pp=2"),
+        ({"pipeline.schedule": "pipedream"}, "schedule='pipedream' is unknown"),
+        ({"pipeline.schedule": "interleaved"}, "needs chunks >= 2"),
+        ({"batch_size": 30}, "batch_size=30 is not divisible by microbatches=4"),
+        ({"model.hidden": 100, "model.heads": 3}, "hidden=100 is not a multiple of heads=3"),
+        ({"model.layers": 1, "nproc": 4, "pipeline.pp": 4}, "exceed the model's 3 blocks"),
+        ({"max_steps": 0}, "max_steps=0 must be a positive integer"),
+    ],
+)
+def test_bad_values_name_the_field_and_fix(overrides: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        load_config(**overrides)
+
+
+def test_unknown_toml_key_is_an_error(tmp_path: Path) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text("[model]\nlayer = 3\n")
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['layer'\] in \[model\]"):
+        load_config(path)
