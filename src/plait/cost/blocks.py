@@ -1,0 +1,240 @@
+"""The cost record of one block and of a stage (contiguous blocks), and their times on a device.
+
+A block's work is counted in FLOPs per micro-batch, whether it was derived analytically
+(`plait.cost.transformer`) or measured in seconds on a reference device and converted with
+`BlockCost.from_seconds`, so one record serves any device: time = FLOPs / achievable FLOP/s.
+Bytes are per micro-batch and per tensor-parallel rank.
+
+Limits: time is linear in FLOPs (a block that is memory-bound on one device and compute-
+bound on another scales wrongly); a measured block keeps its reference device's mix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from itertools import pairwise
+from typing import Literal
+
+from plait.cluster import Device, Link
+from plait.cost.comm import Collective, collective_time
+
+__all__ = [
+    "RECOMPUTE_MODES",
+    "BlockCost",
+    "Recompute",
+    "StageCost",
+    "StageTimes",
+    "check_recompute",
+    "stage_costs",
+]
+
+Recompute = Literal["none", "selective", "full"]
+RECOMPUTE_MODES: tuple[str, ...] = ("none", "selective", "full")
+
+
+def check_recompute(recompute: str) -> None:
+    """Raise ValueError unless `recompute` is one of `RECOMPUTE_MODES`."""
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute={recompute!r} is unknown; use one of {RECOMPUTE_MODES}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class BlockCost:
+    """Work and bytes of one block for one micro-batch on one tensor-parallel rank.
+
+    Backward is split as zero-bubble schedules need it (Qi et al. 2024): `backward_input`
+    computes the gradients of the block input (on the pipeline's critical path),
+    `backward_weight` those of the weights. Memory kept from forward to backward depends on
+    recomputation (Chen et al. 2016; Korthikanti et al. 2022): `saved_bytes` with none,
+    `saved_bytes_selective` (default: `saved_bytes`) when only cheap-to-store, costly-to-
+    keep parts are recomputed at `selective_recompute_flops`, `saved_bytes_recompute`
+    (default: `activation_bytes`, the size of a residual block's input) with full
+    recomputation, which repeats the forward. `forward_comm`/`backward_comm` are the
+    collectives the block issues over its tensor-parallel group (repeated in backward
+    when the forward is recomputed).
+    """
+
+    name: str
+    forward_flops: float
+    backward_input_flops: float
+    backward_weight_flops: float = 0.0
+    activation_bytes: float = 0.0
+    saved_bytes: float = 0.0
+    saved_bytes_selective: float | None = None
+    selective_recompute_flops: float = 0.0
+    saved_bytes_recompute: float | None = None
+    num_params: int = 0
+    forward_comm: tuple[Collective, ...] = ()
+    backward_comm: tuple[Collective, ...] = ()
+    source: str = "analytic"
+
+    def __post_init__(self) -> None:
+        for name in (
+            "forward_flops",
+            "backward_input_flops",
+            "backward_weight_flops",
+            "activation_bytes",
+            "saved_bytes",
+            "selective_recompute_flops",
+            "num_params",
+            "saved_bytes_selective",
+            "saved_bytes_recompute",
+        ):
+            value = getattr(self, name)
+            if value is not None and not value >= 0:
+                raise ValueError(f"block {self.name!r}: {name}={value!r} must be >= 0")
+        object.__setattr__(self, "forward_comm", tuple(self.forward_comm))
+        object.__setattr__(self, "backward_comm", tuple(self.backward_comm))
+
+    @staticmethod
+    def from_seconds(
+        name: str,
+        *,
+        forward_s: float,
+        backward_input_s: float,
+        backward_weight_s: float,
+        device: Device,
+        dtype: str,
+        activation_bytes: float = 0.0,
+        saved_bytes: float = 0.0,
+        saved_bytes_recompute: float | None = None,
+        num_params: int = 0,
+    ) -> BlockCost:
+        """A block measured on `device` in `dtype` (what the profiler returns): seconds
+        become FLOPs at that device's achievable rate, so `StageCost.times` on the same
+        device gives them back and other devices scale them by their speed."""
+        rate = device.achievable_flops(dtype)
+        return BlockCost(
+            name=name,
+            forward_flops=forward_s * rate,
+            backward_input_flops=backward_input_s * rate,
+            backward_weight_flops=backward_weight_s * rate,
+            activation_bytes=activation_bytes,
+            saved_bytes=saved_bytes,
+            saved_bytes_recompute=saved_bytes_recompute,
+            num_params=num_params,
+            source=f"measured on {device.name} ({dtype})",
+        )
+
+    def saved_for(self, recompute: Recompute) -> float:
+        """Bytes kept from this block's forward to its backward under `recompute`."""
+        if recompute == "full":
+            kept = self.saved_bytes_recompute
+            return min(self.saved_bytes, self.activation_bytes) if kept is None else kept
+        if recompute == "selective" and self.saved_bytes_selective is not None:
+            return self.saved_bytes_selective
+        return self.saved_bytes
+
+    def recompute_flops(self, recompute: Recompute) -> float:
+        """Forward work repeated before the backward under `recompute`."""
+        if recompute == "full":
+            return self.forward_flops
+        return self.selective_recompute_flops if recompute == "selective" else 0.0
+
+
+@dataclass(frozen=True)
+class StageTimes:
+    """Seconds one micro-batch spends in a stage: compute plus its in-block collectives."""
+
+    forward_s: float
+    backward_input_s: float  # includes recomputation and its repeated collectives
+    backward_weight_s: float
+    comm_forward_s: float  # collectives inside forward_s
+    comm_backward_s: float  # collectives inside backward_input_s
+
+    @property
+    def backward_s(self) -> float:
+        return self.backward_input_s + self.backward_weight_s
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """A pipeline stage: contiguous blocks, whose work and bytes add up."""
+
+    blocks: tuple[BlockCost, ...]
+    forward_flops: float = field(init=False)
+    backward_input_flops: float = field(init=False)
+    backward_weight_flops: float = field(init=False)
+    num_params: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        if not self.blocks:
+            raise ValueError("a stage needs at least one block")
+        object.__setattr__(self, "blocks", tuple(self.blocks))
+        for name in ("forward_flops", "backward_input_flops", "backward_weight_flops"):
+            object.__setattr__(self, name, sum(getattr(b, name) for b in self.blocks))
+        object.__setattr__(self, "num_params", sum(b.num_params for b in self.blocks))
+
+    @staticmethod
+    def of(item: StageCost | BlockCost) -> StageCost:
+        return item if isinstance(item, StageCost) else StageCost((item,))
+
+    @property
+    def name(self) -> str:
+        first, last = self.blocks[0].name, self.blocks[-1].name
+        return first if first == last else f"{first}..{last}"
+
+    @property
+    def activation_bytes(self) -> float:
+        """Bytes the stage sends forward (and receives back as gradients) per micro-batch."""
+        return self.blocks[-1].activation_bytes
+
+    @property
+    def model_flops(self) -> float:
+        """Forward plus backward work per micro-batch, recomputation excluded."""
+        return self.forward_flops + self.backward_input_flops + self.backward_weight_flops
+
+    def saved_bytes(self, recompute: Recompute) -> float:
+        """Bytes one in-flight micro-batch keeps on this stage."""
+        return sum(b.saved_for(recompute) for b in self.blocks)
+
+    def transient_bytes(self, recompute: Recompute) -> float:
+        """Extra bytes alive while one block's activations are rebuilt for its backward
+        (recomputation goes block by block, as Megatron's per-layer checkpointing)."""
+        if recompute == "none":
+            return 0.0
+        return max(b.saved_bytes - b.saved_for(recompute) for b in self.blocks)
+
+    def times(
+        self,
+        device: Device,
+        dtype: str,
+        *,
+        recompute: Recompute = "none",
+        tp: int = 1,
+        tp_link: Link | None = None,
+    ) -> StageTimes:
+        """Per-micro-batch seconds on `device`, collectives over `tp` ranks on `tp_link`."""
+        check_recompute(recompute)
+        rate = device.achievable_flops(dtype)
+
+        def comm(collectives: Sequence[Collective]) -> float:
+            if tp == 1 or tp_link is None:
+                return 0.0
+            return sum(collective_time(c, tp, tp_link) for c in collectives)
+
+        fwd_comm = comm([c for b in self.blocks for c in b.forward_comm])
+        bwd_comm = comm([c for b in self.blocks for c in b.backward_comm])
+        if recompute == "full":
+            bwd_comm += fwd_comm
+        redo = sum(b.recompute_flops(recompute) for b in self.blocks)
+        return StageTimes(
+            forward_s=self.forward_flops / rate + fwd_comm,
+            backward_input_s=(self.backward_input_flops + redo) / rate + bwd_comm,
+            backward_weight_s=self.backward_weight_flops / rate,
+            comm_forward_s=fwd_comm,
+            comm_backward_s=bwd_comm,
+        )
+
+
+def stage_costs(blocks: Sequence[BlockCost], boundaries: Sequence[int]) -> list[StageCost]:
+    """Cut `blocks` at `boundaries` (0 = b_0 < b_1 < ... < b_k = len(blocks)) into k stages."""
+    cuts = list(boundaries)
+    if len(cuts) < 2 or cuts[0] != 0 or cuts[-1] != len(blocks):
+        raise ValueError(
+            f"boundaries={cuts} must start at 0 and end at {len(blocks)} (the number of blocks)"
+        )
+    if any(a >= b for a, b in pairwise(cuts)):
+        raise ValueError(f"boundaries={cuts} must increase strictly: every stage needs a block")
+    return [StageCost(tuple(blocks[a:b])) for a, b in pairwise(cuts)]

@@ -1,0 +1,134 @@
+"""Communication time under the alpha-beta model: point to point and collectives.
+
+Every formula charges `latency_s` (alpha) per message step and bytes / `bandwidth_Bps`
+(beta) per byte on the bottleneck link, as in Thakur, Rabenseifner and Gropp, "Optimization
+of Collective Communication Operations in MPICH" (2005), and Patarasuk and Yuan's
+bandwidth-optimal ring all-reduce (2009). `num_bytes` is always the size of one rank's
+full buffer: the input of an all-reduce or reduce-scatter, the output of an all-gather,
+the send buffer of an all-to-all.
+
+Limits: no contention between concurrent collectives, no in-network reduction (SHARP), no
+hierarchical (intra- then inter-node) algorithms: a group spanning nodes runs entirely at
+the inter-node link's speed, which is pessimistic for large groups on few nodes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from plait.cluster import Cluster, Link
+
+__all__ = [
+    "COLLECTIVE_KINDS",
+    "Collective",
+    "CollectiveKind",
+    "all_gather_time",
+    "all_reduce_time",
+    "all_to_all_time",
+    "collective_time",
+    "group_collective_time",
+    "p2p_time",
+    "reduce_scatter_time",
+    "ring_all_reduce_time",
+    "tree_all_reduce_time",
+]
+
+CollectiveKind = Literal["all_reduce", "reduce_scatter", "all_gather", "all_to_all"]
+COLLECTIVE_KINDS: tuple[str, ...] = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Collective:
+    """One collective a block issues over its tensor-parallel group, for one micro-batch."""
+
+    kind: CollectiveKind
+    num_bytes: float
+
+    def __post_init__(self) -> None:
+        if self.kind not in COLLECTIVE_KINDS:
+            raise ValueError(f"collective kind {self.kind!r} is unknown; use {COLLECTIVE_KINDS}")
+        if not self.num_bytes >= 0:
+            raise ValueError(f"collective {self.kind}: num_bytes={self.num_bytes} must be >= 0")
+
+
+def _check(n: int, num_bytes: float) -> None:
+    if n < 1:
+        raise ValueError(f"a collective over n={n} ranks is meaningless; use n >= 1")
+    if num_bytes < 0:
+        raise ValueError(f"num_bytes={num_bytes} must be >= 0")
+
+
+def p2p_time(cluster: Cluster, src: int, dst: int, num_bytes: float) -> float:
+    """Seconds to send `num_bytes` from global rank `src` to `dst`: latency + bytes/bandwidth."""
+    return cluster.link(src, dst).time(num_bytes)
+
+
+def ring_all_reduce_time(n: int, num_bytes: float, link: Link) -> float:
+    """Ring all-reduce (reduce-scatter then all-gather): 2(n-1)/n · B/bw + 2(n-1)·alpha."""
+    _check(n, num_bytes)
+    if n == 1 or num_bytes == 0:
+        return 0.0
+    return 2 * (n - 1) / n * num_bytes / link.bandwidth_Bps + 2 * (n - 1) * link.latency_s
+
+
+def tree_all_reduce_time(n: int, num_bytes: float, link: Link) -> float:
+    """Pipelined binary-tree all-reduce (reduce up, broadcast down, as NCCL's double binary
+    tree, Sanders et al. 2009): 2⌈log2 n⌉·alpha + 2·B/bw. Fewer latency terms than the
+    ring, about the same bandwidth term for large n; the ring wins for small n."""
+    _check(n, num_bytes)
+    if n == 1 or num_bytes == 0:
+        return 0.0
+    return 2 * math.ceil(math.log2(n)) * link.latency_s + 2 * num_bytes / link.bandwidth_Bps
+
+
+def all_reduce_time(
+    n: int, num_bytes: float, link: Link, *, algorithm: Literal["ring", "tree", "best"] = "best"
+) -> float:
+    """All-reduce by `algorithm`; "best" takes the faster of ring and tree (as NCCL tunes)."""
+    ring = ring_all_reduce_time(n, num_bytes, link)
+    if algorithm == "ring":
+        return ring
+    tree = tree_all_reduce_time(n, num_bytes, link)
+    if algorithm == "tree":
+        return tree
+    if algorithm != "best":
+        raise ValueError(f"algorithm={algorithm!r} is unknown; use 'ring', 'tree' or 'best'")
+    return min(ring, tree)
+
+
+def reduce_scatter_time(n: int, num_bytes: float, link: Link) -> float:
+    """Ring reduce-scatter of a B-byte buffer: (n-1)/n · B/bw + (n-1)·alpha."""
+    _check(n, num_bytes)
+    if n == 1 or num_bytes == 0:
+        return 0.0
+    return (n - 1) / n * num_bytes / link.bandwidth_Bps + (n - 1) * link.latency_s
+
+
+def all_gather_time(n: int, num_bytes: float, link: Link) -> float:
+    """Ring all-gather into a B-byte buffer: (n-1)/n · B/bw + (n-1)·alpha."""
+    return reduce_scatter_time(n, num_bytes, link)
+
+
+def all_to_all_time(n: int, num_bytes: float, link: Link) -> float:
+    """Pairwise-exchange all-to-all of a B-byte send buffer: each rank keeps 1/n and sends
+    n-1 pieces of B/n, so (n-1)/n · B/bw + (n-1)·alpha."""
+    return reduce_scatter_time(n, num_bytes, link)
+
+
+def collective_time(collective: Collective, n: int, link: Link) -> float:
+    """Seconds one collective takes over n ranks joined by `link` (all-reduce: best of
+    ring and tree)."""
+    if collective.kind == "all_reduce":
+        return all_reduce_time(n, collective.num_bytes, link)
+    if collective.kind == "all_to_all":
+        return all_to_all_time(n, collective.num_bytes, link)
+    return reduce_scatter_time(n, collective.num_bytes, link)  # same cost as all-gather
+
+
+def group_collective_time(cluster: Cluster, ranks: Sequence[int], collective: Collective) -> float:
+    """Seconds a collective takes over global `ranks`, on the group's bottleneck link
+    (`Cluster.group_link`: inter-node as soon as the group spans nodes)."""
+    return collective_time(collective, len(set(ranks)), cluster.group_link(ranks))

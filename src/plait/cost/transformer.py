@@ -1,0 +1,211 @@
+"""Analytic per-block costs of a GPT-style transformer: FLOPs, activation bytes, parameters.
+
+FLOPs follow Narayanan et al., "Efficient Large-Scale Language Model Training on GPU
+Clusters Using Megatron-LM" (SC 2021): a layer's forward is 24·b·s·h² + 4·b·s²·h for an
+MLP of 4h (8bsh² + 4bshf in general: QKV, projection and the two MLP GEMMs, plus the
+QKᵀ and attention-times-V products); the backward costs twice the forward, of which the
+weight gradients are one forward of the weighted GEMMs and the input gradients the rest
+(the attention products have no weights). The LM head costs 2·b·s·h·V forward.
+
+Activation bytes follow Korthikanti et al., "Reducing Activation Recomputation in Large
+Transformer Models" (2022), for 16-bit training: s·b·h·(34 + 5·a·s/h) per layer without
+parallelism; s·b·h·(10 + 24/t + 5·a·s/(h·t)) with t-way tensor parallelism; s·b·h/t ·
+(34 + 5·a·s/h) with sequence parallelism too; selective recomputation drops the 5·a·s/h
+term; full recomputation keeps the layer input, 2·s·b·h (divided by t with sequence
+parallelism). Tensor parallelism follows Shoeybi et al. (Megatron-LM, 2019): two
+all-reduces of b·s·h activations per layer forward and two backward, which sequence
+parallelism turns into all-gathers and reduce-scatters of the same total cost.
+
+Limits: layer norms, softmax, dropout and GeLU count no FLOPs (their time is in the
+device's efficiency); fp32 activations are modelled as twice the 16-bit bytes (masks
+included); vocabulary padding and the flash-attention memory savings are not modelled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from plait.cluster import dtype_bytes
+from plait.cost.blocks import BlockCost, Recompute, check_recompute
+from plait.cost.comm import Collective
+
+__all__ = [
+    "TransformerShape",
+    "layer_activation_bytes",
+    "transformer_block_costs",
+]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TransformerShape:
+    """A GPT and how one micro-batch of it is split: `tp` tensor-parallel ranks, with or
+    without sequence parallelism."""
+
+    num_layers: int
+    hidden: int
+    num_heads: int
+    seq_len: int
+    vocab_size: int
+    micro_batch_size: int = 1
+    ffn_hidden: int = 0  # 0: 4 × hidden
+    dtype: str = "bf16"
+    tp: int = 1
+    sequence_parallel: bool = False
+
+    def __post_init__(self) -> None:
+        for name in (
+            "num_layers",
+            "hidden",
+            "num_heads",
+            "seq_len",
+            "vocab_size",
+            "micro_batch_size",
+            "tp",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.ffn_hidden == 0:
+            object.__setattr__(self, "ffn_hidden", 4 * self.hidden)
+        dtype_bytes(self.dtype)
+        for name in ("hidden", "num_heads", "ffn_hidden"):
+            if getattr(self, name) % self.tp:
+                raise ValueError(
+                    f"{name}={getattr(self, name)} is not divisible by tp={self.tp}; "
+                    f"choose tp dividing it"
+                )
+        if self.sequence_parallel and self.seq_len % self.tp:
+            raise ValueError(
+                f"seq_len={self.seq_len} is not divisible by tp={self.tp}, which sequence "
+                "parallelism needs; change tp or turn sequence_parallel off"
+            )
+
+    @property
+    def tokens(self) -> int:
+        """b·s: tokens in one micro-batch."""
+        return self.micro_batch_size * self.seq_len
+
+    @property
+    def width(self) -> int:
+        return dtype_bytes(self.dtype)
+
+
+def layer_activation_bytes(shape: TransformerShape, recompute: Recompute) -> float:
+    """Bytes one transformer layer keeps per micro-batch per tensor-parallel rank
+    (Korthikanti et al. 2022, Table 2), scaled by width/2 for other than 16-bit."""
+    check_recompute(recompute)
+    s, b, h, a, t = shape.seq_len, shape.micro_batch_size, shape.hidden, shape.num_heads, shape.tp
+    scale = shape.width / 2
+    sp = t if shape.sequence_parallel else 1
+    if recompute == "full":
+        return scale * 2 * s * b * h / sp
+    attention = 0.0 if recompute == "selective" else 5 * a * s / h
+    if shape.sequence_parallel:
+        return scale * s * b * h * (34 + attention) / t
+    return scale * s * b * h * (10 + 24 / t + attention / t)
+
+
+def _tp_comm(shape: TransformerShape, count: int) -> tuple[Collective, ...]:
+    """`count` all-reduces of b·s·h (or, with sequence parallelism, all-gather and
+    reduce-scatter pairs of the same tensors)."""
+    if shape.tp == 1:
+        return ()
+    size = shape.tokens * shape.hidden * shape.width
+    if not shape.sequence_parallel:
+        return tuple(Collective(kind="all_reduce", num_bytes=size) for _ in range(count))
+    pair = (
+        Collective(kind="all_gather", num_bytes=size),
+        Collective(kind="reduce_scatter", num_bytes=size),
+    )
+    return pair * count
+
+
+def _layer(shape: TransformerShape, index: int) -> BlockCost:
+    b_s, h, f, t = shape.tokens, shape.hidden, shape.ffn_hidden, shape.tp
+    weighted = (8 * b_s * h * h + 4 * b_s * h * f) / t
+    attention = 4 * b_s * shape.seq_len * h / t
+    sharded = 4 * h * h + 2 * h * f + 3 * h + f  # QKV, projection, MLP GEMMs and their biases
+    replicated = 2 * h + 4 * h  # projection and fc2 biases, two layer norms
+    boundary = b_s * h * shape.width / (t if shape.sequence_parallel else 1)
+    return BlockCost(
+        name=f"layer{index}",
+        forward_flops=weighted + attention,
+        backward_input_flops=weighted + 2 * attention,
+        backward_weight_flops=weighted,
+        activation_bytes=boundary,
+        saved_bytes=layer_activation_bytes(shape, "none"),
+        saved_bytes_selective=layer_activation_bytes(shape, "selective"),
+        selective_recompute_flops=attention,
+        saved_bytes_recompute=layer_activation_bytes(shape, "full"),
+        num_params=sharded // t + replicated,
+        forward_comm=_tp_comm(shape, 2),
+        backward_comm=_tp_comm(shape, 2),
+    )
+
+
+def _embedding(shape: TransformerShape) -> BlockCost:
+    b_s, h, t = shape.tokens, shape.hidden, shape.tp
+    sp = t if shape.sequence_parallel else 1
+    mask = b_s * h / sp  # dropout mask, one byte per element
+    return BlockCost(
+        name="embedding",
+        forward_flops=0.0,
+        backward_input_flops=0.0,
+        activation_bytes=b_s * h * shape.width / sp,
+        saved_bytes=mask + 8 * b_s,  # and the int64 token ids
+        num_params=shape.vocab_size * h // t + shape.seq_len * h,
+        forward_comm=_tp_comm(shape, 1)[-1:],  # all-reduce, or reduce-scatter with SP
+        backward_comm=_tp_comm(shape, 1)[:1] if shape.sequence_parallel else (),
+    )
+
+
+def _head(shape: TransformerShape) -> BlockCost:
+    b_s, h, v, t = shape.tokens, shape.hidden, shape.vocab_size, shape.tp
+    sp = t if shape.sequence_parallel else 1
+    logits = 2 * b_s * h * v / t
+    saved = shape.width * 2 * b_s * h / sp + 4 * b_s * v / t  # norm input + fp32 logits
+    stats = Collective(kind="all_reduce", num_bytes=3 * 4 * b_s) if t > 1 else None
+    gather = _tp_comm(shape, 1)[:1] if shape.sequence_parallel else ()
+    return BlockCost(
+        name="head",
+        forward_flops=logits,
+        backward_input_flops=logits,
+        backward_weight_flops=logits,
+        activation_bytes=4.0,  # the loss
+        saved_bytes=saved,
+        saved_bytes_recompute=saved,  # the head is not recomputed
+        num_params=v * h // t + 2 * h,
+        forward_comm=gather + ((stats,) if stats else ()),
+        backward_comm=_tp_comm(shape, 1)[-1:],  # input gradients: all-reduce or reduce-scatter
+    )
+
+
+def transformer_block_costs(
+    *,
+    num_layers: int,
+    hidden: int,
+    num_heads: int,
+    seq_len: int,
+    vocab_size: int,
+    micro_batch_size: int = 1,
+    ffn_hidden: int = 0,
+    dtype: str = "bf16",
+    tp: int = 1,
+    sequence_parallel: bool = False,
+) -> list[BlockCost]:
+    """The blocks of a GPT, per micro-batch and tensor-parallel rank: `embedding`,
+    `layer0` ... `layer{L-1}`, then `head` (final norm, LM head, loss). Each block carries
+    all three recomputation variants; the plan picks one."""
+    shape = TransformerShape(
+        num_layers=num_layers,
+        hidden=hidden,
+        num_heads=num_heads,
+        seq_len=seq_len,
+        vocab_size=vocab_size,
+        micro_batch_size=micro_batch_size,
+        ffn_hidden=ffn_hidden,
+        dtype=dtype,
+        tp=tp,
+        sequence_parallel=sequence_parallel,
+    )
+    layers = [_layer(shape, i) for i in range(num_layers)]
+    return [_embedding(shape), *layers, _head(shape)]

@@ -1,0 +1,216 @@
+"""Contiguous partition of blocks into pipeline stages that minimises the slowest stage.
+
+The problem is PipeDream's (Narayanan et al., "PipeDream: Generalized Pipeline Parallelism
+for DNN Training", SOSP 2019): cut an ordered list of layers into k contiguous stages so
+that the largest stage time, which sets the pipeline's throughput, is smallest. torchgpipe
+(Kim et al. 2020) balances the same way from profiled per-layer times ("balance by time").
+Here stage i runs on device i with its own speed (heterogeneous clusters, as HetPipe), and
+must fit its memory cap: static bytes (weights, gradients, optimizer state) plus
+`inflight[i]` micro-batches of saved activations (1F1B holds k - i on stage i).
+
+Solved exactly by dynamic programming over (stages, blocks), O(k·n²) in the worst case and
+much less in practice (a candidate stage that is already slower than the best bottleneck
+ends the scan). Limits: stage time is compute only (send time and tensor-parallel
+collectives are not in the objective), and transient memory (recomputation's working set)
+is not in the cap.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from itertools import pairwise
+from typing import TypeVar
+
+from plait.cluster import Device
+from plait.cost import BlockCost, Optimizer, Recompute, model_state_bytes
+
+__all__ = ["Partition", "partition", "partition_blocks"]
+
+_T = TypeVar("_T")
+Segment = Callable[[int, int, int], float]  # (stage, first block, end block) -> value
+
+
+@dataclass(frozen=True)
+class Partition:
+    """Stage s holds blocks boundaries[s] .. boundaries[s+1] - 1."""
+
+    boundaries: tuple[int, ...]
+    stage_times: tuple[float, ...]
+    stage_memory: tuple[float, ...]
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stage_times)
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        """Blocks per stage (torchgpipe's `balance`)."""
+        return tuple(b - a for a, b in pairwise(self.boundaries))
+
+    @property
+    def bottleneck_s(self) -> float:
+        return max(self.stage_times)
+
+    @property
+    def imbalance(self) -> float:
+        """Slowest stage over the mean stage: 1.0 is perfect balance."""
+        mean = sum(self.stage_times) / len(self.stage_times)
+        return self.bottleneck_s / mean if mean > 0 else 1.0
+
+    def split(self, items: Sequence[_T]) -> list[list[_T]]:
+        """`items` (one per block) cut into stages."""
+        return [list(items[a:b]) for a, b in pairwise(self.boundaries)]
+
+
+def _prefix(values: Sequence[float]) -> list[float]:
+    out = [0.0]
+    for v in values:
+        out.append(out[-1] + v)
+    return out
+
+
+def _minimax(n: int, k: int, cost: Segment, fits: Callable[[int, int, int], bool]) -> list[int]:
+    """Cut points minimising the largest `cost` of a stage, every stage `fits`; [] if none.
+
+    Relies on `cost` and the failure of `fits` only growing as a segment grows."""
+    inf = math.inf
+    best = [[inf] * (n + 1) for _ in range(k + 1)]
+    choice = [[-1] * (n + 1) for _ in range(k + 1)]
+    best[0][0] = 0.0
+    for i in range(1, k + 1):
+        for j in range(i, n - (k - i) + 1):
+            for start in range(j - 1, i - 2, -1):
+                if not fits(i - 1, start, j):
+                    break
+                here = cost(i - 1, start, j)
+                if here >= best[i][j]:
+                    break
+                value = max(best[i - 1][start], here)
+                if value < best[i][j]:
+                    best[i][j], choice[i][j] = value, start
+    if best[k][n] == inf:
+        return []
+    cuts = [n]
+    for i in range(k, 0, -1):
+        cuts.append(choice[i][cuts[-1]])
+    return cuts[::-1]
+
+
+def _check_inputs(name: str, values: Sequence[float] | None, size: int, what: str) -> None:
+    if values is None:
+        return
+    if len(values) != size:
+        raise ValueError(f"{name} has {len(values)} entries; give one per {what} ({size})")
+    bad = [v for v in values if not v >= 0]
+    if bad:
+        raise ValueError(f"{name} contains {bad[0]!r}; values must be >= 0")
+
+
+def partition(
+    times: Sequence[float],
+    num_stages: int,
+    *,
+    speeds: Sequence[float] | None = None,
+    static_bytes: Sequence[float] | None = None,
+    activation_bytes: Sequence[float] | None = None,
+    inflight: Sequence[int] | None = None,
+    memory_caps: Sequence[float] | None = None,
+) -> Partition:
+    """The contiguous split of blocks with `times` (seconds at speed 1) into `num_stages`
+    stages whose slowest stage, time / `speeds[i]`, is fastest, each stage within
+    `memory_caps[i]` (static bytes + `inflight[i]` × activation bytes; `inflight` defaults
+    to 1F1B's k - i). Raises ValueError when no split exists, naming the stage and excess."""
+    n, k = len(times), num_stages
+    if k < 1:
+        raise ValueError(f"num_stages={k} must be >= 1")
+    if n < k:
+        raise ValueError(
+            f"num_stages={k} but only {n} blocks: use at most {n} stages or split blocks finer"
+        )
+    _check_inputs("times", times, n, "block")
+    _check_inputs("static_bytes", static_bytes, n, "block")
+    _check_inputs("activation_bytes", activation_bytes, n, "block")
+    _check_inputs("speeds", speeds, k, "stage")
+    _check_inputs("memory_caps", memory_caps, k, "stage")
+    _check_inputs("inflight", inflight, k, "stage")
+    for name, values in (("speeds", speeds), ("memory_caps", memory_caps)):
+        if values is not None and min(values) <= 0:
+            raise ValueError(f"{name}={list(values)} must all be > 0")
+    time_sum, static_sum = _prefix(times), _prefix(static_bytes or [0.0] * n)
+    act_sum = _prefix(activation_bytes or [0.0] * n)
+    speed = list(speeds or [1.0] * k)
+    held = list(inflight or [k - i for i in range(k)])
+    caps = list(memory_caps or [math.inf] * k)
+
+    def seconds(i: int, a: int, b: int) -> float:
+        return (time_sum[b] - time_sum[a]) / speed[i]
+
+    def memory(i: int, a: int, b: int) -> float:
+        return static_sum[b] - static_sum[a] + held[i] * (act_sum[b] - act_sum[a])
+
+    cuts = _minimax(n, k, seconds, lambda i, a, b: memory(i, a, b) <= caps[i])
+    if not cuts:
+        _raise_memory(n, k, memory, caps)
+    pairs = list(pairwise(cuts))
+    return Partition(
+        boundaries=tuple(cuts),
+        stage_times=tuple(seconds(i, a, b) for i, (a, b) in enumerate(pairs)),
+        stage_memory=tuple(memory(i, a, b) for i, (a, b) in enumerate(pairs)),
+    )
+
+
+def _raise_memory(n: int, k: int, memory: Segment, caps: list[float]) -> None:
+    """Explain infeasibility with the split that needs the least memory relative to caps."""
+    cuts = _minimax(n, k, lambda i, a, b: memory(i, a, b) / caps[i], lambda i, a, b: True)
+    pairs = list(pairwise(cuts))
+    stage = max(range(k), key=lambda i: memory(i, *pairs[i]) / caps[i])
+    need = memory(stage, *pairs[stage])
+    raise ValueError(
+        f"no split of {n} blocks into {k} stages fits the memory caps: even the split that "
+        f"needs least memory puts {need:.4g} bytes on stage {stage} (blocks "
+        f"{pairs[stage][0]}..{pairs[stage][1] - 1}), whose cap is {caps[stage]:.4g}: "
+        f"{need - caps[stage]:.4g} bytes over. Use more stages, recomputation, ZeRO, or "
+        "devices with more memory"
+    )
+
+
+def partition_blocks(
+    blocks: Sequence[BlockCost],
+    devices: Sequence[Device],
+    *,
+    dtype: str = "bf16",
+    recompute: Recompute = "none",
+    inflight: Sequence[int] | None = None,
+    zero_stage: int = 0,
+    dp: int = 1,
+    optimizer: Optimizer = "adam",
+) -> Partition:
+    """Partition cost-model blocks over `devices` (stage i on devices[i]): times from
+    FLOPs (recomputation included) at each device's achievable rate, memory from model
+    state and saved activations against each device's capacity."""
+    if not devices:
+        raise ValueError("devices is empty: give one device per stage")
+    work = [
+        b.forward_flops
+        + b.backward_input_flops
+        + b.backward_weight_flops
+        + b.recompute_flops(recompute)
+        for b in blocks
+    ]
+    state = [
+        model_state_bytes(
+            b.num_params, dtype=dtype, zero_stage=zero_stage, dp=dp, optimizer=optimizer
+        ).total
+        for b in blocks
+    ]
+    return partition(
+        work,
+        len(devices),
+        speeds=[d.achievable_flops(dtype) for d in devices],
+        static_bytes=state,
+        activation_bytes=[b.saved_for(recompute) for b in blocks],
+        inflight=inflight,
+        memory_caps=[float(d.memory_bytes) for d in devices],
+    )

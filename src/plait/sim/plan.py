@@ -1,0 +1,94 @@
+"""The plan the simulator evaluates: parallel degrees, schedule, batch and memory options.
+
+`SimPlan` is plain data: the planner (plait.plan) builds one per candidate layout, the CLI
+from flags. Global ranks follow Megatron-LM's order by default, tensor-parallel ranks
+innermost (neighbours on one node), then data-parallel, then pipeline outermost.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import permutations
+
+from plait.cluster import normalize_dtype
+from plait.cost import RECOMPUTE_MODES, Optimizer, Recompute
+
+__all__ = ["RANK_ORDERS", "SimPlan"]
+
+RANK_ORDERS: tuple[str, ...] = tuple("-".join(p) for p in permutations(("tp", "dp", "pp")))
+
+
+@dataclass(frozen=True, kw_only=True)
+class SimPlan:
+    """One training layout: `dp`×`tp`×`pp` ranks, `schedule` over `num_microbatches` of
+    `micro_batch_size` samples (`seq_len` tokens each) per data-parallel rank and step."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    schedule: str = "1f1b"
+    num_microbatches: int = 1
+    micro_batch_size: int = 1
+    num_chunks: int = 1
+    recompute: Recompute = "none"
+    zero_stage: int = 0
+    dtype: str = "bf16"
+    sequence_parallel: bool = False
+    optimizer: Optimizer = "adam"
+    seq_len: int = 1
+    rank_order: str = "tp-dp-pp"  # innermost axis first
+
+    def __post_init__(self) -> None:
+        for name in (
+            "dp",
+            "tp",
+            "pp",
+            "num_microbatches",
+            "micro_batch_size",
+            "num_chunks",
+            "seq_len",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an integer >= 1")
+        if self.recompute not in RECOMPUTE_MODES:
+            raise ValueError(f"recompute={self.recompute!r} is unknown; use {RECOMPUTE_MODES}")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"zero_stage={self.zero_stage!r} must be 0, 1, 2 or 3")
+        if self.optimizer not in ("adam", "sgd"):
+            raise ValueError(f"optimizer={self.optimizer!r} is unknown; use 'adam' or 'sgd'")
+        if self.rank_order not in RANK_ORDERS:
+            raise ValueError(f"rank_order={self.rank_order!r} is unknown; use one of {RANK_ORDERS}")
+        object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
+
+    @property
+    def num_devices(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def num_stages(self) -> int:
+        """Pipeline stages, virtual ones included: pp × num_chunks."""
+        return self.pp * self.num_chunks
+
+    @property
+    def global_batch_size(self) -> int:
+        """Samples per step over all data-parallel ranks."""
+        return self.dp * self.num_microbatches * self.micro_batch_size
+
+    def global_rank(self, pp_rank: int, dp_rank: int = 0, tp_rank: int = 0) -> int:
+        """The global rank of a (pipeline, data, tensor) coordinate under `rank_order`."""
+        coordinate = {"pp": (pp_rank, self.pp), "dp": (dp_rank, self.dp), "tp": (tp_rank, self.tp)}
+        rank, stride = 0, 1
+        for axis in self.rank_order.split("-"):
+            index, size = coordinate[axis]
+            if not 0 <= index < size:
+                raise ValueError(f"{axis} index {index} is outside 0..{size - 1}")
+            rank += index * stride
+            stride *= size
+        return rank
+
+    def tp_group(self, pp_rank: int, dp_rank: int = 0) -> list[int]:
+        return [self.global_rank(pp_rank, dp_rank, t) for t in range(self.tp)]
+
+    def dp_group(self, pp_rank: int, tp_rank: int = 0) -> list[int]:
+        return [self.global_rank(pp_rank, d, tp_rank) for d in range(self.dp)]

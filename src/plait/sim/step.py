@@ -1,0 +1,103 @@
+"""Simulate one training step of a plan: every distinct data-parallel replica, then metrics.
+
+`simulate` is the entry point: a schedule (any kind, from `plait.schedule.build` or a
+hand-written one), one cost per (virtual) stage, a cluster and a `SimPlan`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from plait.cluster import Cluster
+from plait.cost import BlockCost, StageCost
+from plait.schedule import Schedule, build
+from plait.sim.plan import SimPlan
+from plait.sim.replica import ReplicaRun, signature, simulate_replica
+from plait.sim.result import MemoryOverflow, SimResult
+
+__all__ = ["build_schedule", "simulate"]
+
+
+def build_schedule(plan: SimPlan) -> Schedule:
+    """The validated, lowered schedule `plan` names (kind, pp, micro-batches, chunks)."""
+    return build(plan.schedule, plan.pp, plan.num_microbatches, plan.num_chunks)
+
+
+def _check(schedule: Schedule, num_stages: int, cluster: Cluster, plan: SimPlan) -> None:
+    if schedule.num_ranks != plan.pp:
+        raise ValueError(
+            f"the schedule has {schedule.num_ranks} pipeline ranks but plan.pp={plan.pp}: "
+            "build the schedule with num_stages=pp (see build_schedule)"
+        )
+    if num_stages != schedule.num_stages:
+        raise ValueError(
+            f"{num_stages} stage costs for a schedule of {schedule.num_stages} stages "
+            f"(pp × chunks): partition the blocks into {schedule.num_stages} stages"
+        )
+    if schedule.num_microbatches != plan.num_microbatches:
+        raise ValueError(
+            f"the schedule runs {schedule.num_microbatches} micro-batches but "
+            f"plan.num_microbatches={plan.num_microbatches}: make them agree"
+        )
+    if cluster.num_devices < plan.num_devices:
+        raise ValueError(
+            f"the plan needs dp·tp·pp = {plan.num_devices} devices but cluster "
+            f"{cluster.name!r} has {cluster.num_devices}: add nodes or shrink the plan"
+        )
+
+
+def _overflows(cluster: Cluster, plan: SimPlan, runs: list[ReplicaRun]) -> list[MemoryOverflow]:
+    found = []
+    for dp_rank, run in enumerate(runs):
+        for report in run.ranks:
+            need = report.memory.total
+            for tp_rank in range(plan.tp):
+                rank = plan.global_rank(report.pp_rank, dp_rank, tp_rank)
+                capacity = cluster.device(rank).memory_bytes
+                if need > capacity:
+                    found.append(MemoryOverflow(rank, report.pp_rank, need, float(capacity)))
+    return found
+
+
+def simulate(
+    schedule: Schedule,
+    stages: Sequence[StageCost | BlockCost],
+    cluster: Cluster,
+    plan: SimPlan,
+) -> SimResult:
+    """Predict one step of `plan` running `schedule` with `stages[s]` as the cost of
+    (virtual) stage s, on the first dp·tp·pp ranks of `cluster`.
+
+    Replicas on identical hardware are replayed once. The step ends when the slowest
+    replica's last optimizer step ends; memory is checked on every global rank.
+    """
+    stage_list = [StageCost.of(s) for s in stages]
+    _check(schedule, len(stage_list), cluster, plan)
+    cache: dict[tuple[object, ...], ReplicaRun] = {}
+    runs = []
+    for dp_rank in range(plan.dp):
+        key = signature(cluster, plan, dp_rank)
+        if key not in cache:
+            cache[key] = simulate_replica(schedule, stage_list, cluster, plan, dp_rank)
+        runs.append(cache[key])
+    worst = max(cache.values(), key=lambda run: run.step_time_s)
+    step = worst.step_time_s
+    m = plan.num_microbatches
+    model_flops = sum(st.model_flops for st in stage_list) * m * plan.tp * plan.dp
+    peak = sum(cluster.device(g).peak(plan.dtype) for g in range(plan.num_devices))
+    span = worst.pipeline_time_s
+    return SimResult(
+        plan=plan,
+        step_time_s=step,
+        pipeline_time_s=span,
+        bubble_fraction=1.0 - worst.busy_s / (plan.pp * span) if span > 0 else 0.0,
+        ranks=worst.ranks,
+        overflows=tuple(_overflows(cluster, plan, runs)),
+        model_flops=model_flops,
+        samples_per_s=plan.global_batch_size / step if step > 0 else 0.0,
+        tokens_per_s=plan.global_batch_size * plan.seq_len / step if step > 0 else 0.0,
+        mfu=model_flops / (step * peak) if step > 0 else 0.0,
+        comm_share=sum(r.comm_s for r in worst.ranks) / (plan.pp * step) if step > 0 else 0.0,
+        replay=worst.replay,
+        extra_events=worst.extra_events,
+    )
