@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ModelConfig", "PipelineConfig", "TrainConfig", "load_config"]
+__all__ = ["ModelConfig", "ParallelPlan", "TrainConfig", "load_config"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 
@@ -42,23 +42,61 @@ class ModelConfig:
             )
 
 
-@dataclass(frozen=True, kw_only=True)
-class PipelineConfig:
-    """Pipeline degree and schedule."""
+RECOMPUTE = ("none", "selective", "full")
+DTYPES = ("fp32", "bf16", "fp16")
 
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelPlan:
+    """How one model is spread over dp × tp × pp workers, and with which memory options.
+
+    `partition` gives the blocks per (virtual) stage; None splits them equally (or lets
+    the engine balance them by the profile).
+    """
+
+    dp: int = 1
+    tp: int = 1
     pp: int = 2
     schedule: str = "1f1b"
     microbatches: int = 4
     chunks: int = 1
+    zero: int = 0
+    recompute: str = "none"
+    sequence_parallel: bool = False
+    dtype: str = "fp32"
+    partition: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
-        _positive(self, "pp", "microbatches", "chunks")
+        _positive(self, "dp", "tp", "pp", "microbatches", "chunks")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule={self.schedule!r} is unknown; choose one of {SCHEDULES}")
         if self.schedule == "interleaved" and self.chunks < 2:
             raise ValueError("schedule='interleaved' needs chunks >= 2 (virtual stages per rank)")
         if self.schedule != "interleaved" and self.chunks != 1:
             raise ValueError(f"chunks={self.chunks} applies only to schedule='interleaved'")
+        if self.zero not in (0, 1, 2, 3):
+            raise ValueError(f"zero={self.zero!r} must be 0, 1, 2 or 3 (ZeRO stage)")
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"recompute={self.recompute!r} must be one of {RECOMPUTE}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} must be one of {DTYPES}")
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("sequence_parallel needs tp > 1: set tp or drop sequence_parallel")
+        if self.partition is not None:
+            object.__setattr__(self, "partition", tuple(self.partition))
+            if len(self.partition) != self.num_stages or min(self.partition) < 1:
+                raise ValueError(
+                    f"partition={list(self.partition)} must give >= 1 block to each of the "
+                    f"{self.num_stages} stages (pp × chunks)"
+                )
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.chunks
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,34 +104,47 @@ class TrainConfig:
     """One training run."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
-    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
-    nproc: int = 2
+    parallel: ParallelPlan = field(default_factory=ParallelPlan)
+    nproc: int | None = None  # default: dp × tp × pp
     max_steps: int = 300
     batch_size: int = 32
     lr: float = 3e-3
     weight_decay: float = 0.01
+    grad_clip: float | None = 1.0
     seed: int = 0
     log_every: int = 10
     sample_chars: int = 200
     run_dir: str | None = None
 
     def __post_init__(self) -> None:
+        par = self.parallel
+        if self.nproc is None:
+            object.__setattr__(self, "nproc", par.world_size)
         _positive(self, "nproc", "max_steps", "batch_size", "log_every")
-        if self.nproc != self.pipeline.pp:
+        if self.nproc != par.world_size:
             raise ValueError(
-                f"nproc={self.nproc} workers but pp={self.pipeline.pp}: set --nproc equal to --pp"
+                f"nproc={self.nproc} workers but dp × tp × pp = {par.dp} × {par.tp} × {par.pp} = "
+                f"{par.world_size}: make them equal"
             )
-        stages = self.pipeline.pp * self.pipeline.chunks
-        if stages > self.model.layers + 2:
+        blocks = self.model.layers + 2
+        if par.num_stages > blocks:
             raise ValueError(
-                f"pp × chunks = {stages} stages exceed the model's {self.model.layers + 2} blocks "
+                f"pp × chunks = {par.num_stages} stages exceed the model's {blocks} blocks "
                 f"(embedding, {self.model.layers} layers, head): use more layers or fewer stages"
             )
-        if self.batch_size % self.pipeline.microbatches:
+        if par.partition is not None and sum(par.partition) != blocks:
+            raise ValueError(f"partition={list(par.partition)} must add up to {blocks} blocks")
+        if self.batch_size % (par.dp * par.microbatches):
             raise ValueError(
-                f"batch_size={self.batch_size} is not divisible by microbatches="
-                f"{self.pipeline.microbatches}: use a multiple"
+                f"batch_size={self.batch_size} is not divisible by dp × microbatches = "
+                f"{par.dp * par.microbatches}: use a multiple"
             )
+        if self.model.heads % par.tp or self.model.hidden % par.tp:
+            raise ValueError(
+                f"tp={par.tp} must divide heads={self.model.heads} and hidden={self.model.hidden}"
+            )
+        if self.grad_clip is not None and not self.grad_clip > 0:
+            raise ValueError(f"grad_clip={self.grad_clip} must be positive, or None for no clipping")
         if not self.lr > 0:
             raise ValueError(f"lr={self.lr} must be positive")
 
@@ -101,7 +152,7 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
 
-_SECTIONS: dict[str, type[Any]] = {"model": ModelConfig, "pipeline": PipelineConfig}
+_SECTIONS: dict[str, type[Any]] = {"model": ModelConfig, "parallel": ParallelPlan}
 
 
 def _build(cls: type[Any], values: dict[str, Any], where: str) -> Any:
@@ -113,8 +164,8 @@ def _build(cls: type[Any], values: dict[str, Any], where: str) -> Any:
 
 
 def load_config(path: str | Path | None = None, **overrides: Any) -> TrainConfig:
-    """A `TrainConfig` from a TOML file (sections [model] and [pipeline], the rest top level)
-    with `overrides` applied on top; keys named `model.x` / `pipeline.x` go to sections."""
+    """A `TrainConfig` from a TOML file (sections [model] and [parallel], the rest top level)
+    with `overrides` applied on top; keys named `model.x` / `parallel.x` go to sections."""
     data: dict[str, Any] = {}
     if path is not None:
         with open(path, "rb") as f:

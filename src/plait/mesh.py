@@ -8,8 +8,57 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["WorkerEnv", "init_worker", "launched_env", "run_id", "worker_env"]
+__all__ = ["ParallelDims", "WorkerEnv", "init_worker", "launched_env", "run_id", "worker_env"]
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """The degrees of the parallel axes; `build_mesh` lays them out as a DeviceMesh.
+
+    Ranks are laid out (pp, dp, tp) with tp innermost, so that the workers of one
+    tensor-parallel group have consecutive ranks, which a launcher places on one node.
+    """
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "tp", "pp"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    def check(self, world_size: int, *, local_world_size: int | None = None) -> None:
+        """Raise ValueError unless the degrees fit `world_size` workers (and nodes)."""
+        if self.world_size != world_size:
+            raise ValueError(
+                f"dp × tp × pp = {self.dp} × {self.tp} × {self.pp} = {self.world_size} does not "
+                f"match the {world_size} workers: choose degrees whose product is {world_size}"
+            )
+        if local_world_size and local_world_size % self.tp and self.tp > 1:
+            raise ValueError(
+                f"tp={self.tp} does not divide the {local_world_size} workers of a node: tensor "
+                "parallelism must stay inside a node; use a tp that divides it"
+            )
+
+    def build_mesh(self, device_type: str) -> DeviceMesh:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self.check(dist.get_world_size(), local_world_size=_local_world_size())
+        return init_device_mesh(
+            device_type, (self.pp, self.dp, self.tp), mesh_dim_names=("pp", "dp", "tp")
+        )
+
+
+def _local_world_size() -> int | None:
+    value = os.environ.get("LOCAL_WORLD_SIZE")
+    return int(value) if value else None
 
 
 @dataclass(frozen=True)

@@ -49,4 +49,4 @@ def test_train_writes_the_run_folder_and_learns(tmp_path: Path) -> None:
 
 def test_bad_flags_fail_before_any_worker_starts(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["train", "--nproc", "2", "--pp", "3"]) == 2
-    assert "nproc=2 workers but pp=3" in capsys.readouterr().err
+    assert "nproc=2 workers but dp × tp × pp = 1 × 1 × 3 = 3" in capsys.readouterr().err

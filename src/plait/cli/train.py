@@ -19,19 +19,34 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         "arguments: 2 local CPU workers, a 2-stage 1F1B pipeline, 300 steps. Run under torchrun "
         "to span several machines (the launch then comes from torchrun, not --nproc).",
     )
-    p.add_argument("--config", help="TOML file ([model], [pipeline] sections, the rest top level)")
+    p.add_argument("--config", help="TOML file ([model], [parallel] sections, the rest top level)")
     p.add_argument("--max-steps", type=int, dest="max_steps")
     p.add_argument("--run-dir", dest="run_dir", help="output folder (default: a new runs/<time>)")
-    p.add_argument("--nproc", type=int, help="local worker processes (default 2)")
+    p.add_argument("--nproc", type=int, help="local worker processes (default dp × tp × pp)")
     p.add_argument("--batch-size", type=int, dest="batch_size")
     p.add_argument("--lr", type=float)
     p.add_argument("--seed", type=int)
-    p.add_argument("--pp", type=int, dest="pipeline.pp", help="pipeline degree")
+    p.add_argument("--dp", type=int, dest="parallel.dp", help="data-parallel degree")
+    p.add_argument("--tp", type=int, dest="parallel.tp", help="tensor-parallel degree")
+    p.add_argument("--pp", type=int, dest="parallel.pp", help="pipeline degree")
     p.add_argument(
-        "--schedule", dest="pipeline.schedule", choices=["gpipe", "1f1b", "interleaved", "zb-h1"]
+        "--schedule", dest="parallel.schedule", choices=["gpipe", "1f1b", "interleaved", "zb-h1"]
     )
-    p.add_argument("--microbatches", type=int, dest="pipeline.microbatches")
-    p.add_argument("--chunks", type=int, dest="pipeline.chunks")
+    p.add_argument("--microbatches", type=int, dest="parallel.microbatches")
+    p.add_argument("--chunks", type=int, dest="parallel.chunks", help="virtual stages per rank")
+    p.add_argument(
+        "--zero",
+        type=int,
+        dest="parallel.zero",
+        choices=[0, 1, 2, 3],
+        help="ZeRO stage of data parallelism (2 and 3 through FSDP2)",
+    )
+    p.add_argument("--recompute", dest="parallel.recompute", choices=["none", "selective", "full"])
+    p.add_argument(
+        "--sequence-parallel", action="store_const", const=True, dest="parallel.sequence_parallel"
+    )
+    p.add_argument("--dtype", dest="parallel.dtype", choices=["fp32", "bf16", "fp16"])
+    p.add_argument("--grad-clip", type=float, dest="grad_clip")
     p.add_argument("--layers", type=int, dest="model.layers")
     p.add_argument("--hidden", type=int, dest="model.hidden")
     p.add_argument("--heads", type=int, dest="model.heads")
@@ -41,20 +56,27 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
 
 
 def _resolve(args: argparse.Namespace) -> dict[str, object]:
+    """The validated config: TOML, then flags; `--nproc` alone sets the pipeline degree."""
     from plait.config import load_config
     from plait.mesh import launched_env
 
     overrides = {k: v for k, v in vars(args).items() if k not in ("config", "func", "command")}
-    nproc, pp = overrides.get("nproc"), overrides.get("pipeline.pp")
-    # one of --nproc / --pp implies the other while pipeline parallelism is the only axis
-    if nproc is not None and pp is None:
-        overrides["pipeline.pp"] = nproc
-    if pp is not None and nproc is None:
-        overrides["nproc"] = pp
+    nproc = overrides.pop("nproc", None)
     env = launched_env()
-    if env is not None and nproc is None:
-        overrides["nproc"] = overrides["pipeline.pp"] = env.world_size
-    return load_config(args.config, **overrides).to_dict()
+    if nproc is None and env is not None:
+        nproc = env.world_size
+    cfg = load_config(args.config, **overrides)
+    if nproc is not None and nproc != cfg.nproc:
+        degrees_given = any(overrides.get(f"parallel.{k}") is not None for k in ("dp", "tp", "pp"))
+        par = cfg.parallel
+        if degrees_given or nproc % (par.dp * par.tp):
+            raise ValueError(
+                f"nproc={nproc} workers but dp × tp × pp = {par.dp} × {par.tp} × {par.pp} = "
+                f"{par.world_size}: make them equal"
+            )
+        overrides["parallel.pp"] = nproc // (par.dp * par.tp)
+        cfg = load_config(args.config, **overrides)
+    return cfg.to_dict()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -64,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     from plait.train.loop import train_worker
 
     cfg = _resolve(args)  # validated here, before any worker starts
-    pipe = cfg["pipeline"]
+    pipe = cfg["parallel"]
     assert isinstance(pipe, dict)
     schedule = build(pipe["schedule"], pipe["pp"], pipe["microbatches"], pipe["chunks"])
     env = launched_env()
@@ -102,7 +124,7 @@ def _report(summary: dict[str, Any], run_dir: Path, schedule: object) -> None:
         f"plan {plan} | loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f} | "
         f"step {summary['step_time_s'] * 1e3:.1f} ms | {summary['tokens_per_s']:,.0f} tok/s | "
         f"bubble {summary['bubble_fraction']:.1%} | peak memory "
-        f"{summary['peak_memory_bytes'] / 2**20:.0f} MiB (last stage's rank)"
+        f"{summary['peak_memory_bytes'] / 2**20:.0f} MiB (largest worker)"
     )
     print(
         f"run folder: {run_dir} (config.json, schedule.json, metrics.jsonl, timeline.json, "

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 __all__ = [
     "GPT",
@@ -50,6 +52,8 @@ class GPTConfig:
 class TokenEmbedding(nn.Module):
     """Token ids [batch, seq] -> hidden states [batch, seq, hidden] (token + position)."""
 
+    replicated_under_tp = True  # small next to the layers: every tp rank computes it whole
+
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.tok = nn.Embedding(cfg.vocab_size, cfg.hidden)
@@ -73,6 +77,14 @@ class Attention(nn.Module):
         self.v = nn.Linear(cfg.hidden, cfg.hidden)
         self.proj = nn.Linear(cfg.hidden, cfg.hidden)
         self.dropout = cfg.dropout
+        # selective recomputation (Korthikanti et al. 2022): keep q, k, v, recompute the
+        # attention core in backward instead of storing its intermediates
+        self.recompute_core = False
+
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
@@ -82,9 +94,10 @@ class Attention(nn.Module):
             t.view(b, s, -1, self.head_dim).transpose(1, 2)
             for t in (self.q(x), self.k(x), self.v(x))
         )
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
-        )
+        if self.recompute_core and torch.is_grad_enabled():
+            y = checkpoint(self._core, q, k, v, use_reentrant=False)
+        else:
+            y = self._core(q, k, v)
         return self.proj(y.transpose(1, 2).reshape(b, s, -1))  # [b, s, hidden]
 
 
@@ -113,9 +126,47 @@ class TransformerBlock(nn.Module):
         x = x + self.drop(self.attn(self.ln1(x)))
         return x + self.drop(self.mlp(self.ln2(x)))
 
+    @staticmethod
+    def tp_plan(sequence_parallel: bool) -> dict[str, Any]:
+        """Megatron's sharding: q, k, v and mlp.up by columns (heads), proj and mlp.down by
+        rows. With sequence parallelism the layer norms work on sequence shards inside the
+        block; the block still takes and returns the whole sequence."""
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            PrepareModuleInput,
+            PrepareModuleInputOutput,
+            RowwiseParallel,
+            SequenceParallel,
+        )
+
+        col = {n: ColwiseParallel() for n in ("attn.q", "attn.k", "attn.v", "mlp.up")}
+        if not sequence_parallel:
+            return {**col, "attn.proj": RowwiseParallel(), "mlp.down": RowwiseParallel()}
+        gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+        return {
+            # enter as the whole sequence, work on shards, leave as the whole sequence
+            "": PrepareModuleInputOutput(
+                input_layouts=(Replicate(),),
+                desired_input_layouts=(Shard(1),),
+                use_local_input=True,
+                output_layouts=(Shard(1),),
+                desired_output_layouts=(Replicate(),),
+            ),
+            "ln1": SequenceParallel(),
+            "attn": gather,
+            **col,
+            "attn.proj": RowwiseParallel(output_layouts=Shard(1)),
+            "ln2": SequenceParallel(),
+            "mlp": gather,
+            "mlp.down": RowwiseParallel(output_layouts=Shard(1)),
+        }
+
 
 class Head(nn.Module):
     """Final layer norm and the language-model head: [b, s, hidden] -> logits [b, s, vocab]."""
+
+    replicated_under_tp = True
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()

@@ -17,8 +17,10 @@ schedule the validator accepts.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd.profiler import record_function
 
+from plait.parallel.sync import GradSync
 from plait.runtime.backward import (
     Saved,
     backward_full,
@@ -89,6 +92,8 @@ class PipelineExecutor:
         loss_fn: LossFn,
         group: dist.ProcessGroup | None = None,
         device: torch.device | str = "cpu",
+        grad_sync: GradSync | None = None,
+        forward_context: Callable[[], AbstractContextManager[Any]] | None = None,
     ) -> None:
         mine = set(schedule.stages_of(rank))
         if set(stages) != mine:
@@ -107,20 +112,32 @@ class PipelineExecutor:
         self._meta: dict[int, BoundaryMeta] = {}  # stage -> meta of its input boundary
         self._meta_key: object = None
         self._exact_split: dict[int, bool] = {}
+        self.grad_sync = grad_sync
+        self.forward_context = forward_context or contextlib.nullcontext
+        # the action after which a stage's weight gradients are complete for the step
+        self._last_weight_action = {
+            a.stage: i for i, a in enumerate(self.program) if a.op in (Op.B, Op.BW)
+        }
 
     # ------------------------------------------------------------------ public
     def step(
-        self, inputs: Sequence[Any] | None = None, targets: Sequence[Any] | None = None
+        self,
+        inputs: Sequence[Any] | None = None,
+        targets: Sequence[Any] | None = None,
+        *,
+        loss_scale: float = 1.0,
     ) -> StepResult:
         """Run one step. `inputs` (micro-batches for stage 0) are needed only on the rank of
-        stage 0, `targets` only on the rank of the last stage; elsewhere pass None."""
+        stage 0, `targets` only on the rank of the last stage; elsewhere pass None.
+        Backward runs on the loss times `loss_scale` (fp16 loss scaling); the reported
+        loss is unscaled."""
         m = self.schedule.num_microbatches
         if 0 in self.stages and (inputs is None or len(inputs) != m):
             raise ValueError(f"rank {self.rank} holds stage 0 and needs {m} input micro-batches")
         if self.last_stage in self.stages and (targets is None or len(targets) != m):
             raise ValueError(f"rank {self.rank} holds the last stage and needs {m} targets")
         self._negotiate(inputs)
-        state = _StepState(inputs, targets, time.perf_counter())
+        state = _StepState(inputs, targets, time.perf_counter(), loss_scale)
         for index, action in enumerate(self.program):
             with record_function(f"PP:{action}"):
                 self._run(state, index, action)
@@ -193,9 +210,15 @@ class PipelineExecutor:
         if a.op is Op.F:
             wait = self._forward(state, a)
         elif a.op in (Op.B, Op.BI):
+            last = self._last_weight_action.get(a.stage) == index
+            self._sync(True, a.stage, last)
             wait = self._backward(state, a)
+            self._sync(False, a.stage, last)
         elif a.op is Op.BW:
+            last = self._last_weight_action[a.stage] == index
+            self._sync(True, a.stage, last)
             backward_weight(state.saved.pop((a.stage, a.microbatch)), self.stages[a.stage])
+            self._sync(False, a.stage, last)
         elif a.op in (Op.SEND_F, Op.SEND_B):
             self._send(state, a)
         else:
@@ -204,6 +227,14 @@ class PipelineExecutor:
         state.records.append(
             ActionRecord(self.rank, index, str(a), start + wait - state.t0, end - state.t0, wait)
         )
+
+    def _sync(self, before: bool, stage: int, last: bool) -> None:
+        if self.grad_sync is None:
+            return
+        if before:
+            self.grad_sync.before_backward(stage, last=last)
+        else:
+            self.grad_sync.after_backward(stage, last=last)
 
     def _take(
         self, state: _StepState, key: tuple[Op, int, int]
@@ -230,12 +261,15 @@ class PipelineExecutor:
         ]
         if s > 0:
             value = unflatten(self._meta[s], leaves)
-        out = self.stages[s](value)
+        with self.forward_context():
+            out = self.stages[s](value)
+            if s == self.last_stage:
+                share = 1.0 / self.schedule.num_microbatches
+                loss = self.loss_fn(out, state.targets[m]).float() * share  # type: ignore[index]
         if s == self.last_stage:
-            share = 1.0 / self.schedule.num_microbatches
-            loss = self.loss_fn(out, state.targets[m]) * share  # type: ignore[index]
             state.losses.append(loss.detach())
-            state.saved[(s, m)] = Saved(leaves if s > 0 else [], [loss])
+            scaled = loss * state.loss_scale if state.loss_scale != 1.0 else loss
+            state.saved[(s, m)] = Saved(leaves if s > 0 else [], [scaled])
             return wait
         out_leaves = flatten(out)
         grad_leaves = [t for t in out_leaves if t.requires_grad]
@@ -317,6 +351,7 @@ class _StepState:
     inputs: Sequence[Any] | None
     targets: Sequence[Any] | None
     t0: float
+    loss_scale: float
     saved: dict[tuple[int, int], Saved] = field(default_factory=dict)
     local: dict[tuple[Op, int, int], Any] = field(default_factory=dict)
     outgoing: dict[tuple[Op, int, int], list[torch.Tensor]] = field(default_factory=dict)

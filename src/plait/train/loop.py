@@ -12,22 +12,23 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from plait.config import ModelConfig, PipelineConfig, TrainConfig
+from plait.blocks import equal_split, stage_modules
+from plait.config import ModelConfig, ParallelPlan, TrainConfig
 from plait.data import stdlib_corpus
 from plait.mesh import init_worker
 from plait.models import GPT, GPTConfig
 from plait.models.gpt import generate
-from plait.runtime import PipelineExecutor, StepResult, local_stages, split_microbatches
-from plait.schedule import build
+from plait.runtime import StepResult
+from plait.train.engine import Engine, StepReport, parallelize
 
 __all__ = ["config_from_dict", "train_worker"]
 
 
 def config_from_dict(data: dict[str, Any]) -> TrainConfig:
     return TrainConfig(
-        **{k: v for k, v in data.items() if k not in ("model", "pipeline")},
+        **{k: v for k, v in data.items() if k not in ("model", "parallel")},
         model=ModelConfig(**data["model"]),
-        pipeline=PipelineConfig(**data["pipeline"]),
+        parallel=ParallelPlan(**data["parallel"]),
     )
 
 
@@ -45,45 +46,42 @@ def _gpt_config(cfg: TrainConfig, vocab_size: int) -> GPTConfig:
 
 
 def train_worker(cfg_data: dict[str, Any], run_dir: str) -> dict[str, Any] | None:
-    """Train under `cfg_data` (a TrainConfig as dict); the last stage's rank writes the run
-    folder and returns the summary, other ranks return None."""
+    """Train under `cfg_data` (a TrainConfig as dict). Global rank 0 writes the run folder
+    and returns the summary; the other ranks return None."""
     cfg = config_from_dict(cfg_data)
     env, device = init_worker()
-    p = cfg.pipeline
-    schedule = build(p.schedule, p.pp, p.microbatches, p.chunks)
     corpus = stdlib_corpus()
     torch.manual_seed(cfg.seed)
     model = GPT(_gpt_config(cfg, corpus.vocab_size))
-    stages = local_stages(model, schedule, env.rank, device=device)
-    executor = PipelineExecutor(schedule, stages, rank=env.rank, loss_fn=GPT.loss, device=device)
-    params = [q for s in stages.values() for q in s.parameters()]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    is_first, is_last = 0 in stages, schedule.num_stages - 1 in stages
-    log = _Logger(Path(run_dir), cfg) if is_last else None
+    engine = parallelize(
+        model,
+        cfg.parallel,
+        lambda ps: torch.optim.AdamW(ps, lr=cfg.lr, weight_decay=cfg.weight_decay),
+        GPT.loss,
+        device=device,
+        grad_clip=cfg.grad_clip,
+    )
+    log = _Logger(Path(run_dir), cfg) if env.rank == 0 else None
     times: list[float] = []
-    result: StepResult | None = None
+    report: StepReport | None = None
     for step in range(cfg.max_steps):
-        x, y = corpus.batch(step, cfg.batch_size, cfg.model.seq_len, seed=cfg.seed)
+        batch = corpus.batch(step, cfg.batch_size, cfg.model.seq_len, seed=cfg.seed)
         t0 = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        result = executor.step(
-            split_microbatches(x.to(device), p.microbatches) if is_first else None,
-            split_microbatches(y.to(device), p.microbatches) if is_last else None,
-        )
-        opt.step()
+        report = engine.step(batch)
         times.append(time.perf_counter() - t0)
-        if log is not None and result.loss is not None:
-            log.step(step, float(result.loss), times[-1])
-    assert result is not None
-    records = _gather_records(result, env.rank, env.world_size)
-    sample = _sample(model, stages, corpus, cfg, env.rank, env.world_size)
+        if log is not None:
+            log.step(step, report, times[-1])
+    assert report is not None
+    records = _gather(_records(report.result))
+    memory = max(_gather(_peak_memory_bytes()))
+    sample = _sample(engine, model, corpus, cfg, env.rank)
     if log is None:
         return None
-    return log.finish(schedule, times, records, sample)
+    return log.finish(engine.schedule, times, records, sample, memory)
 
 
-def _gather_records(result: StepResult, rank: int, world: int) -> list[list[dict[str, Any]]]:
-    mine = [
+def _records(result: StepResult) -> list[dict[str, Any]]:
+    return [
         {
             "rank": r.rank,
             "index": r.index,
@@ -94,30 +92,37 @@ def _gather_records(result: StepResult, rank: int, world: int) -> list[list[dict
         }
         for r in result.records
     ]
-    out: list[Any] = [None] * world
-    dist.all_gather_object(out, mine)
+
+
+def _gather(value: Any) -> list[Any]:
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
     return out
 
 
-def _sample(
-    model: GPT, stages: dict[int, Any], corpus: Any, cfg: TrainConfig, rank: int, world: int
-) -> str:
-    """Gather every rank's trained blocks into one model and sample from it (small models)."""
-    states: list[Any] = [None] * world
-    mine = {s: {k: v.detach().cpu() for k, v in m.state_dict().items()} for s, m in stages.items()}
-    dist.all_gather_object(states, mine)
-    if cfg.sample_chars <= 0:
-        return ""
-    from plait.blocks import equal_split, stage_modules
+def _full_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Whole tensors of a (possibly tp- or FSDP-sharded) stage; a collective."""
+    state = {}
+    for name, t in module.state_dict().items():
+        full = t.full_tensor() if hasattr(t, "full_tensor") else t
+        state[name.replace("_checkpoint_wrapped_module.", "")] = full.detach().cpu()
+    return state
 
-    blocks = model.blocks()
-    full = stage_modules(blocks, equal_split(len(blocks), cfg.pipeline.pp * cfg.pipeline.chunks))
+
+def _sample(engine: Engine, model: GPT, corpus: Any, cfg: TrainConfig, rank: int) -> str:
+    """Gather the trained stages into one model on rank 0 and sample from it."""
+    states = _gather({s: _full_state(m) for s, m in engine.stages.items()})
+    if rank != 0 or cfg.sample_chars <= 0:
+        return ""
+    torch.manual_seed(cfg.seed)
+    full = GPT(model.cfg)
+    sizes = cfg.parallel.partition or equal_split(len(full.blocks()), cfg.parallel.num_stages)
+    stages = stage_modules(full.blocks(), sizes)
     for per_rank in states:
         for s, state in per_rank.items():
-            full[s].load_state_dict(state)
-    prompt = corpus.encode("def ")
+            stages[s].load_state_dict(state)
     g = torch.Generator().manual_seed(cfg.seed)
-    ids = generate(model.cpu(), prompt, cfg.sample_chars, generator=g)
+    ids = generate(full, corpus.encode("def "), cfg.sample_chars, generator=g)
     return str(corpus.decode(ids))
 
 
@@ -138,6 +143,7 @@ class _Logger:
         self.tokens = cfg.batch_size * cfg.model.seq_len
         self.metrics = (run_dir / "metrics.jsonl").open("w")
         self.losses: list[float] = []
+        self.skipped = 0
         self.progress = Progress(
             TextColumn("[bold]train"),
             BarColumn(),
@@ -150,13 +156,17 @@ class _Logger:
         self.task = self.progress.add_task("train", total=cfg.max_steps, loss=float("nan"), tps=0.0)
         self.progress.start()
 
-    def step(self, step: int, loss: float, seconds: float) -> None:
+    def step(self, step: int, report: StepReport, seconds: float) -> None:
+        loss = report.loss
         self.losses.append(loss)
+        self.skipped += report.skipped
         row = {
             "step": step,
             "loss": loss,
             "step_time_s": seconds,
             "tokens_per_s": self.tokens / seconds,
+            "skipped": report.skipped,
+            "grad_norm": report.grad_norm,
         }
         self.metrics.write(json.dumps(row) + "\n")
         if step % self.cfg.log_every == 0 or step == self.cfg.max_steps - 1:
@@ -164,26 +174,28 @@ class _Logger:
         self.progress.update(self.task, advance=1, loss=loss, tps=self.tokens / seconds)
 
     def finish(
-        self, schedule: Any, times: list[float], records: list[list[dict[str, Any]]], sample: str
+        self,
+        schedule: Any,
+        times: list[float],
+        records: list[list[dict[str, Any]]],
+        sample: str,
+        memory: int,
     ) -> dict[str, Any]:
         self.progress.stop()
         self.metrics.close()
         steady = times[len(times) // 5 :] or times
         step_time = statistics.median(steady)
         summary = {
-            "plan": {
-                "pp": schedule.num_ranks,
-                "schedule": schedule.kind,
-                "microbatches": schedule.num_microbatches,
-                "chunks": schedule.num_chunks,
-            },
+            "plan": {k: v for k, v in self.cfg.to_dict()["parallel"].items() if v is not None},
+            "schedule_kind": schedule.kind,
             "steps": len(times),
             "first_loss": self.losses[0],
             "final_loss": statistics.mean(self.losses[-10:]),
             "step_time_s": step_time,
             "tokens_per_s": self.tokens / step_time,
             "bubble_fraction": _measured_bubble(records),
-            "peak_memory_bytes": _peak_memory_bytes(),
+            "peak_memory_bytes": memory,
+            "skipped_steps": self.skipped,
             "sample": sample,
         }
         (self.run_dir / "timeline.json").write_text(json.dumps(records))

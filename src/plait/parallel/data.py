@@ -1,0 +1,150 @@
+"""Data-parallel gradient averaging: bucketed all-reduces overlapped with the last backward.
+
+Why not DDP: DDP reduces inside `loss.backward()` of a module it wraps, but a pipeline
+stage runs one backward per micro-batch through `torch.autograd.backward` on its outputs
+(and, with zero-bubble schedules, the weight gradients in a separate pass). The executor
+knows which backward action of a stage is the last one of the step; only during that one
+does this reducer listen: a post-accumulate-grad hook counts each parameter in, and a
+bucket (parameters in reverse registration order, about `bucket_bytes` each, as in DDP,
+Li et al. VLDB 2020) is all-reduced asynchronously the moment it is complete, while the
+backward goes on. `finish` waits for the buckets and writes the averages back.
+
+Tensor-parallel parameters (DTensor) are reduced through their local shards: data
+parallel replicas of one shard live on the dp axis, so averaging shards is averaging the
+gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["GradReducer"]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None else t
+
+
+@dataclass
+class _Bucket:
+    params: list[nn.Parameter]
+    ready: int = 0
+    flat: torch.Tensor | None = None
+    work: Any = None
+
+
+@dataclass
+class _StageBuckets:
+    buckets: list[_Bucket]
+    bucket_of: dict[int, _Bucket] = field(default_factory=dict)
+    armed: bool = False
+
+
+class GradReducer:
+    """Averages the gradients of each stage's parameters over the data-parallel `group`."""
+
+    def __init__(
+        self,
+        stage_params: dict[int, list[nn.Parameter]],
+        group: dist.ProcessGroup,
+        *,
+        bucket_bytes: int = 25 * 2**20,
+    ) -> None:
+        self.group = group
+        self.world = dist.get_world_size(group)
+        self.stages: dict[int, _StageBuckets] = {}
+        self._launched: list[_Bucket] = []
+        self._hooks = []
+        for stage, params in stage_params.items():
+            trainable = [p for p in params if p.requires_grad]
+            buckets = _make_buckets(list(reversed(trainable)), bucket_bytes)
+            state = _StageBuckets(buckets)
+            for bucket in buckets:
+                for p in bucket.params:
+                    state.bucket_of[id(p)] = bucket
+                    hook = p.register_post_accumulate_grad_hook(self._hook(state))  # type: ignore[no-untyped-call]
+                    self._hooks.append(hook)
+            self.stages[stage] = state
+
+    def _hook(self, state: _StageBuckets) -> Any:
+        def on_grad(p: torch.Tensor) -> None:
+            if not state.armed:
+                return
+            bucket = state.bucket_of[id(p)]
+            bucket.ready += 1
+            if bucket.ready == len(bucket.params):
+                self._launch(bucket)
+
+        return on_grad
+
+    def before_backward(self, stage: int, *, last: bool) -> None:
+        if last:
+            state = self.stages[stage]
+            state.armed = True
+            for bucket in state.buckets:
+                bucket.ready = 0
+
+    def after_backward(self, stage: int, *, last: bool) -> None:
+        if not last:
+            return
+        state = self.stages[stage]
+        state.armed = False
+        for bucket in state.buckets:  # parameters that got no gradient this step
+            if bucket.work is None and bucket.flat is None:
+                self._launch(bucket)
+
+    def _launch(self, bucket: _Bucket) -> None:
+        grads = []
+        for p in bucket.params:
+            g = p.grad
+            grads.append(torch.zeros_like(_local(p)) if g is None else _local(g))
+        bucket.flat = torch.cat([g.reshape(-1) for g in grads]).div_(self.world)
+        bucket.work = dist.all_reduce(bucket.flat, group=self.group, async_op=True)
+        self._launched.append(bucket)
+
+    def finish(self) -> None:
+        for bucket in self._launched:
+            bucket.work.wait()
+            assert bucket.flat is not None
+            offset = 0
+            for p in bucket.params:
+                n = _local(p).numel()
+                chunk = bucket.flat[offset : offset + n].view_as(_local(p))
+                if p.grad is None:
+                    p.grad = _wrap_like(p, chunk.clone())
+                else:
+                    _local(p.grad).copy_(chunk)
+                offset += n
+            bucket.flat, bucket.work = None, None
+        self._launched.clear()
+
+
+def _wrap_like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """A gradient for `p` from its local values (a DTensor when `p` is one)."""
+    if hasattr(p, "to_local"):
+        from torch.distributed.tensor import DTensor
+
+        assert isinstance(p, DTensor)
+        return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False)
+    return local
+
+
+def _make_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[_Bucket]:
+    buckets: list[_Bucket] = []
+    current: list[nn.Parameter] = []
+    size = 0
+    for p in params:
+        current.append(p)
+        size += _local(p).numel() * _local(p).element_size()
+        if size >= bucket_bytes:
+            buckets.append(_Bucket(current))
+            current, size = [], 0
+    if current:
+        buckets.append(_Bucket(current))
+    return buckets

@@ -1,0 +1,45 @@
+"""Tensor parallelism (Megatron-LM, Shoeybi et al. 2019) through DTensor's parallelize_module.
+
+A block declares how it is sharded with a `tp_plan(sequence_parallel: bool)` method
+returning a `parallelize_module` plan (GPT's transformer block: q, k, v and the MLP's
+first linear column-parallel, the attention output and the MLP's second linear
+row-parallel, so each block needs one all-reduce in forward and one in backward per
+sub-layer). Blocks that are cheap enough to compute whole on every tensor-parallel rank
+say so with `replicated_under_tp = True` (embeddings and the head of the reference GPT).
+Any other block with parameters is an error: plait does not guess a plan.
+
+Sequence parallelism (Korthikanti et al. 2022) shards the layer norms' activations along
+the sequence inside each block; block boundaries stay whole-sequence, so pipeline stages
+exchange the same tensors with or without it.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import parallelize_module
+
+__all__ = ["apply_tensor_parallel"]
+
+
+def apply_tensor_parallel(
+    stage: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool = False
+) -> None:
+    """Shard every block of `stage` (an object with `.blocks`) over `tp_mesh` in place."""
+    blocks = getattr(stage, "blocks", None)
+    if blocks is None:
+        raise TypeError(f"{type(stage).__name__} has no `.blocks`: pass a plait StageModule")
+    for block in blocks:
+        plan_fn = getattr(block, "tp_plan", None)
+        if plan_fn is not None:
+            parallelize_module(block, tp_mesh, plan_fn(sequence_parallel))
+        elif getattr(block, "replicated_under_tp", False) or not any(
+            p.requires_grad for p in block.parameters()
+        ):
+            continue
+        else:
+            raise ValueError(
+                f"block {type(block).__name__} has no tensor-parallel plan: give it a "
+                "`tp_plan(sequence_parallel)` method returning a parallelize_module plan, mark "
+                "it `replicated_under_tp = True` to compute it whole on every tp rank, or use tp=1"
+            )
