@@ -1,6 +1,7 @@
 """Reference models, each exposing its layers as pipeline blocks."""
 
 from plait.models.gpt import GPT, GPTConfig
+from plait.models.resnet import ResNet18
 from plait.models.skip_mlp import SkipMLP
 
-__all__ = ["GPT", "GPTConfig", "SkipMLP"]
+__all__ = ["GPT", "GPTConfig", "ResNet18", "SkipMLP"]
