@@ -4,9 +4,10 @@ The split (zero-bubble BI/BW) uses torch.distributed.pipelining's `stage_backwar
 and `stage_backward_weight`, which save the gradients at the points where the weight
 paths join the input paths so that BW computes only the weight gradients. Two cases fall
 outside what that split captures, and take the full backward in BW instead (BI then only
-produces input gradients): a stage whose inputs need no gradient (the first stage), and a
-stage with a weight whose gradient path never meets an input's (torch's split would drop
-that weight's gradient).
+produces input gradients, keeping the graph): a stage whose inputs need no gradient (the
+first stage); a stage with a weight whose gradient path never meets an input's (torch's
+split would drop that weight's gradient); and a stage sharded by FSDP, whose autograd
+graph holds the gathered copies of the weights rather than the parameters themselves.
 """
 
 from __future__ import annotations
@@ -67,7 +68,9 @@ def split_is_exact(saved: Saved, module: nn.Module) -> bool:
     covered: set[Any] = set()
     for group in get_param_groups(inputs, weights, reverse):
         covered |= group["params"]
-    return all(w in covered for w in weights if w in on_graph)
+    # a weight missing from the graph (FSDP computes with gathered copies, not with the
+    # sharded parameters) or missing from every group would lose its gradient
+    return all(w in on_graph and w in covered for w in weights)
 
 
 def backward_input(
@@ -103,7 +106,6 @@ def backward_input(
 def backward_weight(saved: Saved, module: nn.Module) -> None:
     """BW: the weight gradients of a micro-batch whose BI has run."""
     if saved.full_in_weight_pass:
-        weights = [p for p in module.parameters() if p.requires_grad]
-        torch.autograd.backward(saved.outputs, grad_tensors=saved.output_grads, inputs=weights)
+        torch.autograd.backward(saved.outputs, grad_tensors=saved.output_grads)
     elif saved.param_groups is not None:
         stage_backward_weight(module.parameters(), saved.param_groups)
