@@ -42,8 +42,12 @@ def _check(plan: ParallelPlan, steps: int = 3) -> None:
     model = _model()
     ref = copy.deepcopy(model)
     engine = parallelize(
-        model, plan, lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), GPT.loss,
-        device="cpu", grad_clip=None,
+        model,
+        plan,
+        lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+        GPT.loss,
+        device="cpu",
+        grad_clip=None,
     )
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     ref_blocks = as_blocks(ref)
@@ -54,9 +58,7 @@ def _check(plan: ParallelPlan, steps: int = 3) -> None:
         ref_loss.backward()
         report = engine.step((x, y))
         where = f"{plan} step {step} rank {dist.get_rank()}"
-        torch.testing.assert_close(
-            torch.tensor(report.loss), ref_loss.detach(), **TOL, msg=where
-        )
+        torch.testing.assert_close(torch.tensor(report.loss), ref_loss.detach(), **TOL, msg=where)
         for stage in engine.stages.values():
             for j, block in enumerate(stage.blocks):
                 theirs = list(ref_blocks[stage.first_block + j].parameters())
@@ -78,7 +80,12 @@ def _all_factorisations(rank: int, world: int) -> None:
                 continue
             for recompute in ("none", "full"):
                 plan = ParallelPlan(
-                    dp=dp, tp=tp, pp=pp, microbatches=2, zero=zero, recompute=recompute,
+                    dp=dp,
+                    tp=tp,
+                    pp=pp,
+                    microbatches=2,
+                    zero=zero,
+                    recompute=recompute,
                     schedule="1f1b",
                 )
                 _check(plan)
