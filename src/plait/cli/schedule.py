@@ -27,6 +27,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
 
 def run(args: argparse.Namespace) -> int:
     chunks = args.chunks if args.chunks is not None else (2 if args.kind == "interleaved" else 1)
+    for flag, value in (("--stages", args.stages), ("--microbatches", args.microbatches)):
+        if value < 1:
+            raise ValueError(f"{flag} {value}: use a positive count")
+    if args.kind != "interleaved" and chunks != 1:
+        raise ValueError(f"--chunks {chunks} applies only to 'interleaved': drop --chunks")
+    if args.kind == "interleaved" and chunks < 2:
+        raise ValueError(f"--chunks {chunks}: interleaved needs at least 2; or use 1f1b")
     schedule = build(args.kind, args.stages, args.microbatches, chunks)
     if args.json:
         print(schedule.to_json())

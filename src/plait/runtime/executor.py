@@ -111,6 +111,7 @@ class PipelineExecutor:
         self.last_stage = schedule.num_stages - 1
         self._meta: dict[int, BoundaryMeta] = {}  # stage -> meta of its input boundary
         self._meta_key: object = None
+        self._negotiated = False
         self._exact_split: dict[int, bool] = {}
         self.grad_sync = grad_sync
         self.forward_context = forward_context or contextlib.nullcontext
@@ -158,9 +159,11 @@ class PipelineExecutor:
         learns the input shape of micro-batch 0 from the previous stage's rank.
         """
         key = BoundaryMeta.of(inputs[0]) if inputs is not None else None
-        if self._meta and (key is None or key == self._meta_key):
+        if self._negotiated and (key is None or key == self._meta_key):
             return
-        self._meta_key = key
+        self._negotiated, self._meta_key = True, key
+        if self.schedule.num_stages == 1:  # no boundary to describe
+            return
         place = self.schedule.stage_to_rank
         local: dict[int, object] = {}
         for s in sorted(self.stages):

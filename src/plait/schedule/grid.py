@@ -21,13 +21,13 @@ def format_grid(
     at after the last column it ran.
     """
     result = result or replay(schedule)
-    columns = max(1, int(round(result.makespan)))
+    columns = max(1, round(result.makespan))
     cells = [["."] * columns for _ in range(schedule.num_ranks)]
     for rank, program in enumerate(result.events):
         for event in program:
             if event.action.op in COMM_OPS:
                 continue
-            first, last = int(round(event.start)), int(round(event.end))
+            first, last = round(event.start), round(event.end)
             label = str(event.action)
             if (rank, event.index) in mark:
                 label = f"[{label}]"

@@ -15,7 +15,11 @@ from plait.schedule.ir import COMM_OPS, Action, Op, Schedule
 
 __all__ = ["add_communication", "compute_only"]
 
-Message = tuple[Op, int, int]  # (RECV_F or RECV_B, receiving stage, micro-batch)
+# Data that crosses a stage boundary: activations flow forward, gradients backward.
+_ACTIVATIONS, _GRADIENTS = 0, 1
+_DIRECTION = {Op.F: _ACTIVATIONS, Op.B: _GRADIENTS, Op.BI: _GRADIENTS}  # who sends / consumes
+_SEND_OP = (Op.SEND_F, Op.SEND_B)
+_RECV_OP = (Op.RECV_F, Op.RECV_B)
 
 
 def compute_only(schedule: Schedule) -> Schedule:
@@ -23,68 +27,88 @@ def compute_only(schedule: Schedule) -> Schedule:
     return schedule.with_programs([[a for a in p if a.op not in COMM_OPS] for p in schedule.ranks])
 
 
-def _sends(schedule: Schedule, a: Action) -> list[Action]:
-    place, last = schedule.stage_to_rank, schedule.num_stages - 1
-    if a.op is Op.F and a.stage < last and place[a.stage + 1] != place[a.stage]:
-        return [Action(Op.SEND_F, a.stage, a.microbatch)]
-    if a.op in (Op.B, Op.BI) and a.stage > 0 and place[a.stage - 1] != place[a.stage]:
-        return [Action(Op.SEND_B, a.stage, a.microbatch)]
-    return []
+class _Links:
+    """Per stage and direction: the rank a stage sends its output to, and the rank its input
+    comes from, or -1 when that neighbour is on the same rank (or absent)."""
+
+    def __init__(self, schedule: Schedule) -> None:
+        place, last = schedule.stage_to_rank, schedule.num_stages - 1
+        stages = range(schedule.num_stages)
+        after = [place[s + 1] if s < last and place[s + 1] != place[s] else -1 for s in stages]
+        before = [place[s - 1] if s > 0 and place[s - 1] != place[s] else -1 for s in stages]
+        self.send_to = (after, before)  # [direction][stage]
+        self.recv_from = (before, after)
+        self.width = schedule.num_microbatches
+        self.num_stages = schedule.num_stages
+
+    def message(self, direction: int, stage: int, microbatch: int) -> int:
+        """The id of the message that receiving `stage` consumes: direction, stage, mb."""
+        return (direction * self.num_stages + stage) * self.width + microbatch
+
+    def receive(self, message: int) -> Action:
+        rest, microbatch = divmod(message, self.width)
+        direction, stage = divmod(rest, self.num_stages)
+        return Action(_RECV_OP[direction], stage, microbatch)
 
 
-def _needed(schedule: Schedule, a: Action) -> tuple[int, Message] | None:
-    """The (source rank, message) that compute action `a` consumes from another rank."""
-    place, last = schedule.stage_to_rank, schedule.num_stages - 1
-    if a.op is Op.F and a.stage > 0 and place[a.stage - 1] != place[a.stage]:
-        return place[a.stage - 1], (Op.RECV_F, a.stage, a.microbatch)
-    if a.op in (Op.B, Op.BI) and a.stage < last and place[a.stage + 1] != place[a.stage]:
-        return place[a.stage + 1], (Op.RECV_B, a.stage, a.microbatch)
-    return None
-
-
-def _channel_orders(schedule: Schedule) -> dict[tuple[int, int], deque[Message]]:
+def _channel_orders(schedule: Schedule, links: _Links) -> dict[tuple[int, int], deque[int]]:
     """Per (source, destination): the messages in the order the source sends them."""
-    place = schedule.stage_to_rank
-    orders: dict[tuple[int, int], deque[Message]] = defaultdict(deque)
+    orders: dict[tuple[int, int], deque[int]] = defaultdict(deque)
+    step = (1, -1)  # the receiving stage, per direction
     for rank, program in enumerate(schedule.ranks):
         for a in program:
-            for send in _sends(schedule, a):
-                if send.op is Op.SEND_F:
-                    orders[(rank, place[a.stage + 1])].append((Op.RECV_F, a.stage + 1, a.microbatch))
-                else:
-                    orders[(rank, place[a.stage - 1])].append((Op.RECV_B, a.stage - 1, a.microbatch))
+            direction = _DIRECTION.get(a.op)
+            if direction is not None:
+                dst = links.send_to[direction][a.stage]
+                if dst >= 0:
+                    receiver = a.stage + step[direction]
+                    orders[(rank, dst)].append(links.message(direction, receiver, a.microbatch))
     return orders
+
+
+def _receives(
+    rank: int, program: tuple[Action, ...], links: _Links, orders: dict[tuple[int, int], deque[int]]
+) -> list[list[Action]]:
+    """Per compute action, the receives to post for it: its own input, preceded by every
+    message that the source sends on the same channel before it (so the order matches)."""
+    posted: set[int] = set()
+    posts: list[list[Action]] = []
+    for a in program:
+        batch: list[Action] = []
+        direction = _DIRECTION.get(a.op)
+        src = -1 if direction is None else links.recv_from[direction][a.stage]
+        if src >= 0:
+            assert direction is not None
+            message = links.message(direction, a.stage, a.microbatch)
+            queue = orders[(src, rank)]
+            while message not in posted:
+                if not queue:
+                    raise ValueError(
+                        f"{a} on rank {rank} consumes data that rank {src} never produces: "
+                        "validate the compute-only schedule first"
+                    )
+                posted.add(queue[0])
+                batch.append(links.receive(queue.popleft()))
+        posts.append(batch)
+    return posts
 
 
 def add_communication(schedule: Schedule, *, prefetch: bool = True) -> Schedule:
     """Insert SEND/RECV actions into a compute-only schedule (see the module docstring)."""
     base = compute_only(schedule)
-    orders = _channel_orders(base)
+    links = _Links(base)
+    orders = _channel_orders(base, links)
     programs = []
     for rank, program in enumerate(base.ranks):
-        posted: set[Message] = set()
-        posts: list[list[Action]] = []
-        for a in program:
-            needed = _needed(base, a)
-            batch: list[Action] = []
-            if needed is not None:
-                src, message = needed
-                queue = orders[(src, rank)]
-                while message not in posted:
-                    op, stage, mb = queue.popleft()
-                    posted.add((op, stage, mb))
-                    batch.append(Action(op, stage, mb))
-            posts.append(batch)
+        posts = _receives(rank, program, links, orders)
+        if prefetch and len(posts) > 1:  # post receives one compute action ahead
+            posts = [posts[0] + posts[1], *posts[2:], []]
         out: list[Action] = []
-        for i, a in enumerate(program):
-            if prefetch:
-                if i == 0:
-                    out.extend(posts[0])
-                if i + 1 < len(program):
-                    out.extend(posts[i + 1])
-            else:
-                out.extend(posts[i])
+        for a, batch in zip(program, posts, strict=True):
+            out.extend(batch)
             out.append(a)
-            out.extend(_sends(base, a))
+            direction = _DIRECTION.get(a.op)
+            if direction is not None and links.send_to[direction][a.stage] >= 0:
+                out.append(Action(_SEND_OP[direction], a.stage, a.microbatch))
         programs.append(out)
     return base.with_programs(programs)
