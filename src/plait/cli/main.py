@@ -14,6 +14,9 @@ _SUBCOMMANDS = {
     "train": "plait.cli.train",
     "schedule": "plait.cli.schedule",
     "bench": "plait.cli.bench",
+    "profile": "plait.cli.profile",
+    "simulate": "plait.cli.simulate",
+    "plan": "plait.cli.plan",
 }
 
 

@@ -1,5 +1,23 @@
-"""Planning: partition blocks into balanced stages (the layout search builds on this)."""
+"""Planning: partition blocks into balanced stages, search layouts, explain the choice."""
 
 from plait.plan.partition import Partition, partition, partition_blocks
+from plait.plan.search import NoFeasiblePlan, PlanSearch, RankedPlan, Rejection, describe, search
+from plait.plan.space import ModelSpec, SearchSpace, candidates, degrees, gpt_spec, scaled_spec
 
-__all__ = ["Partition", "partition", "partition_blocks"]
+__all__ = [
+    "ModelSpec",
+    "NoFeasiblePlan",
+    "Partition",
+    "PlanSearch",
+    "RankedPlan",
+    "Rejection",
+    "SearchSpace",
+    "candidates",
+    "degrees",
+    "describe",
+    "gpt_spec",
+    "partition",
+    "partition_blocks",
+    "scaled_spec",
+    "search",
+]

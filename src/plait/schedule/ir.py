@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 from typing import Any
 
 __all__ = ["COMM_OPS", "COMPUTE_OPS", "Action", "Op", "Schedule"]
 
 
-class Op(str, Enum):
+class Op(StrEnum):
     """What an action does. Stage numbers are global (virtual stages for interleaving)."""
 
     F = "F"  # forward of one micro-batch through one stage
@@ -78,7 +78,10 @@ class Action:
         except ValueError:
             known = ", ".join(o.value for o in Op)
             raise ValueError(f"action op {data['op']!r} is not one of {known}") from None
-        return Action(op, int(data["stage"]), int(data["mb"]), data.get("version"))
+        version = data.get("version")
+        return Action(
+            op, int(data["stage"]), int(data["mb"]), None if version is None else int(version)
+        )
 
 
 @dataclass(frozen=True)

@@ -18,9 +18,10 @@ from plait.sim.result import MemoryOverflow, SimResult
 __all__ = ["build_schedule", "simulate"]
 
 
-def build_schedule(plan: SimPlan) -> Schedule:
-    """The validated, lowered schedule `plan` names (kind, pp, micro-batches, chunks)."""
-    return build(plan.schedule, plan.pp, plan.num_microbatches, plan.num_chunks)
+def build_schedule(plan: SimPlan, *, check: bool = True) -> Schedule:
+    """The lowered schedule `plan` names (kind, pp, micro-batches, chunks), validated
+    unless `check` is False."""
+    return build(plan.schedule, plan.pp, plan.num_microbatches, plan.num_chunks, check=check)
 
 
 def _check(schedule: Schedule, num_stages: int, cluster: Cluster, plan: SimPlan) -> None:

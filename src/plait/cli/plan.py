@@ -1,0 +1,146 @@
+"""`plait plan`: choose data, tensor and pipeline degrees, schedule, micro-batching,
+recomputation and sharding for a model on a cluster, and explain the choice."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from typing import Any
+
+__all__ = ["add_parser"]
+
+_GIB = float(1 << 30)
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from plait.cli.profile import add_model_arguments
+
+    p = sub.add_parser(
+        "plan", help="search the best parallel layout and explain it", description=__doc__
+    )
+    add_model_arguments(p)
+    a = p.add_argument
+    a("--cluster", required=True, help="preset (local-cpu, dgx-a100-80gb, dgx-h100) or TOML file")
+    a("--nodes", type=int, help="nodes of the preset (default: the preset's, or 1)")
+    a("--devices", type=int, help="plan for this many devices (default: all of the cluster)")
+    a("--global-batch", type=int, required=True, dest="global_batch", help="samples per step")
+    a("--top", type=int, default=5, help="plans to show (default 5)")
+    a("--dtype", default="bf16", help="training dtype (default bf16)")
+    a("--json", action="store_true", help="print one JSON object")
+    a("--out", help="write the best plan as JSON (for `plait train --plan`)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from plait.cli.profile import spec_from_args
+    from plait.cluster import load_cluster
+    from plait.plan import SearchSpace, describe, gpt_spec, search
+    from plait.plan.explain import explain
+    from plait.plan.io import plan_to_dict, write_plan
+
+    if args.global_batch < 1 or args.top < 1:
+        raise ValueError("--global-batch and --top must be >= 1")
+    spec = spec_from_args(args)
+    cluster = load_cluster(args.cluster, num_nodes=args.nodes)
+    model = gpt_spec(
+        num_layers=spec.num_layers,
+        hidden=spec.hidden,
+        num_heads=spec.num_heads,
+        seq_len=spec.seq_len,
+        vocab_size=spec.vocab_size,
+        ffn_hidden=spec.ffn_hidden,
+        dtype=args.dtype,
+    )
+    t0 = time.perf_counter()
+    space = (
+        None
+        if cluster.is_homogeneous
+        else SearchSpace(dtype=args.dtype, rank_orders=("tp-dp-pp", "tp-pp-dp"))
+    )
+    if cluster.is_homogeneous:
+        space = SearchSpace(dtype=args.dtype)
+    found = search(
+        model,
+        cluster,
+        global_batch=args.global_batch,
+        num_devices=args.devices,
+        space=space,
+        top_k=args.top,
+    )
+    seconds = time.perf_counter() - t0
+    model_desc = {
+        "name": "gpt",
+        "layers": spec.num_layers,
+        "hidden": spec.hidden,
+        "heads": spec.num_heads,
+        "seq_len": spec.seq_len,
+        "vocab": spec.vocab_size,
+    }
+    plans = [plan_to_dict(r, model=model_desc, cluster=cluster.name) for r in found.ranked]
+    why = explain(found)
+    if args.out:
+        write_plan(args.out, plans[0])
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "plans": plans,
+                    "best": plans[0],
+                    "explanation": why,
+                    "plan_seconds": seconds,
+                    "num_candidates": found.num_candidates,
+                    "num_simulated": found.num_simulated,
+                    "num_rejected": len(found.rejected),
+                    "cluster": cluster.name,
+                    "num_devices": args.devices or cluster.num_devices,
+                }
+            )
+        )
+        return 0
+    _table(found, describe)
+    print(f"\n{why}")
+    print(
+        f"\nsearched {found.num_candidates} layouts, simulated {found.num_simulated}, "
+        f"in {seconds:.2f} s" + (f"; best plan written to {args.out}" if args.out else "")
+    )
+    return 0
+
+
+def _table(found: Any, describe: Any) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="plans, best first")
+    for col in (
+        "#",
+        "dp×tp×pp",
+        "schedule",
+        "micro-batches",
+        "recompute",
+        "ZeRO",
+        "step s",
+        "tokens/s",
+        "MFU",
+        "bubble",
+        "comm",
+        "peak GiB/device",
+        "headroom GiB",
+    ):
+        table.add_column(col, justify="right")
+    for i, r in enumerate(found.ranked, 1):
+        p = r.plan
+        sched = p.schedule + (f"×{p.num_chunks}" if p.schedule == "interleaved" else "")
+        table.add_row(
+            str(i), f"{p.dp}×{p.tp}{'+sp' if p.sequence_parallel else ''}×{p.pp}", sched,
+            f"{p.num_microbatches}×{p.micro_batch_size}", p.recompute, str(p.zero_stage),
+            f"{r.step_time_s:.3g}", f"{r.tokens_per_s:,.0f}", f"{r.mfu:.1%}",
+            f"{r.bubble_fraction:.1%}", f"{r.comm_share:.1%}",
+            f"{max(r.peak_memory_bytes) / _GIB:.1f}",
+            f"{r.headroom_bytes / _GIB:.1f}" if math.isfinite(r.headroom_bytes) else "-",
+        )  # fmt: skip
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=200)
+    console.print(table)

@@ -1,0 +1,289 @@
+"""Closed-form estimates of a plan's step time and memory, to rank candidates before the
+simulator replays the most promising ones exactly.
+
+The step is estimated as a pipeline that is filled once and then paced by its slowest
+rank: (m - 1)·T_max + ΣT_r (Huang et al. 2019's (m + p - 1)·T for equal stages), the fill
+divided by v for interleaving and shortened by the weight-gradient passes that zero-bubble
+schedules move into it; plus the point-to-point latency of filling and draining, the
+exposed gradient reduction of the first stage and the optimizer step. Memory follows each
+schedule's in-flight micro-batches on each rank (GPipe m, 1F1B p - r, ZB-H1 p,
+interleaved Megatron's warm-up + 1 chunks). The estimates are only used to order the
+search; every reported number comes from the simulator.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from plait.cluster import Cluster, Link, dtype_bytes
+from plait.cost import (
+    BlockCost,
+    Collective,
+    CollectiveKind,
+    StageCost,
+    collective_time,
+    model_state_bytes,
+    optimizer_step_time,
+)
+from plait.sim import SimPlan
+
+__all__ = ["Estimate", "Estimator", "RankProfile", "balanced_sizes", "estimate", "inflight"]
+
+_DP_KINDS: dict[int, tuple[CollectiveKind, ...]] = {
+    0: ("all_reduce",),
+    1: ("reduce_scatter", "all_gather"),
+    2: ("reduce_scatter", "all_gather"),
+    3: ("reduce_scatter",),
+}
+
+
+@dataclass(frozen=True)
+class Estimate:
+    step_s: float
+    memory_bytes: tuple[float, ...]  # per pipeline rank
+    capacity_bytes: float
+    sizes: tuple[int, ...]  # blocks per (virtual) stage
+
+    @property
+    def excess_bytes(self) -> float:
+        return max(self.memory_bytes) - self.capacity_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.excess_bytes <= 0
+
+
+def inflight(kind: str, p: int, m: int, v: int, rank: int) -> float:
+    """Micro-batches (in whole-stage units) whose activations `rank` holds at its peak."""
+    if kind == "gpipe":
+        return float(m)
+    if kind == "zb-h1":
+        return float(min(p, m))
+    if kind == "interleaved":
+        chunks = min(m * v, (p - rank - 1) * 2 + (v - 1) * min(p, m) + 1)
+        return chunks / v
+    return float(min(p - rank, m))
+
+
+def balanced_sizes(work: Sequence[float], k: int) -> list[int]:
+    """Blocks per stage of a contiguous split whose heaviest stage is (nearly) lightest:
+    binary search on the bottleneck with greedy packing over prefix sums (fast; the exact
+    partitioner refines the plans that are simulated)."""
+    prefix = [0.0]
+    for w in work:
+        prefix.append(prefix[-1] + w)
+    lo, hi = max(work), prefix[-1]
+    for _ in range(30):
+        mid = (lo + hi) / 2
+        if _pack(prefix, k, mid) is not None:
+            hi = mid
+        else:
+            lo = mid
+    sizes = _pack(prefix, k, hi * (1 + 1e-9))
+    assert sizes is not None and len(sizes) == k
+    return sizes
+
+
+def _pack(prefix: list[float], k: int, limit: float) -> list[int] | None:
+    """Greedy stages of at most `limit` work, then the largest split until there are k
+    (splitting never raises the bottleneck); None when more than k stages are needed."""
+    n = len(prefix) - 1
+    sizes: list[int] = []
+    start = 0
+    while start < n:
+        end = bisect_right(prefix, prefix[start] + limit, start + 1) - 1
+        end = max(end, start + 1)
+        sizes.append(end - start)
+        start = end
+        if len(sizes) > k:
+            return None
+    while len(sizes) < k:
+        i = max(range(len(sizes)), key=sizes.__getitem__)
+        if sizes[i] < 2:
+            return None
+        half = sizes[i] // 2
+        sizes[i : i + 1] = [sizes[i] - half, half]
+    return sizes
+
+
+@dataclass(frozen=True)
+class RankProfile:
+    """Per pipeline rank sums of a balanced split (numpy arrays of length pp)."""
+
+    sizes: tuple[int, ...]
+    forward_s: np.ndarray
+    backward_input_s: np.ndarray
+    backward_weight_s: np.ndarray
+    params: np.ndarray
+    stage_params: np.ndarray  # per (virtual) stage
+    saved: np.ndarray
+    transient: np.ndarray
+    activation_bytes: float
+
+
+@dataclass(frozen=True)
+class _BlockArrays:
+    """Per-block seconds and bytes of one model variant under one recomputation mode."""
+
+    forward_s: np.ndarray
+    backward_input_s: np.ndarray
+    backward_weight_s: np.ndarray
+    params: np.ndarray
+    saved: np.ndarray
+    transient: np.ndarray
+    activation_bytes: np.ndarray
+
+
+class Estimator:
+    """Estimates for many plans of one model on one cluster. What plans share is computed
+    once: per-block times for each model variant, the balanced split for each stage count
+    (shared by micro-batch sizes, whose work scales every block alike), and links."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        self.cluster = cluster
+        self.device = cluster.device(0)
+        self._arrays: dict[tuple[object, ...], _BlockArrays] = {}
+        self._splits: dict[tuple[object, ...], list[int]] = {}
+        self._profiles: dict[tuple[object, ...], RankProfile] = {}
+        self._links: dict[tuple[object, ...], Link] = {}
+        self._state: dict[tuple[object, ...], float] = {}
+
+    def link(self, plan: SimPlan, axis: str) -> Link:
+        key = (axis, plan.dp, plan.tp, plan.pp, plan.rank_order)
+        if key not in self._links:
+            if axis == "tp":
+                group = plan.tp_group(0)
+            elif axis == "dp":
+                group = plan.dp_group(0)
+            else:
+                group = [plan.global_rank(0), plan.global_rank(min(1, plan.pp - 1))]
+            self._links[key] = self.cluster.group_link(group)
+        return self._links[key]
+
+    def _block_arrays(self, plan: SimPlan, blocks: Sequence[BlockCost]) -> _BlockArrays:
+        key = (id(blocks), plan.recompute, plan.dtype)
+        if key not in self._arrays:
+            rc, tp_link = plan.recompute, self.link(plan, "tp")
+            times = [
+                StageCost((b,)).times(
+                    self.device, plan.dtype, recompute=rc, tp=plan.tp, tp_link=tp_link
+                )
+                for b in blocks
+            ]
+            self._arrays[key] = _BlockArrays(
+                np.array([t.forward_s for t in times]),
+                np.array([t.backward_input_s for t in times]),
+                np.array([t.backward_weight_s for t in times]),
+                np.array([b.num_params for b in blocks], dtype=float),
+                np.array([b.saved_for(rc) for b in blocks]),
+                np.array(
+                    [0.0 if rc == "none" else b.saved_bytes - b.saved_for(rc) for b in blocks]
+                ),
+                np.array([b.activation_bytes for b in blocks]),
+            )
+        return self._arrays[key]
+
+    def profile(self, plan: SimPlan, blocks: Sequence[BlockCost]) -> RankProfile:
+        key = (id(blocks), plan.pp, plan.num_chunks, plan.recompute, plan.dtype)
+        if key not in self._profiles:
+            arrays = self._block_arrays(plan, blocks)
+            split_key = (plan.pp * plan.num_chunks, plan.recompute, plan.tp, plan.sequence_parallel)
+            if split_key not in self._splits:
+                work = arrays.forward_s + arrays.backward_input_s + arrays.backward_weight_s
+                self._splits[split_key] = balanced_sizes(work.tolist(), split_key[0])
+            self._profiles[key] = _rank_sums(arrays, self._splits[split_key], plan.pp)
+        return self._profiles[key]
+
+    def state_per_param(self, plan: SimPlan) -> float:
+        """Model-state bytes per parameter (linear in the parameter count)."""
+        key = (plan.dtype, plan.zero_stage, plan.dp, plan.optimizer)
+        if key not in self._state:
+            big = 1e9
+            self._state[key] = (
+                model_state_bytes(
+                    big,
+                    dtype=plan.dtype,
+                    zero_stage=plan.zero_stage,
+                    dp=plan.dp,
+                    optimizer=plan.optimizer,
+                ).total
+                / big
+            )
+        return self._state[key]
+
+    def estimate(self, plan: SimPlan, blocks: Sequence[BlockCost]) -> Estimate:
+        return estimate(plan, self.profile(plan, blocks), self)
+
+
+def _rank_sums(arrays: _BlockArrays, sizes: list[int], p: int) -> RankProfile:
+    starts = np.cumsum([0, *sizes[:-1]])
+    v = len(sizes) // p
+
+    def per_rank(values: np.ndarray, *, peak: bool = False) -> np.ndarray:
+        stages = (np.maximum if peak else np.add).reduceat(values, starts)
+        by_chunk = stages.reshape(v, p)
+        return by_chunk.max(axis=0) if peak else by_chunk.sum(axis=0)
+
+    stage_params = np.add.reduceat(arrays.params, starts)
+    return RankProfile(
+        tuple(sizes),
+        per_rank(arrays.forward_s),
+        per_rank(arrays.backward_input_s),
+        per_rank(arrays.backward_weight_s),
+        per_rank(arrays.params),
+        stage_params,
+        per_rank(arrays.saved),
+        per_rank(arrays.transient, peak=True),
+        float(arrays.activation_bytes[sizes[0] - 1]),
+    )
+
+
+def estimate(plan: SimPlan, profile: RankProfile, est: Estimator) -> Estimate:
+    """Estimated step time and per-rank memory of `plan` on the cluster's first device kind."""
+    p, v, m = plan.pp, plan.num_chunks, plan.num_microbatches
+    pbytes = dtype_bytes(plan.dtype)
+    work = profile.forward_s + profile.backward_input_s + profile.backward_weight_s
+    if plan.zero_stage == 3 and plan.dp > 1:  # weights gathered for forward and backward
+        link = est.link(plan, "dp")
+        per_stage = np.array(
+            [
+                collective_time(Collective(kind="all_gather", num_bytes=n * pbytes), plan.dp, link)
+                for n in profile.stage_params
+            ]
+        )
+        work = work + 2 * per_stage.reshape(v, p).sum(axis=0)
+    overlapped = m >= p  # fewer micro-batches than ranks: no chunk or W pass can fill in
+    fill = float(work.sum()) / (v if overlapped else 1)
+    if plan.schedule == "zb-h1" and overlapped:
+        fill -= float(profile.backward_weight_s.sum()) / p * (p - 1)
+    p2p = 2 * (p - 1) * v * est.link(plan, "pp").time(profile.activation_bytes) if p > 1 else 0.0
+    pipeline = (m - 1) * float(work.max()) + max(fill, 0.0) + p2p
+    dp_sync = 0.0
+    if plan.dp > 1:
+        size = float(profile.params[0]) * pbytes
+        link = est.link(plan, "dp")
+        kinds: tuple[CollectiveKind, ...] = _DP_KINDS[plan.zero_stage]
+        dp_sync = sum(
+            (collective_time(Collective(kind=k, num_bytes=size), plan.dp, link) for k in kinds),
+            0.0,
+        )
+    opt = optimizer_step_time(
+        float(profile.params.max()),
+        est.device,
+        dtype=plan.dtype,
+        zero_stage=plan.zero_stage,
+        dp=plan.dp,
+        optimizer=plan.optimizer,
+    )
+    counts = np.array([inflight(plan.schedule, p, m, v, r) for r in range(p)])
+    memory = profile.params * est.state_per_param(plan) + counts * profile.saved + profile.transient
+    return Estimate(
+        pipeline + dp_sync + opt,
+        tuple(memory.tolist()),
+        float(est.device.memory_bytes),
+        profile.sizes,
+    )

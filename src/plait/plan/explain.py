@@ -1,0 +1,80 @@
+"""Plain-words explanations of a plan search: why the winner beats the runner-up."""
+
+from __future__ import annotations
+
+from plait.plan.search import PlanSearch, RankedPlan, describe
+
+__all__ = ["explain", "time_breakdown"]
+
+_GIB = 2.0**30
+
+
+def time_breakdown(ranked: RankedPlan) -> dict[str, float]:
+    """Seconds per step on an average pipeline rank: compute, tensor-parallel collectives,
+    exposed data-parallel reduction, optimizer, and pipeline idle time (bubble)."""
+    if ranked.result is None:  # unequal devices: only the step and its bubble are known
+        return {"bubble": ranked.bubble_fraction * ranked.step_time_s}
+    ranks = ranked.result.ranks
+    n = len(ranks)
+    return {
+        "compute": sum(r.compute_s for r in ranks) / n,
+        "tensor-parallel communication": sum(r.tp_comm_s for r in ranks) / n,
+        "data-parallel gradient reduction (partly hidden)": sum(r.dp_comm_s for r in ranks) / n,
+        "optimizer step": sum(r.optimizer_s for r in ranks) / n,
+        "bubble": ranked.bubble_fraction * ranked.result.pipeline_time_s,
+    }
+
+
+def _options(a: RankedPlan, b: RankedPlan) -> list[str]:
+    """What differs between two plans, in the winner's terms."""
+    pa, pb = a.plan, b.plan
+    out = []
+    for label, x, y in (
+        ("data", pa.dp, pb.dp),
+        ("tensor", pa.tp, pb.tp),
+        ("pipeline", pa.pp, pb.pp),
+        ("micro-batch size", pa.micro_batch_size, pb.micro_batch_size),
+        ("micro-batches", pa.num_microbatches, pb.num_microbatches),
+        ("ZeRO stage", pa.zero_stage, pb.zero_stage),
+    ):
+        if x != y:
+            degree = " parallel degree" if label in ("data", "tensor", "pipeline") else ""
+            out.append(f"{label}{degree} {x} instead of {y}")
+    if (pa.schedule, pa.num_chunks) != (pb.schedule, pb.num_chunks):
+        out.append(f"schedule {describe(pa).split()[3]} instead of {describe(pb).split()[3]}")
+    if pa.recompute != pb.recompute:
+        out.append(f"recomputation {pa.recompute} instead of {pb.recompute}")
+    if pa.sequence_parallel != pb.sequence_parallel:
+        out.append("sequence parallelism " + ("on" if pa.sequence_parallel else "off"))
+    return out
+
+
+def explain(search: PlanSearch) -> str:
+    """Why the best plan beats the runner-up: what it gains, what it pays."""
+    if len(search.ranked) < 2:
+        return f"only one plan fits: {describe(search.best.plan)}"
+    a, b = search.ranked[0], search.ranked[1]
+    margin = b.step_time_s - a.step_time_s
+    lines = [
+        f"{describe(a.plan)} beats {describe(b.plan)} by {margin:.3g} s per step "
+        f"({margin / b.step_time_s:.1%}).",
+    ]
+    differs = _options(a, b)
+    if differs:
+        lines.append("It uses " + "; ".join(differs) + ".")
+    ta, tb = time_breakdown(a), time_breakdown(b)
+    gains = [(k, tb[k] - ta[k]) for k in ta if k in tb and tb[k] - ta[k] > 1e-9]
+    pays = [(k, ta[k] - tb[k]) for k in ta if k in tb and ta[k] - tb[k] > 1e-9]
+    if gains:
+        lines.append("It gains " + ", ".join(f"{v:.3g} s less {k}" for k, v in _top(gains)) + ".")
+    if pays:
+        lines.append("It pays " + ", ".join(f"{v:.3g} s more {k}" for k, v in _top(pays)) + ".")
+    lines.append(
+        f"Memory headroom: {a.headroom_bytes / _GIB:.1f} GiB on its fullest device versus "
+        f"{b.headroom_bytes / _GIB:.1f} GiB."
+    )
+    return " ".join(lines)
+
+
+def _top(items: list[tuple[str, float]]) -> list[tuple[str, float]]:
+    return sorted(items, key=lambda kv: -kv[1])[:3]

@@ -1,0 +1,127 @@
+"""Plans for clusters of unequal devices, after HetPipe (Park et al., USENIX ATC 2020).
+
+Devices are grouped into pipelines ("virtual workers"): each data-parallel replica of a
+plan is one pipeline over the devices its ranks land on. Each pipeline's stage partition
+follows its own devices' speeds and memory (the exact partitioner with per-stage speeds
+and caps), and the global batch is shared among pipelines in proportion to their
+throughput, so that fast and slow pipelines finish their share at about the same time.
+Two device orders are tried: one keeps a pipeline inside one kind of node (HetPipe's
+node-partitioned virtual workers), the other spreads each pipeline across node kinds
+(its "equal distribution").
+
+Limits: replicas synchronise once per step (bulk-synchronous data parallelism, not
+HetPipe's wave-synchronous staleness); the batch shares are whole micro-batches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from plait.cluster import Cluster
+from plait.cost import StageCost
+from plait.plan.estimate import inflight
+from plait.plan.partition import partition_blocks
+from plait.plan.space import ModelSpec
+from plait.sim import SimPlan, build_schedule
+from plait.sim.replica import ReplicaRun, simulate_replica
+
+__all__ = ["HeteroPlan", "Replica", "plan_replicas", "shares"]
+
+
+@dataclass(frozen=True)
+class Replica:
+    """One pipeline (virtual worker): its devices, stage split and share of the batch."""
+
+    dp_rank: int
+    devices: tuple[str, ...]  # device kind of each pipeline rank
+    sizes: tuple[int, ...]  # blocks per stage
+    num_microbatches: int
+    bottleneck_s: float  # slowest stage's time per micro-batch
+    run: ReplicaRun
+
+
+@dataclass(frozen=True)
+class HeteroPlan:
+    plan: SimPlan  # num_microbatches is the total over replicas
+    replicas: tuple[Replica, ...]
+
+    @property
+    def step_time_s(self) -> float:
+        return max(r.run.step_time_s for r in self.replicas)
+
+    @property
+    def fits(self) -> bool:
+        return all(
+            rank.memory.total <= rank.capacity_bytes for r in self.replicas for rank in r.run.ranks
+        )
+
+    def batch_shares(self) -> list[float]:
+        total = sum(r.num_microbatches for r in self.replicas)
+        return [r.num_microbatches / total for r in self.replicas]
+
+
+def shares(total: int, throughputs: list[float]) -> list[int]:
+    """Split `total` micro-batches in proportion to `throughputs`, at least one each
+    (largest remainders get the leftovers)."""
+    if total < len(throughputs):
+        raise ValueError(
+            f"{total} micro-batches cannot feed {len(throughputs)} pipelines: use a larger "
+            "global batch or fewer data-parallel replicas"
+        )
+    weight = sum(throughputs)
+    exact = [total * t / weight for t in throughputs]
+    counts = [max(1, int(x)) for x in exact]
+    while sum(counts) > total:
+        i = max(range(len(counts)), key=lambda j: counts[j] - exact[j])
+        counts[i] -= 1
+    order = sorted(range(len(counts)), key=lambda j: exact[j] - counts[j], reverse=True)
+    for i in order[: total - sum(counts)]:
+        counts[i] += 1
+    return counts
+
+
+def plan_replicas(plan: SimPlan, model: ModelSpec, cluster: Cluster) -> HeteroPlan:
+    """Partition each replica by its devices, share the batch by throughput, simulate.
+
+    `plan.num_microbatches` is read as the micro-batches of one replica in an equal split,
+    so the total is dp × that."""
+    blocks = model.blocks(plan.micro_batch_size, plan.tp, plan.sequence_parallel)
+    stages = plan.pp * plan.num_chunks
+    splits = []
+    for d in range(plan.dp):
+        devices = [cluster.device(plan.global_rank(s % plan.pp, d)) for s in range(stages)]
+        counts = [
+            max(
+                1,
+                round(
+                    inflight(
+                        plan.schedule, plan.pp, plan.num_microbatches, plan.num_chunks, s % plan.pp
+                    )
+                ),
+            )
+            for s in range(stages)
+        ]
+        part = partition_blocks(
+            blocks,
+            devices,
+            dtype=plan.dtype,
+            recompute=plan.recompute,
+            inflight=counts,
+            zero_stage=plan.zero_stage,
+            dp=plan.dp,
+            optimizer=plan.optimizer,
+        )
+        splits.append((devices, part))
+    total = plan.num_microbatches * plan.dp
+    counts = shares(total, [1.0 / part.bottleneck_s for _, part in splits])
+    replicas = []
+    for d, ((devices, part), m) in enumerate(zip(splits, counts, strict=True)):
+        mine = replace(plan, num_microbatches=m)
+        stage_list, start = [], 0
+        for size in part.sizes:
+            stage_list.append(StageCost(tuple(blocks[start : start + size])))
+            start += size
+        run = simulate_replica(build_schedule(mine, check=False), stage_list, cluster, mine, d)
+        kinds = tuple(dev.name for dev in devices[: plan.pp])
+        replicas.append(Replica(d, kinds, tuple(part.sizes), m, part.bottleneck_s, run))
+    return HeteroPlan(plan, tuple(replicas))

@@ -1,0 +1,85 @@
+"""A chosen plan as plain JSON, read back by `plait train --plan` and `plait simulate --plan`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from plait.plan.search import RankedPlan
+from plait.sim import SimPlan
+
+__all__ = ["PLAN_KEYS", "plan_from_dict", "plan_to_dict", "read_plan", "write_plan"]
+
+# the keys `plait.config.ParallelPlan` takes, plus the batch layout
+PLAN_KEYS = (
+    "dp", "tp", "pp", "schedule", "microbatches", "chunks", "zero", "recompute",
+    "sequence_parallel", "dtype", "partition", "micro_batch_size", "global_batch", "rank_order",
+)  # fmt: skip
+
+
+def plan_to_dict(
+    ranked: RankedPlan, *, model: dict[str, Any] | None = None, cluster: str | None = None
+) -> dict[str, Any]:
+    """The plan (layout and batch) and what the simulator predicts for it."""
+    p = ranked.plan
+    out: dict[str, Any] = {
+        "dp": p.dp, "tp": p.tp, "pp": p.pp, "schedule": p.schedule,
+        "microbatches": p.num_microbatches, "chunks": p.num_chunks, "zero": p.zero_stage,
+        "recompute": p.recompute, "sequence_parallel": p.sequence_parallel, "dtype": p.dtype,
+        "partition": list(ranked.sizes), "micro_batch_size": p.micro_batch_size,
+        "global_batch": p.global_batch_size, "rank_order": p.rank_order,
+        "predicted": {
+            "step_time_s": ranked.step_time_s, "tokens_per_s": ranked.tokens_per_s,
+            "mfu": ranked.mfu, "bubble_fraction": ranked.bubble_fraction,
+            "comm_share": ranked.comm_share, "peak_memory_bytes": list(ranked.peak_memory_bytes),
+            "headroom_bytes": ranked.headroom_bytes,
+        },
+    }  # fmt: skip
+    if ranked.hetero is not None:
+        out["pipelines"] = [
+            {"devices": list(r.devices), "partition": list(r.sizes),
+             "microbatches": r.num_microbatches}
+            for r in ranked.hetero.replicas
+        ]  # fmt: skip
+    if model is not None:
+        out["model"] = model
+    if cluster is not None:
+        out["cluster"] = cluster
+    return out
+
+
+def plan_from_dict(data: dict[str, Any]) -> SimPlan:
+    """The `SimPlan` a plan file describes (its partition stays in the dict)."""
+    missing = [k for k in ("dp", "tp", "pp", "schedule", "microbatches") if k not in data]
+    if missing:
+        raise ValueError(f"plan file lacks keys {missing}; write plans with `plait plan --out`")
+    return SimPlan(
+        dp=int(data["dp"]), tp=int(data["tp"]), pp=int(data["pp"]),
+        schedule=str(data["schedule"]), num_microbatches=int(data["microbatches"]),
+        micro_batch_size=int(data.get("micro_batch_size", 1)),
+        num_chunks=int(data.get("chunks", 1)), recompute=data.get("recompute", "none"),
+        zero_stage=int(data.get("zero", 0)), dtype=str(data.get("dtype", "bf16")),
+        sequence_parallel=bool(data.get("sequence_parallel", False)),
+        seq_len=int(data.get("model", {}).get("seq_len", 1)),
+        rank_order=str(data.get("rank_order", "tp-dp-pp")),
+    )  # fmt: skip
+
+
+def write_plan(path: str | Path, data: dict[str, Any]) -> None:
+    Path(path).write_text(json.dumps(data, indent=2) + "\n")
+
+
+def read_plan(path: str | Path) -> dict[str, Any]:
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ValueError(
+            f"plan file {path} does not exist: write one with `plait plan --out`"
+        ) from None
+    except json.JSONDecodeError as err:
+        raise ValueError(f"plan file {path} is not JSON ({err})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"plan file {path} must hold a JSON object")
+    plan_from_dict(data)  # validates
+    return data

@@ -1,0 +1,317 @@
+"""The planner's search: enumerate layouts, rank them by estimate, simulate the best exactly.
+
+Every (dp, tp, pp) factorisation that keeps tensor parallelism inside a node, every
+micro-batch size that divides the batch, every schedule (with its chunk counts), every
+recomputation mode and ZeRO stage is a candidate. When the space is small (at most
+`exact_limit` candidates) all of them are simulated; otherwise closed-form estimates
+(`plait.plan.estimate`) order them and only the most promising are partitioned exactly
+(`partition_blocks`, memory caps included) and replayed by the simulator, within a time
+budget. Alpa (Zheng et al. 2022) and Galvatron (Miao et al. 2022) search similar spaces
+with compilation passes or dynamic programming over layers; plait's layers are
+homogeneous blocks, so it searches whole-model layouts and lets the simulator judge.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from plait.cluster import Cluster
+from plait.cost import StageCost
+from plait.plan.estimate import Estimate, Estimator, inflight
+from plait.plan.hetero import HeteroPlan, plan_replicas
+from plait.plan.partition import Partition, partition_blocks
+from plait.plan.space import ModelSpec, SearchSpace, candidates
+from plait.sim import SimPlan, SimResult, build_schedule, simulate
+
+__all__ = ["NoFeasiblePlan", "PlanSearch", "RankedPlan", "Rejection", "describe", "search"]
+
+_GIB = 2.0**30
+
+
+class NoFeasiblePlan(ValueError):
+    """No plan of the space fits; the message says what is short and what would help."""
+
+
+@dataclass(frozen=True)
+class RankedPlan:
+    """A plan the simulator says fits, with its prediction. On unequal devices each
+    data-parallel replica (pipeline) has its own split and batch share (`hetero`)."""
+
+    plan: SimPlan
+    sizes: tuple[int, ...]  # blocks per (virtual) stage (of replica 0 when hetero)
+    step_time_s: float
+    bubble_fraction: float
+    comm_share: float
+    mfu: float
+    tokens_per_s: float
+    peak_memory_bytes: tuple[float, ...]  # per pipeline rank (worst replica when hetero)
+    capacity_bytes: tuple[float, ...]
+    result: SimResult | None = None
+    hetero: HeteroPlan | None = None
+
+    @property
+    def headroom_bytes(self) -> float:
+        return min(c - m for c, m in zip(self.capacity_bytes, self.peak_memory_bytes, strict=True))
+
+    @staticmethod
+    def of(plan: SimPlan, sizes: tuple[int, ...], result: SimResult) -> RankedPlan:
+        return RankedPlan(
+            plan,
+            sizes,
+            result.step_time_s,
+            result.bubble_fraction,
+            result.comm_share,
+            result.mfu,
+            result.tokens_per_s,
+            result.peak_memory_bytes,
+            tuple(r.capacity_bytes for r in result.ranks),
+            result=result,
+        )
+
+
+@dataclass(frozen=True)
+class Rejection:
+    plan: SimPlan
+    reason: str
+    excess_bytes: float = 0.0
+
+
+@dataclass(frozen=True)
+class PlanSearch:
+    ranked: tuple[RankedPlan, ...]
+    rejected: tuple[Rejection, ...]
+    num_candidates: int
+    num_simulated: int
+    plan_seconds: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def best(self) -> RankedPlan:
+        return self.ranked[0]
+
+
+def describe(plan: SimPlan) -> str:
+    sched = plan.schedule + (f"x{plan.num_chunks}" if plan.schedule == "interleaved" else "")
+    sp = "+sp" if plan.sequence_parallel else ""
+    order = "" if plan.rank_order == "tp-dp-pp" else f" order={plan.rank_order}"
+    return (
+        f"dp={plan.dp} tp={plan.tp}{sp} pp={plan.pp} {sched} m={plan.num_microbatches} "
+        f"b={plan.micro_batch_size} recompute={plan.recompute} zero={plan.zero_stage}{order}"
+    )
+
+
+def _exact(plan: SimPlan, model: ModelSpec, cluster: Cluster) -> RankedPlan | Rejection:
+    """Partition exactly under memory caps, then simulate."""
+    blocks = model.blocks(plan.micro_batch_size, plan.tp, plan.sequence_parallel)
+    stages = plan.pp * plan.num_chunks
+    devices = [cluster.device(plan.global_rank(s % plan.pp)) for s in range(stages)]
+    counts = [
+        max(
+            1,
+            round(
+                inflight(
+                    plan.schedule, plan.pp, plan.num_microbatches, plan.num_chunks, s % plan.pp
+                )
+            ),
+        )
+        for s in range(stages)
+    ]
+    try:
+        part: Partition = partition_blocks(
+            blocks,
+            devices,
+            dtype=plan.dtype,
+            recompute=plan.recompute,
+            inflight=counts,
+            zero_stage=plan.zero_stage,
+            dp=plan.dp,
+            optimizer=plan.optimizer,
+        )
+        sizes = tuple(part.sizes)
+    except ValueError as err:
+        return Rejection(plan, f"no stage split fits in memory: {err}", _excess(str(err)))
+    stage_list, start = [], 0
+    for size in sizes:
+        stage_list.append(StageCost(tuple(blocks[start : start + size])))
+        start += size
+    result = simulate(build_schedule(plan, check=False), stage_list, cluster, plan)
+    if not result.fits:
+        worst = max(result.overflows, key=lambda o: o.excess_bytes)
+        return Rejection(plan, str(worst), worst.excess_bytes)
+    return RankedPlan.of(plan, sizes, result)
+
+
+def _exact_hetero(plan: SimPlan, model: ModelSpec, cluster: Cluster) -> RankedPlan | Rejection:
+    """Unequal devices: one split and batch share per pipeline (`plait.plan.hetero`)."""
+    try:
+        het = plan_replicas(plan, model, cluster)
+    except ValueError as err:
+        return Rejection(plan, str(err), _excess(str(err)))
+    worst = max(
+        het.replicas, key=lambda r: max(x.memory.total - x.capacity_bytes for x in r.run.ranks)
+    )
+    over = max(x.memory.total - x.capacity_bytes for x in worst.run.ranks)
+    if over > 0:
+        return Rejection(plan, f"pipeline {worst.dp_rank} is {over / _GIB:.2f} GiB over", over)
+    step = het.step_time_s
+    flops = sum(
+        b.forward_flops + b.backward_input_flops + b.backward_weight_flops
+        for b in model.blocks(plan.micro_batch_size, plan.tp, plan.sequence_parallel)
+    )
+    total_flops = flops * plan.tp * plan.num_microbatches * plan.dp
+    peak = sum(cluster.device(g).peak(plan.dtype) for g in range(plan.num_devices))
+    bubble = max(1.0 - r.run.busy_s / (plan.pp * r.run.pipeline_time_s) for r in het.replicas)
+    batch = plan.global_batch_size
+    return RankedPlan(
+        plan,
+        worst.sizes,
+        step,
+        bubble,
+        0.0,
+        total_flops / (step * peak),
+        batch * plan.seq_len / step,
+        tuple(x.memory.total for x in worst.run.ranks),
+        tuple(x.capacity_bytes for x in worst.run.ranks),
+        hetero=het,
+    )
+
+
+def _with_margin(ranked: RankedPlan, margin: float) -> RankedPlan | Rejection:
+    spare = min(
+        (c - m) / c for c, m in zip(ranked.capacity_bytes, ranked.peak_memory_bytes, strict=True)
+    )
+    if spare >= margin:
+        return ranked
+    short = max(
+        m - (1 - margin) * c
+        for c, m in zip(ranked.capacity_bytes, ranked.peak_memory_bytes, strict=True)
+    )
+    return Rejection(
+        ranked.plan,
+        f"leaves {spare:.1%} of device memory free, under the {margin:.0%} margin",
+        short,
+    )
+
+
+def _excess(message: str) -> float:
+    """The bytes a partitioner error reports over (0 when it names none)."""
+    import re
+
+    found = re.search(r"([0-9.]+) GiB over", message)
+    return float(found.group(1)) * _GIB if found else 0.0
+
+
+def search(
+    model: ModelSpec,
+    cluster: Cluster,
+    *,
+    global_batch: int,
+    num_devices: int | None = None,
+    space: SearchSpace | None = None,
+    top_k: int = 5,
+    exact_limit: int = 300,
+    max_simulated: int = 32,
+    time_budget_s: float = 5.0,
+    memory_margin: float = 0.05,
+) -> PlanSearch:
+    """The best plans for training `model` on `cluster` with `global_batch` samples a step.
+
+    A plan must leave `memory_margin` of each device's memory free (allocator
+    fragmentation and buffers the model does not count)."""
+    t0 = time.perf_counter()
+    if space is None:
+        orders = ("tp-dp-pp",) if cluster.is_homogeneous else ("tp-dp-pp", "tp-pp-dp")
+        space = SearchSpace(rank_orders=orders)
+    devices = num_devices or cluster.num_devices
+    if devices > cluster.num_devices:
+        raise ValueError(
+            f"num_devices={devices} but cluster {cluster.name!r} has {cluster.num_devices}"
+        )
+    per_node = cluster.groups[0].devices_per_node
+    plans = list(
+        candidates(
+            model, space, num_devices=devices, devices_per_node=per_node, global_batch=global_batch
+        )
+    )
+    if not plans:
+        raise NoFeasiblePlan(
+            f"no layout of {devices} devices divides global_batch={global_batch} with micro-"
+            f"batch sizes {space.micro_batch_sizes}: use a batch divisible by the devices"
+        )
+    estimates = _estimates(plans, model, cluster)
+    exhaustive = len(plans) <= exact_limit
+    order = _order(estimates, exhaustive)
+    ranked: list[RankedPlan] = []
+    rejected = [
+        Rejection(p, _short(e), e.excess_bytes)
+        for e, p in estimates
+        if not exhaustive and not e.fits
+    ]
+    simulated = 0
+    for _, plan in order:
+        budget_gone = time.perf_counter() - t0 > time_budget_s and len(ranked) >= top_k
+        if not exhaustive and (simulated >= max_simulated or budget_gone):
+            break
+        outcome = (_exact if cluster.is_homogeneous else _exact_hetero)(plan, model, cluster)
+        simulated += 1
+        if isinstance(outcome, RankedPlan):
+            outcome = _with_margin(outcome, memory_margin)
+        if isinstance(outcome, RankedPlan):
+            ranked.append(outcome)
+        else:
+            rejected.append(outcome)
+    ranked.sort(key=lambda r: (r.step_time_s, max(r.peak_memory_bytes)))
+    if not ranked:
+        raise NoFeasiblePlan(_nothing_fits(rejected, model, cluster, devices))
+    return PlanSearch(
+        tuple(ranked[:top_k]), tuple(rejected), len(plans), simulated, time.perf_counter() - t0
+    )
+
+
+def _estimates(
+    plans: list[SimPlan], model: ModelSpec, cluster: Cluster
+) -> list[tuple[Estimate, SimPlan]]:
+    est = Estimator(cluster)
+    return [
+        (est.estimate(p, model.blocks(p.micro_batch_size, p.tp, p.sequence_parallel)), p)
+        for p in plans
+    ]
+
+
+def _order(
+    estimates: list[tuple[Estimate, SimPlan]], exhaustive: bool
+) -> list[tuple[Estimate, SimPlan]]:
+    pool = estimates if exhaustive else [x for x in estimates if x[0].fits]
+    return sorted(pool, key=lambda x: x[0].step_s)
+
+
+def _short(e: Estimate) -> str:
+    return (
+        f"needs about {max(e.memory_bytes) / _GIB:.1f} GiB on a device of "
+        f"{e.capacity_bytes / _GIB:.1f} GiB ({e.excess_bytes / _GIB:.1f} GiB over)"
+    )
+
+
+def _nothing_fits(
+    rejected: list[Rejection], model: ModelSpec, cluster: Cluster, devices: int
+) -> str:
+    """Which resource is short, by how much, and what would make it fit."""
+    closest = min(rejected, key=lambda r: r.excess_bytes if r.excess_bytes > 0 else float("inf"))
+    capacity = cluster.device(0).memory_bytes
+    params = sum(b.num_params for b in model.blocks(1, 1, False))
+    state = 16 * params  # mixed-precision Adam without ZeRO (Rajbhandari et al. 2020)
+    need = max(devices, -(-int(2 * state) // int(capacity)))
+    hints = []
+    if closest.plan.recompute != "full":
+        hints.append("full recomputation (--recompute full)")
+    if closest.plan.micro_batch_size > 1:
+        hints.append("a micro-batch size of 1")
+    hints.append(f"more devices (about {need} for {state / _GIB:.0f} GiB of model state)")
+    return (
+        f"no plan of {model.name} fits on {devices} devices of {capacity / _GIB:.0f} GiB: device "
+        f"memory is short; the closest plan ({describe(closest.plan)}) is "
+        f"{closest.excess_bytes / _GIB:.2f} GiB over ({closest.reason}). It would fit with "
+        + ", or ".join(hints)
+    )
