@@ -51,9 +51,11 @@ def _options(a: RankedPlan, b: RankedPlan) -> list[str]:
 
 def explain(search: PlanSearch) -> str:
     """Why the best plan beats the runner-up: what it gains, what it pays."""
-    if len(search.ranked) < 2:
-        return f"only one plan fits: {describe(search.best.plan)}"
-    a, b = search.ranked[0], search.ranked[1]
+    a = search.best
+    runner = next((r for r in search.ranked[1:] if _layout(r) != _layout(a)), None)
+    if runner is None:
+        return f"only one layout fits: {describe(a.plan)}"
+    b = runner
     margin = b.step_time_s - a.step_time_s
     lines = [
         f"{describe(a.plan)} beats {describe(b.plan)} by {margin:.3g} s per step "
@@ -73,7 +75,24 @@ def explain(search: PlanSearch) -> str:
         f"Memory headroom: {a.headroom_bytes / _GIB:.1f} GiB on its fullest device versus "
         f"{b.headroom_bytes / _GIB:.1f} GiB."
     )
+    ties = [
+        r
+        for r in search.ranked[1:]
+        if _layout(r) == _layout(a) and r.step_time_s <= a.step_time_s * 1.001
+    ]
+    if ties:
+        lines.append(
+            "Variants with the same layout run as fast but leave less memory free: "
+            + "; ".join(describe(r.plan) for r in ties)
+            + "."
+        )
     return " ".join(lines)
+
+
+def _layout(r: RankedPlan) -> tuple[object, ...]:
+    """What shapes the step: degrees, schedule and micro-batching (not memory options)."""
+    p = r.plan
+    return (p.dp, p.tp, p.pp, p.schedule, p.num_chunks, p.micro_batch_size, p.rank_order)
 
 
 def _top(items: list[tuple[str, float]]) -> list[tuple[str, float]]:
