@@ -78,7 +78,26 @@ def _check(rank: int, world: int, kind: str, chunks: int, m: int, name: str) -> 
 CASES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)]
 
 
+def _labels_under_profiler(rank: int, world: int) -> None:
+    """Each executed action is labelled `PP:<action>` for the profiler (and only then)."""
+    model, loss_fn = _skip()
+    schedule = build("1f1b", world, 2)
+    stages = local_stages(model, schedule, rank)
+    executor = PipelineExecutor(schedule, stages, rank=rank, loss_fn=loss_fn)
+    x, y = _batch("skip", 0, 4)
+    args = (
+        split_microbatches(x, 2) if 0 in stages else None,
+        split_microbatches(y, 2) if schedule.num_stages - 1 in stages else None,
+    )
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        result = executor.step(*args)
+    names = {e.name for e in prof.events()}
+    assert {f"PP:{a}" for a in schedule.ranks[rank]} <= names
+    assert [r.label for r in result.records] == [str(a) for a in schedule.ranks[rank]]
+
+
 def _all_schedules(rank: int, world: int, microbatches: tuple[int, ...]) -> None:
+    _labels_under_profiler(rank, world)
     for kind, chunks in CASES:
         for m in microbatches:
             for name in ("gpt", "skip"):

@@ -11,35 +11,25 @@ from plait.cli.main import main
 
 pytestmark = pytest.mark.dist
 
+SMALL = ["--layers", "2", "--hidden", "64", "--seq-len", "32", "--batch-size", "16",
+         "--sample-chars", "20"]  # fmt: skip
+
+
+def _rows(run_dir: Path) -> list[dict[str, object]]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
 
 def test_train_writes_the_run_folder_and_learns(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    code = main(
-        [
-            "train",
-            "--max-steps",
-            "40",
-            "--run-dir",
-            str(run_dir),
-            "--layers",
-            "2",
-            "--hidden",
-            "64",
-            "--seq-len",
-            "32",
-            "--batch-size",
-            "16",
-            "--sample-chars",
-            "20",
-        ]
-    )
+    code = main(["train", "--max-steps", "40", "--run-dir", str(run_dir), "--pp", "2", *SMALL])
     assert code == 0
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = _rows(run_dir)
     assert [r["step"] for r in rows] == list(range(40))
-    first, last = rows[0]["loss"], sum(r["loss"] for r in rows[-5:]) / 5
-    assert last < first - 0.5, (first, last)
+    first, last = rows[0]["loss"], sum(r["loss"] for r in rows[-5:]) / 5  # type: ignore[misc]
+    assert last < first - 0.5, (first, last)  # type: ignore[operator]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["plan"]["pp"] == 2 and summary["step_time_s"] > 0
+    assert summary["plan_source"] == "as given"
     assert 0.0 <= summary["bubble_fraction"] < 1.0
     timeline = json.loads((run_dir / "timeline.json").read_text())
     assert len(timeline) == 2 and {r["label"] for r in timeline[1]} >= {"1F0", "1B0"}
@@ -47,6 +37,38 @@ def test_train_writes_the_run_folder_and_learns(tmp_path: Path) -> None:
     assert json.loads((run_dir / "config.json").read_text())["max_steps"] == 40
 
 
+def test_auto_plan_profiles_plans_and_trains(tmp_path: Path) -> None:
+    run_dir = tmp_path / "auto"
+    assert main(["train", "--max-steps", "12", "--run-dir", str(run_dir), *SMALL]) == 0
+    plan = json.loads((run_dir / "plan.json").read_text())
+    assert plan["dp"] * plan["tp"] * plan["pp"] == 2
+    assert plan["global_batch"] == 16 and plan["predicted"]["step_time_s"] > 0
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["plan_source"] == "auto"
+    assert {k: summary["plan"][k] for k in ("dp", "tp", "pp")} == {
+        k: plan[k] for k in ("dp", "tp", "pp")
+    }
+    rows = _rows(run_dir)
+    assert rows[-1]["loss"] < rows[0]["loss"]  # type: ignore[operator]
+
+
+def test_plan_file_is_trained_as_written(tmp_path: Path) -> None:
+    plan = {"dp": 1, "tp": 1, "pp": 2, "schedule": "gpipe", "microbatches": 2, "chunks": 1,
+            "zero": 0, "recompute": "full", "dtype": "fp32", "partition": [1, 3],
+            "global_batch": 8}  # fmt: skip
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(plan))
+    run_dir = tmp_path / "from-file"
+    assert main(["train", "--max-steps", "3", "--run-dir", str(run_dir), "--plan", str(path),
+                 "--layers", "2", "--hidden", "32", "--seq-len", "16", "--sample-chars",
+                 "0"]) == 0  # fmt: skip
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["plan"]["schedule"] == "gpipe" and summary["plan"]["partition"] == [1, 3]
+    assert summary["plan"]["recompute"] == "full"
+
+
 def test_bad_flags_fail_before_any_worker_starts(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["train", "--nproc", "2", "--pp", "3"]) == 2
     assert "nproc=2 workers but dp × tp × pp = 1 × 1 × 3 = 3" in capsys.readouterr().err
+    assert main(["train", "--plan", "/nonexistent/plan.json"]) == 2
+    assert "does not exist" in capsys.readouterr().err

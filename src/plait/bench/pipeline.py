@@ -1,0 +1,394 @@
+"""Plait's pipeline executor timed against torch.distributed.pipelining on one model and data.
+
+Each of `--stages` workers builds two copies of one GPT (same seed), cut into the same
+stages by plait's `local_stages`: one runs under plait's `PipelineExecutor`, the other
+under torch's `PipelineStage` and the schedule of the same name (`ScheduleGPipe`,
+`Schedule1F1B`, `ScheduleInterleaved1F1B`). Both train with SGD on the same batches. After
+warm-up, steps alternate (plait first on even steps, torch first on odd ones) so that
+machine noise hits both alike; a timed step is zero_grad, pipeline step and optimizer
+step, begins after a barrier and lasts as long as its slowest rank. Plait scales each
+micro-batch's mean loss by 1/m before its backward, torch divides the gradients by m at
+the end (`scale_grads=True`): the first step's losses and gradients must agree.
+
+Limits: torch's interleaved schedule orders actions by its own rules (rounds of `stages`
+micro-batches), which may differ from plait's in detail; workers on a CPU share its
+cores, so ratios, not absolute times, carry over to other machines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+from plait.bench import _common as common
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["PipelineBenchConfig", "PipelineBenchResult", "add_arguments", "run", "run_bench"]
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+_TOL = 1e-5  # absolute and relative tolerance of "the same loss / gradient" in fp32
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineBenchConfig:
+    """What one pipeline bench runs: schedule, pipeline shape, model size and step counts."""
+
+    schedule: str = "1f1b"
+    num_stages: int = 2
+    num_microbatches: int = 8
+    num_chunks: int = 1
+    num_steps: int = 10
+    num_warmup: int = 2
+    num_layers: int = 8
+    hidden: int = 256
+    num_heads: int = 4
+    seq_len: int = 128
+    batch_size: int = 16
+    vocab_size: int = 512
+    lr: float = 1e-3
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule={self.schedule!r}: choose one of {list(SCHEDULES)}")
+        for name in ("num_stages", "num_microbatches", "num_chunks", "num_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.num_warmup < 0:
+            raise ValueError(f"num_warmup={self.num_warmup} must be >= 0")
+        if self.batch_size % self.num_microbatches:
+            raise ValueError(
+                f"batch_size={self.batch_size} is not divisible by num_microbatches="
+                f"{self.num_microbatches}: use a batch size that is a multiple of it"
+            )
+        self.gpt_config()  # validates the model size
+        num_blocks, num_virtual = self.num_layers + 2, self.num_stages * self.num_chunks
+        if num_blocks < num_virtual:
+            raise ValueError(
+                f"the GPT has {num_blocks} blocks (num_layers={self.num_layers} + embedding + "
+                f"head), fewer than stages × chunks = {num_virtual}: use num_layers >= "
+                f"{num_virtual - 2}, or fewer stages or chunks"
+            )
+        self._check_torch_limits()
+        from plait.schedule import build
+
+        build(self.schedule, self.num_stages, self.num_microbatches, self.num_chunks)
+
+    def _check_torch_limits(self) -> None:
+        """What torch.distributed.pipelining's schedules refuse, said before workers start."""
+        p, m = self.num_stages, self.num_microbatches
+        if self.schedule == "1f1b" and m < p:
+            raise ValueError(
+                f"num_microbatches={m} is smaller than stages={p}: torch's Schedule1F1B "
+                f"needs at least {p} micro-batches (or use --schedule gpipe)"
+            )
+        rounds = max(1, m // p)
+        if self.schedule == "interleaved" and m % rounds:
+            raise ValueError(
+                f"num_microbatches={m} is not a multiple of {rounds} rounds (m // stages): "
+                f"torch's ScheduleInterleaved1F1B needs that; use a multiple of stages={p}"
+            )
+
+    def gpt_config(self) -> Any:
+        from plait.models import GPTConfig
+
+        return GPTConfig(
+            vocab_size=self.vocab_size,
+            seq_len=self.seq_len,
+            num_layers=self.num_layers,
+            hidden=self.hidden,
+            num_heads=self.num_heads,
+        )
+
+
+@dataclass(frozen=True)
+class PipelineBenchResult:
+    """Per timed step, both runtimes' wall time (slowest rank) and CPU time (all ranks), in
+    seconds; the first step's losses and the largest gradient difference after it."""
+
+    config: PipelineBenchConfig
+    plait_times_s: list[float]
+    torch_times_s: list[float]
+    plait_cpu_s: list[float]
+    torch_cpu_s: list[float]
+    plait_loss: float
+    torch_loss: float
+    grad_max_diff: float
+
+    @property
+    def plait_step_s(self) -> float:
+        return common.median(self.plait_times_s)
+
+    @property
+    def torch_step_s(self) -> float:
+        return common.median(self.torch_times_s)
+
+    @property
+    def ratio(self) -> float:
+        return self.plait_step_s / self.torch_step_s
+
+    @property
+    def paired_ratio(self) -> float:
+        """Median of per-step ratios: both step i ran back to back, so slow noise cancels."""
+        pairs = zip(self.plait_times_s, self.torch_times_s, strict=True)
+        return common.median([p / t for p, t in pairs])
+
+    @property
+    def cpu_ratio(self) -> float:
+        return common.median(self.plait_cpu_s) / common.median(self.torch_cpu_s)
+
+    @property
+    def loss_match(self) -> bool:
+        return abs(self.plait_loss - self.torch_loss) <= _TOL * (1.0 + abs(self.torch_loss))
+
+    def to_dict(self) -> dict[str, Any]:
+        c = self.config
+        out = {
+            "schedule": c.schedule,
+            "stages": c.num_stages,
+            "microbatches": c.num_microbatches,
+            "chunks": c.num_chunks,
+            "steps": c.num_steps,
+            "warmup": c.num_warmup,
+            "plait_cpu_s": common.median(self.plait_cpu_s),
+            "torch_cpu_s": common.median(self.torch_cpu_s),
+            "grad_match": self.grad_max_diff <= _TOL,
+            "model": {k: v for k, v in asdict(c).items() if k in _MODEL_FIELDS},
+        }
+        out.update({k: getattr(self, k) for k in _RESULT_FIELDS})
+        return out
+
+
+_MODEL_FIELDS = ("num_layers", "hidden", "num_heads", "seq_len", "batch_size", "vocab_size",
+                 "lr", "seed")  # fmt: skip
+_RESULT_FIELDS = ("plait_step_s", "torch_step_s", "ratio", "paired_ratio", "cpu_ratio",
+                  "plait_loss", "torch_loss", "loss_match", "grad_max_diff", "plait_times_s",
+                  "torch_times_s")  # fmt: skip
+
+
+def run_bench(config: PipelineBenchConfig) -> PipelineBenchResult:
+    """Launch `config.num_stages` workers, time both runtimes in them, and summarize."""
+    from plait.train import launch
+
+    per_rank = launch(_worker, config.num_stages, config)
+    reports = [per_rank[r] for r in sorted(per_rank)]
+    last = reports[-1]  # the last stage sits on the last rank in every schedule here
+    return PipelineBenchResult(
+        config=config,
+        plait_times_s=common.across_ranks([r["plait_times_s"] for r in reports], max),
+        torch_times_s=common.across_ranks([r["torch_times_s"] for r in reports], max),
+        plait_cpu_s=common.across_ranks([r["plait_cpu_s"] for r in reports], sum),
+        torch_cpu_s=common.across_ranks([r["torch_cpu_s"] for r in reports], sum),
+        plait_loss=last["plait_loss"],
+        torch_loss=last["torch_loss"],
+        grad_max_diff=max(r["grad_max_diff"] for r in reports),
+    )
+
+
+# ------------------------------------------------------------------ in the workers
+def _worker(config: PipelineBenchConfig) -> dict[str, Any]:
+    common.single_thread()
+    import torch.distributed as dist
+
+    from plait.mesh import init_worker
+
+    env, device = init_worker(timeout_s=120.0)
+    try:
+        return _measure(config, env.rank, device)
+    finally:
+        dist.destroy_process_group()
+
+
+def _measure(config: PipelineBenchConfig, rank: int, device: torch.device) -> dict[str, Any]:
+    """Alternate plait and torch steps on the same batches; this rank's times and losses."""
+    import torch.distributed as dist
+
+    runners = {
+        "plait": _PlaitRunner(config, rank, device),
+        "torch": _TorchRunner(config, rank, device),
+    }
+    out: dict[str, Any] = {f"{n}_{k}": [] for n in runners for k in ("times_s", "cpu_s")}
+    for i in range(config.num_warmup + config.num_steps):
+        x, y = _batch(config, i, device)
+        for name in ("plait", "torch") if i % 2 == 0 else ("torch", "plait"):
+            dist.barrier()
+            t = common.timed(functools.partial(runners[name].step, x, y, device))
+            if i == 0:
+                out[f"{name}_loss"] = t.value
+            if i >= config.num_warmup:
+                out[f"{name}_times_s"].append(t.wall_s)
+                out[f"{name}_cpu_s"].append(t.cpu_s)
+        if i == 0:
+            out["grad_max_diff"] = common.max_grad_diff(
+                runners["plait"].stages.values(), runners["torch"].stages.values()
+            )
+    return out
+
+
+def _batch(
+    config: PipelineBenchConfig, step: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step `step`'s token ids and next-token targets, the same on every rank."""
+    import torch
+
+    g = torch.Generator().manual_seed(config.seed + 1000 + step)
+    ids = torch.randint(0, config.vocab_size, (config.batch_size, config.seq_len + 1), generator=g)
+    return ids[:, :-1].contiguous().to(device), ids[:, 1:].contiguous().to(device)
+
+
+class _Runner:
+    """One runtime's copy of the model on this rank: its stages and their optimizer."""
+
+    def __init__(self, config: PipelineBenchConfig, rank: int, device: torch.device) -> None:
+        import torch
+
+        from plait.models import GPT
+        from plait.runtime import local_stages
+        from plait.schedule import build
+
+        c = config
+        self.schedule = build(c.schedule, c.num_stages, c.num_microbatches, c.num_chunks)
+        torch.manual_seed(c.seed)
+        model = GPT(c.gpt_config())
+        self.stages = local_stages(model, self.schedule, rank, device=device)
+        params = [p for s in self.stages.values() for p in s.parameters()]
+        self.optimizer = torch.optim.SGD(params, lr=c.lr)
+        self.has_first = 0 in self.stages
+        self.has_last = self.schedule.num_stages - 1 in self.stages
+
+    def step(self, x: torch.Tensor, y: torch.Tensor, device: torch.device) -> float | None:
+        """zero_grad, one pipeline step, optimizer step; the batch loss on the last rank."""
+        import torch
+
+        self.optimizer.zero_grad()
+        loss = self._pipeline_step(x, y)
+        self.optimizer.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return loss
+
+    def _pipeline_step(self, x: torch.Tensor, y: torch.Tensor) -> float | None:
+        raise NotImplementedError
+
+
+class _PlaitRunner(_Runner):
+    def __init__(self, config: PipelineBenchConfig, rank: int, device: torch.device) -> None:
+        from plait.models import GPT
+        from plait.runtime import PipelineExecutor
+
+        super().__init__(config, rank, device)
+        self.executor = PipelineExecutor(
+            self.schedule, dict(self.stages), rank=rank, loss_fn=GPT.loss, device=device
+        )
+
+    def _pipeline_step(self, x: torch.Tensor, y: torch.Tensor) -> float | None:
+        from plait.runtime import split_microbatches
+
+        m = self.schedule.num_microbatches
+        result = self.executor.step(
+            split_microbatches(x, m) if self.has_first else None,
+            split_microbatches(y, m) if self.has_last else None,
+        )
+        return float(result.loss) if result.loss is not None else None
+
+
+class _TorchRunner(_Runner):
+    def __init__(self, config: PipelineBenchConfig, rank: int, device: torch.device) -> None:
+        from torch.distributed import pipelining as pp
+
+        from plait.models import GPT
+
+        super().__init__(config, rank, device)
+        n, m = self.schedule.num_stages, self.schedule.num_microbatches
+        stages: list[Any] = [
+            pp.PipelineStage(mod, s, n, device) for s, mod in sorted(self.stages.items())
+        ]
+        if config.schedule == "interleaved":
+            self.pipe: Any = pp.ScheduleInterleaved1F1B(stages, m, loss_fn=GPT.loss)
+        else:
+            kind = pp.ScheduleGPipe if config.schedule == "gpipe" else pp.Schedule1F1B
+            self.pipe = kind(stages[0], m, loss_fn=GPT.loss)
+
+    def _pipeline_step(self, x: torch.Tensor, y: torch.Tensor) -> float | None:
+        losses: list[torch.Tensor] = []
+        args = (x,) if self.has_first else ()
+        kwargs: dict[str, Any] = {"target": y, "losses": losses} if self.has_last else {}
+        self.pipe.step(*args, return_outputs=False, **kwargs)
+        if not self.has_last:
+            return None
+        return sum(float(loss.detach()) for loss in losses) / len(losses)
+
+
+# ------------------------------------------------------------------ command line
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    d = PipelineBenchConfig()
+    a = parser.add_argument
+    a("--schedule", choices=SCHEDULES, default=d.schedule, help="pipeline schedule of both")
+    a("--stages", type=int, default=d.num_stages, help="pipeline ranks (local worker processes)")
+    a("--microbatches", type=int, default=d.num_microbatches, help="micro-batches per step")
+    a("--chunks", type=int, help="virtual stages per rank (default: 2 if interleaved, else 1)")
+    a("--steps", type=int, default=d.num_steps, help="timed steps of each runtime")
+    a("--warmup", type=int, default=d.num_warmup, help="untimed steps of each runtime first")
+    a("--layers", type=int, default=d.num_layers, help="GPT transformer layers")
+    a("--hidden", type=int, default=d.hidden, help="GPT hidden size")
+    a("--heads", type=int, default=d.num_heads, help="attention heads")
+    a("--seq-len", type=int, default=d.seq_len, help="tokens per sequence")
+    a("--batch-size", type=int, default=d.batch_size, help="sequences per step (all micro-batches)")
+    a("--vocab-size", type=int, default=d.vocab_size, help="GPT vocabulary size")
+    a("--seed", type=int, default=d.seed, help="seed of the model and the data")
+    a("--json", action="store_true", help="print one JSON object instead of a table")
+
+
+def _config_from_args(args: argparse.Namespace) -> PipelineBenchConfig:
+    chunks = (
+        args.chunks if args.chunks is not None else (2 if args.schedule == "interleaved" else 1)
+    )
+    return PipelineBenchConfig(
+        schedule=args.schedule,
+        num_stages=args.stages,
+        num_microbatches=args.microbatches,
+        num_chunks=chunks,
+        num_steps=args.steps,
+        num_warmup=args.warmup,
+        num_layers=args.layers,
+        hidden=args.hidden,
+        num_heads=args.heads,
+        seq_len=args.seq_len,
+        batch_size=args.batch_size,
+        vocab_size=args.vocab_size,
+        seed=args.seed,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    result = run_bench(_config_from_args(args))
+    if args.json:
+        common.print_json(result.to_dict())
+    else:
+        _print_table(result)
+    return 0 if result.loss_match else 1
+
+
+def _print_table(result: PipelineBenchResult) -> None:
+    c = result.config
+    rows = [
+        [name, common.median(times), min(times), max(times), common.median(cpu), f"{loss:.6f}"]
+        for name, times, cpu, loss in (
+            ("plait", result.plait_times_s, result.plait_cpu_s, result.plait_loss),
+            ("torch", result.torch_times_s, result.torch_cpu_s, result.torch_loss),
+        )
+    ]
+    common.print_table(
+        f"{c.schedule}: {c.num_stages} stages × {c.num_chunks} chunks, "
+        f"{c.num_microbatches} micro-batches, {c.num_steps} timed steps",
+        ["runtime", "median step (s)", "min (s)", "max (s)", "CPU, all ranks (s)", "loss"],
+        rows,
+        footer=f"ratio plait / torch: {result.ratio:.3f} (step by step {result.paired_ratio:.3f}, "
+        f"CPU time {result.cpu_ratio:.3f}); first-step "
+        f"losses {'match' if result.loss_match else 'DIFFER'}, gradients differ by at most "
+        f"{result.grad_max_diff:.1e}",
+    )
