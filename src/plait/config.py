@@ -111,6 +111,9 @@ class TrainConfig:
     lr: float = 3e-3
     weight_decay: float = 0.01
     grad_clip: float | None = 1.0
+    # "auto": profile and plan on the workers; a path: a plan file (`plait plan --out`);
+    # None: train under `parallel` as given
+    plan: str | None = None
     seed: int = 0
     log_every: int = 10
     sample_chars: int = 200
@@ -144,7 +147,9 @@ class TrainConfig:
                 f"tp={par.tp} must divide heads={self.model.heads} and hidden={self.model.hidden}"
             )
         if self.grad_clip is not None and not self.grad_clip > 0:
-            raise ValueError(f"grad_clip={self.grad_clip} must be positive, or None for no clipping")
+            raise ValueError(
+                f"grad_clip={self.grad_clip} must be positive, or None for no clipping"
+            )
         if not self.lr > 0:
             raise ValueError(f"lr={self.lr} must be positive")
 

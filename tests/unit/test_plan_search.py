@@ -121,9 +121,10 @@ def test_planner_pick_equals_brute_force(gib: float) -> None:
     # the few that are simulated
     found = search(MODEL, cluster, global_batch=16, space=SPACE, exact_limit=0, max_simulated=12)
     best = _brute_force(cluster, 16)
-    assert found.best.step_time_s == pytest.approx(best, rel=1e-9), describe(found.best.plan)
+    # equally fast plans (within 0.1%) are ordered by simplicity, so compare at that grain
+    assert found.best.step_time_s == pytest.approx(best, rel=2e-3), describe(found.best.plan)
     exhaustive = search(MODEL, cluster, global_batch=16, space=SPACE, exact_limit=10**6)
-    assert exhaustive.best.step_time_s == pytest.approx(best, rel=1e-9)
+    assert exhaustive.best.step_time_s == pytest.approx(best, rel=2e-3)
 
 
 def test_explanation_names_gains_and_costs() -> None:

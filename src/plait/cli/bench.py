@@ -10,6 +10,9 @@ __all__ = ["add_parser"]
 # benchmark name -> module under plait.bench defining `add_arguments(parser)` and `run(args)`
 _BENCHES = {
     "pipeline": "plait.bench.pipeline",
+    "dp": "plait.bench.dp",
+    "sim-accuracy": "plait.bench.sim_accuracy",
+    "planner": "plait.bench.planner",
 }
 
 

@@ -47,6 +47,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     )
     p.add_argument("--dtype", dest="parallel.dtype", choices=["fp32", "bf16", "fp16"])
     p.add_argument("--grad-clip", type=float, dest="grad_clip")
+    p.add_argument(
+        "--plan",
+        help="'auto' (default when no layout is given): profile, plan and train; or a plan "
+        "file from `plait plan --out`",
+    )
     p.add_argument("--layers", type=int, dest="model.layers")
     p.add_argument("--hidden", type=int, dest="model.hidden")
     p.add_argument("--heads", type=int, dest="model.heads")
@@ -55,8 +60,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.set_defaults(func=run)
 
 
+_LAYOUT_FLAGS = ("dp", "tp", "pp", "schedule", "microbatches", "chunks", "zero", "recompute",
+                 "sequence_parallel")  # fmt: skip
+
+
 def _resolve(args: argparse.Namespace) -> dict[str, object]:
-    """The validated config: TOML, then flags; `--nproc` alone sets the pipeline degree."""
+    """The validated config: TOML, then flags. With no layout given anywhere, the layout is
+    planned on the workers (`--plan auto`); `--plan FILE` reads one; `--nproc` alone
+    sets the pipeline degree."""
+    import tomllib
+
     from plait.config import load_config
     from plait.mesh import launched_env
 
@@ -65,11 +78,23 @@ def _resolve(args: argparse.Namespace) -> dict[str, object]:
     env = launched_env()
     if nproc is None and env is not None:
         nproc = env.world_size
+    plan = overrides.pop("plan", None)
+    from_file = tomllib.loads(Path(args.config).read_text()) if args.config else {}
+    layout_given = "parallel" in from_file or any(
+        overrides.get(f"parallel.{k}") is not None for k in _LAYOUT_FLAGS
+    )
+    plan = plan or from_file.get("plan") or (None if layout_given else "auto")
+    if plan not in (None, "auto"):
+        overrides.update(_from_plan_file(str(plan), overrides))
+    overrides["plan"] = plan
     cfg = load_config(args.config, **overrides)
     if nproc is not None and nproc != cfg.nproc:
-        degrees_given = any(overrides.get(f"parallel.{k}") is not None for k in ("dp", "tp", "pp"))
         par = cfg.parallel
-        if degrees_given or nproc % (par.dp * par.tp):
+        if (
+            (layout_given and plan is None)
+            or plan not in (None, "auto")
+            or nproc % (par.dp * par.tp)
+        ):
             raise ValueError(
                 f"nproc={nproc} workers but dp × tp × pp = {par.dp} × {par.tp} × {par.pp} = "
                 f"{par.world_size}: make them equal"
@@ -79,16 +104,25 @@ def _resolve(args: argparse.Namespace) -> dict[str, object]:
     return cfg.to_dict()
 
 
+def _from_plan_file(path: str, overrides: dict[str, object]) -> dict[str, object]:
+    """Config overrides that train under a plan file (its layout and its global batch)."""
+    from plait.plan.io import read_plan
+    from plait.train.autoplan import parallel_plan_from
+
+    data = read_plan(path)
+    layout = parallel_plan_from(data)
+    out: dict[str, object] = {f"parallel.{k}": v for k, v in vars(layout).items()}
+    if overrides.get("batch_size") is None:
+        out["batch_size"] = int(data.get("global_batch", 0)) or None
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     from plait.mesh import launched_env, run_id
-    from plait.schedule import build
     from plait.train import launch
     from plait.train.loop import train_worker
 
     cfg = _resolve(args)  # validated here, before any worker starts
-    pipe = cfg["parallel"]
-    assert isinstance(pipe, dict)
-    schedule = build(pipe["schedule"], pipe["pp"], pipe["microbatches"], pipe["chunks"])
     env = launched_env()
     # every worker of a torchrun launch must agree on the folder: name it after the launch
     default = run_id() if env is not None else None
@@ -99,34 +133,36 @@ def run(args: argparse.Namespace) -> int:
     cfg["run_dir"] = str(run_dir)
     if env is None or env.rank == 0:
         (run_dir / "config.json").write_text(json.dumps(cfg, indent=2))
-        (run_dir / "schedule.json").write_text(schedule.to_json())
     if env is not None:  # inside torchrun: this process is one worker
         summary = train_worker(cfg, str(run_dir))
         if summary is not None:
-            _report(summary, run_dir, schedule)
+            _report(summary, run_dir)
         return 0
-    print(f"plait train: {cfg['nproc']} workers, run folder {run_dir}")
+    how = "planning the layout first" if cfg["plan"] == "auto" else "layout as given"
+    print(f"plait train: {cfg['nproc']} workers ({how}), run folder {run_dir}")
     results = launch(train_worker, int(str(cfg["nproc"])), cfg, str(run_dir))
     summary = next(s for s in results.values() if s is not None)
-    _report(summary, run_dir, schedule)
+    _report(summary, run_dir)
     return 0
 
 
-def _report(summary: dict[str, Any], run_dir: Path, schedule: object) -> None:
+def _report(summary: dict[str, Any], run_dir: Path) -> None:
     from plait.schedule import Schedule, compute_only, format_grid
 
-    assert isinstance(schedule, Schedule)
-    print("\nschedule each step ran (unit costs; rows are ranks):")
+    schedule = Schedule.from_dict(summary["schedule"])
+    print("\nschedule each step ran (unit costs; rows are pipeline ranks):")
     print(format_grid(compute_only(schedule)))
     print(f"\nsample:\n{summary['sample']}\n")
     plan = summary["plan"]
+    layout = ", ".join(f"{k}={v}" for k, v in plan.items() if k != "partition")
     print(
-        f"plan {plan} | loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f} | "
+        f"plan ({summary['plan_source']}): {layout}\n"
+        f"loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f} | "
         f"step {summary['step_time_s'] * 1e3:.1f} ms | {summary['tokens_per_s']:,.0f} tok/s | "
         f"bubble {summary['bubble_fraction']:.1%} | peak memory "
         f"{summary['peak_memory_bytes'] / 2**20:.0f} MiB (largest worker)"
     )
     print(
-        f"run folder: {run_dir} (config.json, schedule.json, metrics.jsonl, timeline.json, "
-        "summary.json)"
+        f"run folder: {run_dir} (config.json, plan.json, schedule.json, metrics.jsonl, "
+        "timeline.json, summary.json)"
     )

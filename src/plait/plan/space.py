@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import product
 
-from plait.cost import BlockCost, transformer_block_costs
+from plait.cost import BlockCost, Collective, transformer_block_costs
 from plait.sim import SimPlan
 
 __all__ = ["ModelSpec", "SearchSpace", "candidates", "degrees", "gpt_spec", "scaled_spec"]
@@ -70,39 +70,79 @@ def gpt_spec(
 
 
 def scaled_spec(
-    name: str, blocks: Sequence[BlockCost], *, micro_batch_size: int, seq_len: int, num_heads: int
+    name: str,
+    measured: Mapping[int, Sequence[BlockCost]],
+    *,
+    seq_len: int,
+    num_heads: int,
+    tp_blocks: Collection[int] = (),
 ) -> ModelSpec:
-    """A model known from blocks measured at one micro-batch size (and tp = 1): costs and
-    activation bytes scale linearly with the micro-batch size; tensor parallelism divides
-    the work of blocks and their parameters evenly (an approximation: measured blocks do
-    not say which of their parts shard)."""
-    base = tuple(blocks)
+    """A model known from its blocks measured at one or more micro-batch sizes (tp = 1).
+
+    Each cost is taken as linear in the micro-batch size through the measured points,
+    a + c·b, so that the fixed cost of a call (which dominates small micro-batches on a
+    CPU) is kept; with one point it is proportional. Blocks in `tp_blocks` shard under
+    tensor parallelism as a Megatron layer does: work, parameters and saved activations
+    divide by tp, and each pass adds two all-reduces of the block's output; the others
+    are computed whole on every tensor-parallel rank."""
+    points = sorted(measured.items())
+    if not points:
+        raise ValueError("no measured blocks: profile the model at >= 1 micro-batch size")
+    if len({len(blocks) for _, blocks in points}) != 1:
+        raise ValueError("the measured profiles disagree on the number of blocks")
+    sharded = frozenset(tp_blocks)
 
     def costs(b: int, tp: int, sp: bool) -> list[BlockCost]:
         del sp
-        factor = b / micro_batch_size
-        return [_scale(block, factor, tp) for block in base]
+        return [
+            _at([(size, blocks[i]) for size, blocks in points], b, tp if i in sharded else 1)
+            for i in range(len(points[0][1]))
+        ]
 
     return ModelSpec(
-        name=name, num_blocks=len(base), seq_len=seq_len, num_heads=num_heads, costs=costs
+        name=name,
+        num_blocks=len(points[0][1]),
+        seq_len=seq_len,
+        num_heads=num_heads,
+        costs=costs,
     )
 
 
-def _scale(block: BlockCost, factor: float, tp: int) -> BlockCost:
-    def opt(value: float | None, by: float) -> float | None:
-        return None if value is None else value * by
+_LINEAR = (
+    "forward_flops", "backward_input_flops", "backward_weight_flops", "activation_bytes",
+    "saved_bytes",
+)  # fmt: skip
 
+
+def _at(points: list[tuple[int, BlockCost]], b: int, tp: int) -> BlockCost:
+    """A block, measured at the sizes of `points`, at micro-batch size `b` on one of `tp`
+    ranks."""
+    (b1, c1), (b2, c2) = points[0], points[-1]
+
+    def value(field_name: str) -> float:
+        v1, v2 = getattr(c1, field_name), getattr(c2, field_name)
+        if b2 == b1:
+            return float(v1) * b / b1
+        slope = (v2 - v1) / (b2 - b1)
+        return max(float(v1) + slope * (b - b1), float(v1) * min(1.0, b / b1) * 0.5)
+
+    at = {k: value(k) for k in _LINEAR}
+    recompute = c1.saved_bytes_recompute
+    kept = None if recompute is None else recompute * b / b1
+    comm: tuple[Collective, ...] = ()
+    if tp > 1:
+        comm = (Collective(kind="all_reduce", num_bytes=at["activation_bytes"]),) * 2
     return replace(
-        block,
-        forward_flops=block.forward_flops * factor / tp,
-        backward_input_flops=block.backward_input_flops * factor / tp,
-        backward_weight_flops=block.backward_weight_flops * factor / tp,
-        selective_recompute_flops=block.selective_recompute_flops * factor / tp,
-        activation_bytes=block.activation_bytes * factor,
-        saved_bytes=block.saved_bytes * factor / tp,
-        saved_bytes_selective=opt(block.saved_bytes_selective, factor / tp),
-        saved_bytes_recompute=opt(block.saved_bytes_recompute, factor),
-        num_params=block.num_params // tp,
+        c1,
+        forward_flops=at["forward_flops"] / tp,
+        backward_input_flops=at["backward_input_flops"] / tp,
+        backward_weight_flops=at["backward_weight_flops"] / tp,
+        activation_bytes=at["activation_bytes"],
+        saved_bytes=at["saved_bytes"] / tp,
+        saved_bytes_recompute=kept,
+        num_params=c1.num_params // tp,
+        forward_comm=comm,
+        backward_comm=comm,
     )
 
 

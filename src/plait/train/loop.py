@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import resource
 import statistics
@@ -53,6 +54,8 @@ def train_worker(cfg_data: dict[str, Any], run_dir: str) -> dict[str, Any] | Non
     corpus = stdlib_corpus()
     torch.manual_seed(cfg.seed)
     model = GPT(_gpt_config(cfg, corpus.vocab_size))
+    if cfg.plan == "auto":
+        cfg = _planned(cfg, model, corpus, Path(run_dir), env.rank)
     engine = parallelize(
         model,
         cfg.parallel,
@@ -78,6 +81,27 @@ def train_worker(cfg_data: dict[str, Any], run_dir: str) -> dict[str, Any] | Non
     if log is None:
         return None
     return log.finish(engine.schedule, times, records, sample, memory)
+
+
+def _planned(cfg: TrainConfig, model: GPT, corpus: Any, run_dir: Path, rank: int) -> TrainConfig:
+    """`cfg` under the plan the workers agree on (profiled and searched on rank 0)."""
+    from plait.train.autoplan import auto_plan, parallel_plan_from
+
+    largest = max(1, cfg.batch_size // dist.get_world_size())
+    sizes = sorted({1, largest})
+    samples = [corpus.batch(0, b, cfg.model.seq_len, seed=cfg.seed) for b in sizes]
+    chosen = auto_plan(
+        model,
+        samples,
+        GPT.loss,
+        num_heads=cfg.model.heads,
+        seq_len=cfg.model.seq_len,
+        global_batch=cfg.batch_size,
+        dtype=cfg.parallel.dtype,
+    )
+    if rank == 0:
+        (run_dir / "plan.json").write_text(json.dumps(chosen, indent=2))
+    return dataclasses.replace(cfg, parallel=parallel_plan_from(chosen), plan="auto")
 
 
 def _records(result: StepResult) -> list[dict[str, Any]]:
@@ -187,7 +211,8 @@ class _Logger:
         step_time = statistics.median(steady)
         summary = {
             "plan": {k: v for k, v in self.cfg.to_dict()["parallel"].items() if v is not None},
-            "schedule_kind": schedule.kind,
+            "plan_source": self.cfg.plan or "as given",
+            "schedule": schedule.to_dict(),
             "steps": len(times),
             "first_loss": self.losses[0],
             "final_loss": statistics.mean(self.losses[-10:]),
@@ -199,6 +224,9 @@ class _Logger:
             "sample": sample,
         }
         (self.run_dir / "timeline.json").write_text(json.dumps(records))
+        (self.run_dir / "schedule.json").write_text(schedule.to_json())
+        if self.cfg.plan != "auto":  # auto-planning wrote plan.json with its prediction
+            (self.run_dir / "plan.json").write_text(json.dumps(self.cfg.to_dict()["parallel"]))
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
 

@@ -1,0 +1,240 @@
+"""Does the planner pick well? Every plan of a small grid measured on 4 local workers.
+
+The workers profile the model (rank 0, one thread, two micro-batch sizes), the planner
+predicts every plan of the grid (all (dp, tp, pp) factorisations of the workers, each
+schedule, two micro-batch counts) on a cluster of the local workers, and then every plan
+is trained for a few steps with the real engine. Printed: the planner's pick, the
+measured best, the pick's measured throughput as a fraction of the best
+(`pick_fraction_of_best`) and the Spearman rank correlation between predicted and
+measured step times (`rank_correlation`). Target: the pick reaches 90% of the best.
+
+Four workers share this machine's cores, so the planner's local devices run at the
+speed of a core divided among the workers that share it (see plait.train.autoplan).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+__all__ = ["PlannerBenchConfig", "add_arguments", "run", "run_bench"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlannerBenchConfig:
+    workers: int = 4
+    layers: int = 6
+    hidden: int = 128
+    heads: int = 4
+    seq_len: int = 64
+    batch_size: int = 16
+    steps: int = 4
+    warmup: int = 1
+    schedules: tuple[str, ...] = ("1f1b", "gpipe", "zb-h1")
+    microbatch_counts: tuple[int, ...] = (2, 4)
+
+    def __post_init__(self) -> None:
+        if self.workers < 2 or self.steps < 1 or self.warmup < 0:
+            raise ValueError("--workers must be >= 2, --steps >= 1 and --warmup >= 0")
+        if self.hidden % self.heads:
+            raise ValueError(f"--hidden {self.hidden} must be a multiple of --heads {self.heads}")
+
+
+def _grid(cfg: PlannerBenchConfig, spec: Any, cluster: Any) -> list[Any]:
+    """Every plan of the grid that the planner's space contains, with its prediction."""
+    from plait.plan import SearchSpace, search
+
+    found = []
+    for m in cfg.microbatch_counts:
+        space = SearchSpace(
+            schedules=cfg.schedules, recompute=("none",), zero_stages=(0,), chunks=(),
+            micro_batch_sizes=tuple(b for b in (1, 2, 4, 8, 16) if b * m <= cfg.batch_size),
+            sequence_parallel=(False,), dtype="fp32",
+        )  # fmt: skip
+        result = search(spec, cluster, global_batch=cfg.batch_size, space=space,
+                        top_k=1000, exact_limit=10**6, memory_margin=0.0)  # fmt: skip
+        found += [r for r in result.ranked if r.plan.num_microbatches == m]
+    return found
+
+
+def _predict(cfg: PlannerBenchConfig, model: Any, corpus: Any) -> list[dict[str, Any]]:
+    from plait.blocks import as_blocks
+    from plait.cluster import measured_cluster
+    from plait.models import GPT
+    from plait.plan import scaled_spec
+    from plait.plan.io import plan_to_dict
+    from plait.profile import block_costs, measured_device, profile_model
+    from plait.train.autoplan import _LOOPBACK, core_share
+
+    speed = 1e9
+    device = measured_device(name="cpu", flops=speed, dtype="fp32", memory_bytes=2**34)
+    measured = {}
+    for b in sorted({1, cfg.batch_size // cfg.workers}):
+        x, y = corpus.batch(0, b, cfg.seq_len)
+        profile = profile_model(model, x, target=y, loss_fn=GPT.loss, repeats=3)
+        measured[b] = block_costs(profile.blocks, device, "fp32", split=True)
+    sharded = [i for i, blk in enumerate(as_blocks(model)) if hasattr(blk, "tp_plan")]
+    spec = scaled_spec("gpt", measured, seq_len=cfg.seq_len, num_heads=cfg.heads,
+                       tp_blocks=sharded)  # fmt: skip
+    cluster = measured_cluster(name="local", flops={"fp32": speed * core_share(cfg.workers)},
+                               memory_bytes=2**34, devices_per_node=cfg.workers,
+                               intra_node=_LOOPBACK)  # fmt: skip
+    return [plan_to_dict(r) for r in _grid(cfg, spec, cluster)]
+
+
+def _measure(cfg: PlannerBenchConfig, plan: dict[str, Any], corpus: Any) -> float:
+    """Median step time of `plan` trained with the real engine (a collective)."""
+    import torch
+    import torch.distributed as dist
+
+    from plait.models import GPT, GPTConfig
+    from plait.train.autoplan import parallel_plan_from
+    from plait.train.engine import parallelize
+
+    torch.manual_seed(0)
+    model = GPT(
+        GPTConfig(
+            vocab_size=corpus.vocab_size,
+            seq_len=cfg.seq_len,
+            num_layers=cfg.layers,
+            hidden=cfg.hidden,
+            num_heads=cfg.heads,
+        )
+    )
+    engine = parallelize(
+        model,
+        parallel_plan_from(plan),
+        lambda ps: torch.optim.SGD(ps, lr=0.01),
+        GPT.loss,
+        device="cpu",
+    )
+    times = []
+    for step in range(cfg.warmup + cfg.steps):
+        batch = corpus.batch(step, cfg.batch_size, cfg.seq_len)
+        dist.barrier()
+        t0 = time.perf_counter()
+        engine.step(batch)
+        elapsed = torch.tensor(time.perf_counter() - t0)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        if step >= cfg.warmup:
+            times.append(float(elapsed))
+    return statistics.median(times)
+
+
+def _worker(cfg: PlannerBenchConfig) -> dict[str, Any] | None:
+    import torch
+    import torch.distributed as dist
+
+    from plait.bench._common import single_thread
+    from plait.data import stdlib_corpus
+    from plait.mesh import init_worker
+    from plait.models import GPT, GPTConfig
+
+    single_thread()
+    env, _ = init_worker()
+    corpus = stdlib_corpus(max_chars=200_000)
+    box: list[Any] = [None]
+    if env.rank == 0:
+        torch.manual_seed(0)
+        model = GPT(
+            GPTConfig(
+                vocab_size=corpus.vocab_size,
+                seq_len=cfg.seq_len,
+                num_layers=cfg.layers,
+                hidden=cfg.hidden,
+                num_heads=cfg.heads,
+            )
+        )
+        t0 = time.perf_counter()
+        box[0] = (_predict(cfg, model, corpus), time.perf_counter() - t0)
+    dist.broadcast_object_list(box, src=0)
+    plans, plan_seconds = box[0]
+    measured = [_measure(cfg, plan, corpus) for plan in plans]
+    if env.rank != 0:
+        return None
+    return {"plans": plans, "measured": measured, "plan_seconds": plan_seconds}
+
+
+def _spearman(a: list[float], b: list[float]) -> float:
+    def ranks(xs: list[float]) -> list[float]:
+        order = sorted(range(len(xs)), key=xs.__getitem__)
+        out = [0.0] * len(xs)
+        for r, i in enumerate(order):
+            out[i] = float(r)
+        return out
+
+    ra, rb = ranks(a), ranks(b)
+    n = len(a)
+    if n < 2:
+        return 1.0
+    ma, mb = sum(ra) / n, sum(rb) / n
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb, strict=True))
+    var = (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
+    return cov / var if var else 1.0
+
+
+def run_bench(cfg: PlannerBenchConfig) -> dict[str, Any]:
+    from plait.plan.io import plan_from_dict
+    from plait.plan.search import describe
+    from plait.train import launch
+
+    out = next(r for r in launch(_worker, cfg.workers, cfg).values() if r is not None)
+    plans, measured = out["plans"], out["measured"]
+    predicted = [p["predicted"]["step_time_s"] for p in plans]
+    pick = min(range(len(plans)), key=predicted.__getitem__)
+    best = min(range(len(plans)), key=measured.__getitem__)
+    rows = [
+        {"plan": describe(plan_from_dict(p)), "predicted_step_s": predicted[i],
+         "measured_step_s": measured[i]}
+        for i, p in enumerate(plans)
+    ]  # fmt: skip
+    return {
+        "config": asdict(cfg),
+        "plans": rows,
+        "pick": rows[pick]["plan"],
+        "measured_best": rows[best]["plan"],
+        "pick_fraction_of_best": measured[best] / measured[pick],
+        "rank_correlation": _spearman(predicted, measured),
+        "plan_seconds": out["plan_seconds"],
+    }
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    a = p.add_argument
+    a("--json", action="store_true", help="print one JSON object")
+    a("--workers", type=int, default=4)
+    a("--layers", type=int, default=6)
+    a("--hidden", type=int, default=128)
+    a("--heads", type=int, default=4)
+    a("--seq-len", type=int, default=64, dest="seq_len")
+    a("--batch-size", type=int, default=16, dest="batch_size")
+    a("--steps", type=int, default=4)
+    a("--warmup", type=int, default=1)
+
+
+def run(args: argparse.Namespace) -> int:
+    import json
+
+    cfg = PlannerBenchConfig(
+        workers=args.workers, layers=args.layers, hidden=args.hidden, heads=args.heads,
+        seq_len=args.seq_len, batch_size=args.batch_size, steps=args.steps,
+        warmup=args.warmup,
+    )  # fmt: skip
+    result = run_bench(cfg)
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    for row in sorted(result["plans"], key=lambda r: r["measured_step_s"]):
+        print(
+            f"{row['plan']:<60} predicted {row['predicted_step_s'] * 1e3:8.1f} ms   "
+            f"measured {row['measured_step_s'] * 1e3:8.1f} ms"
+        )
+    print(
+        f"\npick: {result['pick']}\nmeasured best: {result['measured_best']}\n"
+        f"pick reaches {result['pick_fraction_of_best']:.1%} of the best; rank correlation "
+        f"{result['rank_correlation']:.2f}"
+    )
+    return 0

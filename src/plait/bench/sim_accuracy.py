@@ -1,0 +1,399 @@
+"""How well the simulator predicts real pipeline steps on this machine: predicted vs measured.
+
+For each world size the workers are launched once. As many of them as there are cores
+(one thread each, as they run) measure gloo P2P by ping-pong (fitted to latency +
+bytes/bandwidth) and the time a thread spends posting a send or receive of an activation
+while ranks compute (`plait.profile.message_overheads`). Every plan then runs with the
+real runtime (`PipelineExecutor` plus an Adam step; warm-up steps, then the median of
+timed steps, each from a barrier to the last rank's end); before the first plan and
+after each, those workers profile every block of a small GPT at once (`plait.profile`)
+and time an Adam step. The parent predicts each plan with `plait.sim.simulate` from the
+blocks measured just before and after it (medians: this follows a shared machine's
+drifting load), cut into the same stages (a partition of a profile taken in the parent),
+each stage charged the overheads of posting the messages of its boundaries that cross
+ranks (simulated sends do not occupy the sender), on a local-cpu cluster built from the
+calibration, and reports the relative error of each.
+
+CPU oversubscription: with more workers than cores (4 on 2) they time-share the cores,
+which the simulator (one device per rank) cannot see. The prediction then gives each
+rank the speed it would have under processor sharing: the mean over its busy time of
+min(1, cores / busy ranks) (`plait.trace.core_shares`), iterated to a fixed point, since
+slower ranks change who is busy when (idle ranks free their core: gloo waits block).
+
+Limits: other load on a shared machine disturbs measurements (the load average is shown);
+other per-action overheads of the executor are not modelled; processor sharing is a mean.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from plait.bench import _common as common
+
+__all__ = ["AccuracyConfig", "PlanRun", "add_arguments", "run", "run_bench"]
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+_TIMES = ("forward_s", "backward_s", "backward_input_s", "backward_weight_s")
+_BUSY = ("F", "B", "BI", "BW", "optimizer")
+
+
+@dataclass(frozen=True, kw_only=True)
+class AccuracyConfig:
+    """The grid (schedules × micro-batch counts × world sizes), the model and step counts."""
+
+    schedules: tuple[str, ...] = SCHEDULES
+    microbatches: tuple[int, ...] = (4, 8)
+    worlds: tuple[int, ...] = (2, 4)
+    num_steps: int = 5
+    num_warmup: int = 2
+    num_layers: int = 6
+    hidden: int = 128
+    num_heads: int = 4
+    seq_len: int = 64
+    vocab_size: int = 256
+    micro_batch_size: int = 4
+    profile_repeats: int = 9
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.schedules or not set(self.schedules) <= set(SCHEDULES):
+            raise ValueError(f"schedules {list(self.schedules)}: choose from {list(SCHEDULES)}")
+        counts = (*self.microbatches, self.num_steps, self.profile_repeats, self.num_warmup + 1)
+        if not (self.microbatches and self.worlds) or min(counts) < 1 or min(self.worlds) < 2:
+            raise ValueError(
+                f"microbatches={list(self.microbatches)}, steps and profile repeats must be "
+                f">= 1, warm-up >= 0, worlds={list(self.worlds)} >= 2"
+            )
+        stages = max(self.worlds) * (2 if "interleaved" in self.schedules else 1)
+        if self.num_layers + 2 < stages:
+            raise ValueError(
+                f"layers={self.num_layers}: {stages} pipeline stages need {stages} blocks; "
+                f"use at least {stages - 2} layers"
+            )
+        self.spec()  # validates the model sizes
+
+    def spec(self) -> Any:
+        from plait.profile import GPTSpec
+
+        return GPTSpec(num_layers=self.num_layers, hidden=self.hidden, num_heads=self.num_heads,
+                       seq_len=self.seq_len, vocab_size=self.vocab_size)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class PlanRun:
+    """One plan: what the workers run, what they measured, what the simulator said."""
+
+    schedule: str
+    pp: int
+    num_microbatches: int
+    num_chunks: int
+    sizes: tuple[int, ...]
+    measured_s: float = 0.0
+    predicted_s: float = 0.0
+    predicted_bubble: float = 0.0
+    speeds: tuple[float, ...] = ()
+    step_times_s: tuple[float, ...] = ()
+    measured: tuple[Any, ...] = field(default=(), repr=False)  # spans of the last step
+    predicted: tuple[Any, ...] = field(default=(), repr=False)
+
+    @property
+    def name(self) -> str:
+        return f"{self.schedule} pp={self.pp} m={self.num_microbatches}"
+
+    @property
+    def error(self) -> float:
+        return (self.predicted_s - self.measured_s) / self.measured_s
+
+    def row(self) -> dict[str, Any]:
+        out = {k: v for k, v in asdict(self).items() if k not in ("measured", "predicted")}
+        return {"plan": self.name, "error": self.error, **out}
+
+
+def _batch(config: AccuracyConfig, samples: int) -> tuple[Any, Any]:
+    import torch
+
+    g = torch.Generator().manual_seed(config.seed + 1)
+    ids = torch.randint(0, config.vocab_size, (samples, config.seq_len + 1), generator=g)
+    return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+
+
+def _profile(config: AccuracyConfig) -> dict[str, Any]:
+    """This process's measurement, one thread: blocks, matmul FLOP/s, Adam bandwidth."""
+    import torch
+
+    from plait.models import GPT
+    from plait.profile import matmul_flops, optimizer_bandwidth, profile_model, threads
+
+    spec = config.spec()
+    torch.manual_seed(config.seed)
+    model = spec.build()
+    ids, targets = _batch(config, config.micro_batch_size)
+    with threads(1):
+        profile = profile_model(model, ids, target=targets, loss_fn=GPT.loss, cache=False,
+                                names=spec.block_names(), warmup=2,
+                                repeats=config.profile_repeats)  # fmt: skip
+        bandwidth = optimizer_bandwidth(list(model.parameters()))
+    return {"blocks": [b.to_dict() for b in profile.blocks], "memory_bandwidth_Bps": bandwidth,
+            "flops": matmul_flops(num_threads=1)}  # fmt: skip
+
+
+def _device(cal: dict[str, Any], speed: float = 1.0) -> Any:
+    from plait.profile import measured_device
+
+    return measured_device(name=f"cpu core × {speed:.3f}", flops=cal["flops"] * speed,
+                           memory_bytes=1 << 40,  # this bench checks time, not memory
+                           memory_bandwidth_Bps=cal["memory_bandwidth_Bps"] * speed)  # fmt: skip
+
+
+def _plans(config: AccuracyConfig, world: int, cal: dict[str, Any]) -> list[PlanRun]:
+    from plait.plan import partition_blocks
+    from plait.profile import BlockProfile
+
+    costs = [BlockProfile.from_dict(b).to_cost(_device(cal), "fp32") for b in cal["blocks"]]
+    runs = []
+    for schedule in config.schedules:
+        chunks = 2 if schedule == "interleaved" else 1
+        cut = partition_blocks(costs, [_device(cal)] * (world * chunks), dtype="fp32")
+        runs += [PlanRun(schedule, world, m, chunks, cut.sizes) for m in config.microbatches]
+    return runs
+
+
+def _stage_costs(cal: dict[str, Any], run: PlanRun, schedule: Any) -> list[Any]:
+    """The measured blocks cut into the plan's stages, costed as the runtime runs them: a
+    schedule with BI/BW pays the split backward's halves, except on the first stage (its
+    input needs no gradient: the runtime runs its whole backward as BW); each stage starts
+    with the overheads of posting the messages of its boundaries that cross ranks."""
+    from plait.cost import BlockCost, StageCost
+    from plait.profile import BlockProfile
+    from plait.schedule import Op
+
+    split = any(a.op is Op.BI for program in schedule.ranks for a in program)
+    blocks = [BlockProfile.from_dict(b) for b in cal["blocks"]]
+    device, place, stages, start = _device(cal), schedule.stage_to_rank, [], 0
+    send, recv = cal["message_overheads"]
+    for s, size in enumerate(run.sizes):
+        part = blocks[start : start + size]
+        start += size
+        if split and s == 0:
+            part = [replace(b, backward_input_s=0.0, backward_weight_s=b.backward_s) for b in part]
+        after = s + 1 < len(place) and place[s + 1] != place[s]
+        before = s > 0 and place[s - 1] != place[s]
+        messages = BlockCost.from_seconds("messages", device=device, dtype="fp32",
+                                          forward_s=send * after + recv * before,
+                                          backward_input_s=send * before + recv * after,
+                                          backward_weight_s=0.0)  # fmt: skip
+        costs = [b.to_cost(device, "fp32", split=split) for b in part]
+        stages.append(StageCost((messages, *costs)))
+    return stages
+
+
+def _simulate(c: AccuracyConfig, run: PlanRun, cal: dict[str, Any], speeds: list[float]) -> Any:
+    """Simulate `run` with rank r's device at `speeds[r]` of a core (one node per rank)."""
+    from plait.cluster import Cluster, Link, NodeGroup
+    from plait.sim import SimPlan, build_schedule, simulate
+
+    link = Link(**cal["link"])
+    groups = tuple(NodeGroup(device=_device(cal, v), devices_per_node=1, intra_node=link)
+                   for v in speeds)  # fmt: skip
+    cluster = Cluster(name=f"local-cpu ({run.pp} workers)", groups=groups, inter_node=link)
+    plan = SimPlan(pp=run.pp, schedule=run.schedule, num_microbatches=run.num_microbatches,
+                   micro_batch_size=c.micro_batch_size, num_chunks=run.num_chunks,
+                   dtype="fp32", seq_len=c.seq_len)  # fmt: skip
+    schedule = build_schedule(plan)
+    return simulate(schedule, _stage_costs(cal, run, schedule), cluster, plan)
+
+
+def _predict(config: AccuracyConfig, run: PlanRun, cal: dict[str, Any], cores: int) -> PlanRun:
+    """`run` with its prediction (see the module docstring on oversubscription)."""
+    from plait.trace import core_shares, spans_from_timeline
+
+    speeds = [1.0] * run.pp
+    for _ in range(12 if run.pp > cores else 1):
+        result = _simulate(config, run, cal, speeds)
+        spans = spans_from_timeline(result.timeline)
+        shares = core_shares([s for s in spans if s.kind in _BUSY], cores)
+        target = [shares.get(r, 1.0) for r in range(run.pp)]
+        if max(abs(a - b) for a, b in zip(target, speeds, strict=True)) < 1e-3:
+            break
+        speeds = [(a + b) / 2 for a, b in zip(target, speeds, strict=True)]  # damped
+    return replace(run, predicted_s=result.step_time_s, predicted_bubble=result.bubble_fraction,
+                   speeds=tuple(speeds), predicted=tuple(spans))  # fmt: skip
+
+
+def _calibration(reports: list[dict[str, Any]], index: int) -> dict[str, Any]:
+    """Plan `index`'s calibration: medians over the workers that measured, of the profiles
+    taken just before and just after the plan ran."""
+    from plait.profile import fit_link
+
+    profiles = [p for r in reports for p in r["profiles"][index : index + 2] if p is not None]
+    blocks = [dict(b) for b in profiles[0]["blocks"]]
+    for i, block in enumerate(blocks):
+        block.update({k: statistics.median(p["blocks"][i][k] for p in profiles) for k in _TIMES})
+    sends, receives = ([r["overheads"][i] for r in reports if r["overheads"][i]] for i in (0, 1))
+    return {
+        "blocks": blocks,
+        "flops": statistics.median(p["flops"] for p in profiles),
+        "memory_bandwidth_Bps": statistics.median(p["memory_bandwidth_Bps"] for p in profiles),
+        "link": asdict(fit_link(reports[0]["p2p"])),
+        "message_overheads": (statistics.median(sends), statistics.median(receives)),
+    }
+
+
+def _measured(plan: PlanRun, runs: list[dict[str, Any]]) -> PlanRun:
+    """`plan` with its step times (first start to last end) and last step's timeline."""
+    from plait.trace import spans_from_records
+
+    starts = list(zip(*(r["starts"] for r in runs), strict=True))
+    ends = list(zip(*(r["ends"] for r in runs), strict=True))
+    steps = tuple(max(e) - min(s) for s, e in zip(starts, ends, strict=True))
+    offsets = [s - min(starts[-1]) for s in starts[-1]]
+    spans = spans_from_records([r["records"] for r in runs], offsets=offsets)
+    return replace(plan, measured_s=statistics.median(steps), step_times_s=steps,
+                   measured=tuple(spans))  # fmt: skip
+
+
+def run_bench(config: AccuracyConfig) -> tuple[list[PlanRun], dict[str, Any]]:
+    """Run every plan on real workers and predict each; the plans and, per world size,
+    the calibration the predictions used."""
+    from plait.train import launch
+
+    cores = len(os.sched_getaffinity(0))
+    first = _profile(config)  # only to cut the model into stages
+    done, calibrations = [], {}
+    for world in config.worlds:
+        plans = _plans(config, world, first)
+        reports = [r for _, r in sorted(launch(_worker, world, config, plans, cores).items())]
+        for i, plan in enumerate(plans):
+            cal = calibrations[plan.name] = _calibration(reports, i)
+            measured = _measured(plan, [r["runs"][i] for r in reports])
+            done.append(_predict(config, measured, cal, cores))
+    return done, calibrations
+
+
+def _worker(config: AccuracyConfig, plans: list[PlanRun], cores: int) -> dict[str, Any]:
+    common.single_thread()
+    import torch.distributed as dist
+
+    from plait.mesh import init_worker
+    from plait.profile import message_overheads, pingpong
+
+    env, _ = init_worker(timeout_s=300.0)
+    try:
+        p2p, size = pingpong(env.rank), config.micro_batch_size * config.seq_len * config.hidden * 4
+        overheads = message_overheads(env.rank, min(cores, env.world_size), num_bytes=size)
+        profiles, runs = [_profile(config) if env.rank < cores else None], []
+        for plan in plans:  # profile one worker per core at once, before and after each plan
+            runs.append(_measure(config, plan, env.rank))
+            dist.barrier()
+            profiles.append(_profile(config) if env.rank < cores else None)
+        return {"p2p": p2p, "overheads": overheads, "profiles": profiles, "runs": runs}
+    finally:
+        dist.destroy_process_group()
+
+
+def _measure(config: AccuracyConfig, plan: PlanRun, rank: int) -> dict[str, Any]:
+    """Run `plan` for warm-up and timed steps; this rank's start and end times
+    (perf_counter: one clock for all local processes) and the last step's records."""
+    import torch
+    import torch.distributed as dist
+
+    from plait.models import GPT
+    from plait.runtime import ActionRecord, PipelineExecutor, local_stages, split_microbatches
+    from plait.schedule import build
+
+    schedule = build(plan.schedule, plan.pp, plan.num_microbatches, plan.num_chunks)
+    torch.manual_seed(config.seed)
+    stages = local_stages(config.spec().build(), schedule, rank, sizes=plan.sizes)
+    executor = PipelineExecutor(schedule, dict(stages), rank=rank, loss_fn=GPT.loss)
+    optimizer = torch.optim.Adam([p for s in stages.values() for p in s.parameters()], lr=1e-4)
+    m = plan.num_microbatches
+    x, y = _batch(config, m * config.micro_batch_size)
+    inputs = split_microbatches(x, m) if 0 in stages else None
+    targets = split_microbatches(y, m) if schedule.num_stages - 1 in stages else None
+    starts, ends, records = [], [], []
+    for i in range(config.num_warmup + config.num_steps):
+        optimizer.zero_grad(set_to_none=False)
+        dist.barrier()
+        start = time.perf_counter()
+        result = executor.step(inputs, targets)
+        step = time.perf_counter()
+        optimizer.step()
+        end = time.perf_counter()
+        if i >= config.num_warmup:
+            starts.append(start)
+            ends.append(end)
+            opt = ActionRecord(rank, len(result.records), "OPT", step - start, end - start)
+            records = [*result.records, opt]
+    return {"starts": starts, "ends": ends, "records": records}
+
+
+def _ints(text: str) -> tuple[int, ...]:  # argparse reports a ValueError as a bad value
+    return tuple(int(x) for x in text.split(",") if x)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    d = AccuracyConfig()
+    a = parser.add_argument
+    a("--schedules", default=",".join(d.schedules), help="comma-separated schedule kinds")
+    a("--microbatches", type=_ints, default=d.microbatches, help="micro-batch counts, e.g. 4,8")
+    a("--worlds", type=_ints, default=d.worlds, help="worker counts (pipeline ranks), e.g. 2,4")
+    a("--steps", type=int, default=d.num_steps, help="timed steps per plan (median)")
+    a("--warmup", type=int, default=d.num_warmup, help="untimed steps per plan first")
+    a("--profile-repeats", type=int, default=d.profile_repeats, help="timed runs per block")
+    a("--layers", type=int, default=d.num_layers, help="GPT layers")
+    a("--hidden", type=int, default=d.hidden, help="GPT hidden size")
+    a("--seq-len", type=int, default=d.seq_len, help="tokens per sample")
+    a("--micro-batch-size", type=int, default=d.micro_batch_size, help="samples per micro-batch")
+    a("--plot", help="PNG: predicted over measured timelines of the plan with the largest error")
+    a("--trace-dir", help="folder for a Chrome trace (predicted and measured) of every plan")
+    a("--check", action="store_true", help="exit 1 unless median <= 10%% and max <= 25%%")
+    a("--json", action="store_true", help="print one JSON object instead of a table")
+
+
+def run(args: argparse.Namespace) -> int:
+    config = AccuracyConfig(schedules=tuple(s for s in args.schedules.split(",") if s),
+                            microbatches=args.microbatches, worlds=args.worlds,
+                            num_steps=args.steps, num_warmup=args.warmup,
+                            profile_repeats=args.profile_repeats, num_layers=args.layers,
+                            hidden=args.hidden, seq_len=args.seq_len,
+                            micro_batch_size=args.micro_batch_size)  # fmt: skip
+    load_before, cores = os.getloadavg()[0], len(os.sched_getaffinity(0))
+    runs, calibration = run_bench(config)
+    median, worst = statistics.median(e := [abs(r.error) for r in runs]), max(e)
+    _outputs(args, runs)
+    load = [load_before, os.getloadavg()[0]]
+    if args.json:
+        common.print_json({"median_abs_error": median, "max_abs_error": worst, "cores": cores,
+                           "plans": [r.row() for r in runs], "calibration": calibration,
+                           "config": asdict(config), "load_average": load})  # fmt: skip
+    else:
+        rows = [[r.name, r.predicted_s * 1e3, r.measured_s * 1e3, f"{r.error:+.1%}",
+                 " ".join(f"{v:.2f}" for v in r.speeds)] for r in runs]  # fmt: skip
+        common.print_table(
+            f"simulator vs runtime on this machine ({cores} cores)",
+            ["plan", "predicted ms", "measured ms", "error", "core share per rank"],
+            rows,
+            footer=f"median |error| {median:.1%}, max |error| {worst:.1%}; load average "
+            f"{load[0]:.1f} before, {load[1]:.1f} after",
+        )
+    return 1 if args.check and not (median <= 0.10 and worst <= 0.25) else 0
+
+
+def _outputs(args: argparse.Namespace, runs: list[PlanRun]) -> None:
+    """Chrome traces of every plan, and the PNG of the worst one, predicted over measured."""
+    from plait.trace import plot_comparison, write_chrome_trace
+
+    worst = max(runs, key=lambda r: abs(r.error))
+    for run in runs:
+        spans = {"predicted": list(run.predicted), "measured": list(run.measured)}
+        if args.trace_dir:
+            name = run.name.replace(" ", "_").replace("=", "")
+            write_chrome_trace(Path(args.trace_dir) / f"{name}.json", spans)
+        if args.plot and run is worst:
+            plot_comparison(spans["predicted"], spans["measured"], args.plot, title=run.name)

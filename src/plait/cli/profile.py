@@ -1,0 +1,273 @@
+"""`plait profile`: per-block costs of a model, measured on this machine or derived analytically.
+
+Measured (the default when the model fits this machine): each block of the model is timed
+on one micro-batch by `plait.profile` (forward, input-gradient and weight-gradient passes
+apart, with `--threads` intra-op threads, one by default as pipeline workers use), and the
+result is cached. Analytic (`--analytic`, or automatically when the model is too large to
+build here): FLOPs and bytes from `plait.cost.transformer_block_costs`, for any size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+from plait.cluster import local_cpu, normalize_dtype
+from plait.cost import BlockCost
+from plait.profile import BlockProfile, GPTSpec
+
+__all__ = ["add_model_arguments", "add_parser", "build_limit_bytes", "spec_from_args"]
+
+MODELS = ("gpt",)
+_MEASURABLE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """The model flags `profile` and `simulate` share."""
+    p.add_argument("--model", choices=MODELS, default="gpt", help="model family (default gpt)")
+    p.add_argument("--layers", type=int, default=4, help="transformer layers (default 4)")
+    p.add_argument("--hidden", type=int, default=64, help="hidden size (default 64)")
+    p.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
+    p.add_argument("--seq-len", type=int, default=64, dest="seq_len", help="tokens per sample")
+    p.add_argument("--vocab", type=int, default=96, help="vocabulary size (default 96)")
+    p.add_argument(
+        "--ffn-hidden", type=int, default=0, dest="ffn_hidden", help="MLP width (0: 4 × hidden)"
+    )
+    p.add_argument(
+        "--micro-batch-size", type=int, default=1, dest="micro_batch_size", help="samples each"
+    )
+
+
+def _flag_error(error: ValueError) -> ValueError:
+    """A model error with the field names replaced by the flags that set them."""
+    text = str(error)
+    for field, flag in (
+        ("num_layers", "--layers"),
+        ("num_heads", "--heads"),
+        ("seq_len", "--seq-len"),
+        ("vocab_size", "--vocab"),
+        ("ffn_hidden", "--ffn-hidden"),
+        ("hidden", "--hidden"),
+    ):
+        text = text.replace(f"{field}=", f"{flag} ")
+    return ValueError(text)
+
+
+def spec_from_args(args: argparse.Namespace) -> GPTSpec:
+    """The GPT the model flags describe; bad sizes raise ValueError naming the flag."""
+    if args.micro_batch_size < 1:
+        raise ValueError(f"--micro-batch-size {args.micro_batch_size} must be >= 1")
+    try:
+        return GPTSpec(
+            num_layers=args.layers,
+            hidden=args.hidden,
+            num_heads=args.heads,
+            seq_len=args.seq_len,
+            vocab_size=args.vocab,
+            ffn_hidden=args.ffn_hidden,
+        )
+    except ValueError as error:
+        raise _flag_error(error) from None
+
+
+def build_limit_bytes() -> float:
+    """The largest footprint `plait profile` builds and measures here: a quarter of RAM."""
+    return _memory_bytes() / 4
+
+
+def _memory_bytes() -> int:
+    """This machine's memory, as the local-cpu preset reads it."""
+    return local_cpu(devices=1).device(0).memory_bytes
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser(
+        "profile",
+        help="per-block costs of a model (measured here, or analytic)",
+        description=__doc__.split("\n\n")[1] if __doc__ else None,
+    )
+    add_model_arguments(p)
+    p.add_argument("--dtype", default="fp32", help="fp32 (default), bf16, fp16, ...")
+    p.add_argument("--analytic", action="store_true", help="derive costs from sizes; build nothing")
+    p.add_argument("--tp", type=int, default=1, help="analytic: tensor-parallel ranks per block")
+    p.add_argument(
+        "--sequence-parallel", action="store_true", dest="sequence_parallel", help="analytic"
+    )
+    p.add_argument("--threads", type=int, default=1, help="measured: intra-op threads (1)")
+    p.add_argument("--warmup", type=int, default=2, help="measured: untimed runs per block")
+    p.add_argument("--repeats", type=int, default=5, help="measured: timed runs (median)")
+    p.add_argument("--no-cache", action="store_true", dest="no_cache", help="measure again")
+    p.add_argument("--cache-dir", dest="cache_dir", help="profile cache folder")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=run)
+
+
+def _measure(spec: GPTSpec, args: argparse.Namespace, dtype: str) -> dict[str, Any]:
+    import torch
+
+    from plait.models import GPT
+    from plait.profile import matmul_flops, measured_device, profile_model, threads
+
+    torch_dtype = getattr(torch, _MEASURABLE[dtype])
+    model = spec.build()
+    assert isinstance(model, torch.nn.Module)
+    model.to(torch_dtype)
+    g = torch.Generator().manual_seed(0)
+    shape = (args.micro_batch_size, spec.seq_len)
+    ids = torch.randint(0, spec.vocab_size, shape, generator=g)
+    targets = torch.randint(0, spec.vocab_size, shape, generator=g)
+    with threads(args.threads):
+        profile = profile_model(
+            model,
+            ids,
+            target=targets,
+            loss_fn=GPT.loss,
+            names=spec.block_names(),
+            warmup=args.warmup,
+            repeats=args.repeats,
+            cache=not args.no_cache,
+            cache_dir=Path(args.cache_dir) if args.cache_dir else None,
+        )
+    flops = matmul_flops(dtype=torch_dtype, num_threads=args.threads)
+    device = measured_device(
+        name=f"cpu ({args.threads} thread{'s' if args.threads > 1 else ''})",
+        flops=flops,
+        dtype=dtype,
+        memory_bytes=_memory_bytes(),
+    )
+    costs = profile.costs(device, dtype)
+    return {
+        "source": "measured",
+        "cached": profile.cached,
+        "device": {"name": device.name, "flops": flops, "dtype": dtype},
+        "blocks": [_measured_row(b, c) for b, c in zip(profile.blocks, costs, strict=True)],
+    }
+
+
+def _measured_row(block: BlockProfile, cost: BlockCost) -> dict[str, Any]:
+    row = block.to_dict()
+    row["saved_bytes_recompute"] = cost.saved_for("full")
+    row.update(
+        forward_flops=cost.forward_flops,
+        backward_input_flops=cost.backward_input_flops,
+        backward_weight_flops=cost.backward_weight_flops,
+    )
+    return row
+
+
+def _analytic(spec: GPTSpec, args: argparse.Namespace, dtype: str) -> dict[str, Any]:
+    if args.tp < 1:
+        raise ValueError(f"--tp {args.tp} must be >= 1")
+    try:
+        blocks = spec.block_costs(
+            micro_batch_size=args.micro_batch_size,
+            dtype=dtype,
+            tp=args.tp,
+            sequence_parallel=args.sequence_parallel,
+        )
+    except ValueError as error:
+        raise _flag_error(error) from None
+    rows = [
+        {
+            "name": b.name,
+            "forward_flops": b.forward_flops,
+            "backward_input_flops": b.backward_input_flops,
+            "backward_weight_flops": b.backward_weight_flops,
+            "activation_bytes": b.activation_bytes,
+            "saved_bytes": b.saved_for("none"),
+            "saved_bytes_selective": b.saved_for("selective"),
+            "saved_bytes_recompute": b.saved_for("full"),
+            "num_params": b.num_params,
+        }
+        for b in blocks
+    ]
+    return {"source": "analytic", "tp": args.tp, "blocks": rows}
+
+
+def run(args: argparse.Namespace) -> int:
+    spec = spec_from_args(args)
+    dtype = normalize_dtype(args.dtype)
+    for name in ("threads", "repeats"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name} {getattr(args, name)} must be >= 1")
+    if args.warmup < 0:
+        raise ValueError(f"--warmup {args.warmup} must be >= 0")
+    analytic = args.analytic
+    if not analytic and dtype not in _MEASURABLE:
+        raise ValueError(
+            f"--dtype {args.dtype} cannot be measured on this machine: use one of "
+            f"{sorted(_MEASURABLE)}, or --analytic"
+        )
+    footprint = spec.train_bytes(dtype, args.micro_batch_size)
+    if not analytic and footprint > build_limit_bytes():
+        print(
+            f"plait profile: the model needs about {footprint / 2**30:.1f} GiB to measure, more "
+            f"than a quarter of this machine's memory; using analytic costs instead",
+            file=sys.stderr,
+        )
+        analytic = True
+    out = _analytic(spec, args, dtype) if analytic else _measure(spec, args, dtype)
+    out.update(
+        model={**_spec_dict(spec), "num_params": spec.num_params()},
+        dtype=dtype,
+        micro_batch_size=args.micro_batch_size,
+    )
+    if args.json:
+        json.dump(out, sys.stdout, sort_keys=True)
+        print()
+    else:
+        _print(out)
+    return 0
+
+
+def _spec_dict(spec: GPTSpec) -> dict[str, int]:
+    return {k: getattr(spec, k) for k in spec.__dataclass_fields__}
+
+
+def _fmt(value: float, unit: str) -> str:
+    if unit == "s":
+        return f"{value * 1e3:.3f}"
+    if unit == "B":
+        return f"{value / 2**20:.3f}"
+    return f"{value:.3g}" if math.isfinite(value) else str(value)
+
+
+def _print(out: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    measured = out["source"] == "measured"
+    if measured:
+        columns = [("forward_s", "fwd ms", "s"), ("backward_s", "bwd ms", "s")]
+        columns += [("backward_input_s", "bwd-in ms", "s"), ("backward_weight_s", "bwd-w ms", "s")]
+    else:
+        columns = [("forward_flops", "fwd FLOPs", ""), ("backward_input_flops", "bwd-in", "")]
+        columns.append(("backward_weight_flops", "bwd-w", ""))
+    columns += [("activation_bytes", "sends MiB", "B"), ("saved_bytes", "keeps MiB", "B")]
+    columns += [
+        ("saved_bytes_recompute", "keeps (recompute) MiB", "B"),
+        ("num_params", "params", ""),
+    ]
+    m = out["model"]
+    title = (
+        f"{out['source']} costs of gpt ({m['num_layers']} layers, hidden {m['hidden']}, "
+        f"{m['num_params']:,} parameters), micro-batch {out['micro_batch_size']}, {out['dtype']}"
+    )
+    table = Table(title=title)
+    table.add_column("block")
+    for _, header, _ in columns:
+        table.add_column(header, justify="right")
+    for row in out["blocks"]:
+        table.add_row(row["name"], *(_fmt(float(row[k]), unit) for k, _, unit in columns))
+    console = Console()
+    console.print(table)
+    if measured:
+        device = out["device"]
+        console.print(
+            f"measured on {device['name']} ({device['flops'] / 1e9:.1f} GFLOP/s matmul)"
+            + (", read from the cache" if out["cached"] else "")
+        )

@@ -1,0 +1,326 @@
+"""`plait simulate`: predict one training step of a layout before running it.
+
+The model's blocks come from the analytic cost model (`plait.cost.transformer_block_costs`,
+so GPT-3 175B or 1T cost nothing to describe), are cut into pp × chunks stages by the
+partitioner (the fastest split whose stages fit memory; if none fits, the fastest split,
+and the overflow is reported), and the schedule is replayed on the cluster by
+`plait.sim.simulate`. A preset describes one kind of node: the number of nodes follows
+from dp × tp × pp. A plan that does not fit is a prediction, not an error: the command
+says which rank overflows by how much (stderr and the JSON `overflows`) and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from plait.cli.profile import add_model_arguments, spec_from_args
+from plait.cluster import Cluster, load_cluster, normalize_dtype
+from plait.cost import RECOMPUTE_MODES, BlockCost, StageCost
+from plait.plan import Partition, partition, partition_blocks
+from plait.profile import GPTSpec
+from plait.schedule import GENERATORS, Schedule, validate
+from plait.sim import MemoryOverflow, RankReport, SimPlan, SimResult, build_schedule, simulate
+
+__all__ = ["Prediction", "add_parser", "overflow_lines", "predict", "scaled_cluster", "to_dict"]
+
+_GIB = float(1 << 30)
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser(
+        "simulate",
+        help="predict step time, bubble, throughput, MFU and memory of a layout",
+        description=(__doc__ or "").split("\n\n")[1],
+    )
+    add_model_arguments(p)
+    a = p.add_argument
+    a("--cluster", required=True, help="preset (local-cpu, dgx-a100-80gb, dgx-h100) or TOML file")
+    a("--dp", type=int, default=1, help="data-parallel degree")
+    a("--tp", type=int, default=1, help="tensor-parallel degree")
+    a("--pp", type=int, default=1, help="pipeline-parallel degree")
+    a("--schedule", choices=sorted(GENERATORS), default="1f1b", help="pipeline schedule")
+    a("--microbatches", type=int, default=1, help="micro-batches per step and replica")
+    a("--chunks", type=int, default=None, help="virtual stages per rank (interleaved: 2)")
+    a("--recompute", choices=RECOMPUTE_MODES, default="none", help="activation recomputation")
+    a("--sequence-parallel", action="store_true", dest="sequence_parallel")
+    a("--zero", type=int, default=0, help="ZeRO stage 0..3 over the data-parallel ranks")
+    a("--dtype", default="bf16", help="training dtype (default bf16)")
+    a("--optimizer", choices=("adam", "sgd"), default="adam")
+    a("--json", action="store_true", help="print one JSON object")
+    a("--trace", help="write the predicted timeline as a Chrome/Perfetto trace (JSON)")
+    a("--plot", help="draw the predicted timeline as a PNG (needs matplotlib)")
+    p.set_defaults(func=run)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """A simulated step and how it was set up."""
+
+    result: SimResult
+    partition: Partition
+    schedule: Schedule
+    cluster: Cluster
+
+
+def scaled_cluster(cluster: Cluster, num_devices: int) -> Cluster:
+    """`cluster` with enough nodes of its kind for `num_devices` ranks."""
+    if len(cluster.groups) == 1:
+        per_node = cluster.groups[0].devices_per_node
+        return cluster.with_nodes(max(1, math.ceil(num_devices / per_node)))
+    if cluster.num_devices < num_devices:
+        raise ValueError(
+            f"dp × tp × pp = {num_devices} ranks but cluster {cluster.name!r} has "
+            f"{cluster.num_devices} devices: add nodes to its file or shrink the plan"
+        )
+    return cluster
+
+
+def _inflight(schedule: Schedule) -> list[int]:
+    """Micro-batches each stage holds at its peak (unit costs), for the memory caps."""
+    peak = validate(schedule).peak_inflight
+    v = schedule.num_chunks
+    return [max(1, math.ceil(peak[r] / v)) for r in schedule.stage_to_rank]
+
+
+def _partition(
+    blocks: list[BlockCost], schedule: Schedule, cluster: Cluster, plan: SimPlan
+) -> Partition:
+    """The fastest split whose stages fit; if none fits, the fastest split."""
+    devices = [cluster.device(plan.global_rank(r)) for r in schedule.stage_to_rank]
+    try:
+        return partition_blocks(
+            blocks,
+            devices,
+            dtype=plan.dtype,
+            recompute=plan.recompute,
+            inflight=_inflight(schedule),
+            zero_stage=plan.zero_stage,
+            dp=plan.dp,
+            optimizer=plan.optimizer,
+        )
+    except ValueError:
+        work = [
+            b.forward_flops
+            + b.backward_input_flops
+            + b.backward_weight_flops
+            + b.recompute_flops(plan.recompute)
+            for b in blocks
+        ]
+        speeds = [d.achievable_flops(plan.dtype) for d in devices]
+        return partition(work, len(devices), speeds=speeds)
+
+
+def predict(blocks: list[BlockCost], cluster: Cluster, plan: SimPlan) -> Prediction:
+    """Partition `blocks` into the plan's stages and simulate one step on `cluster`."""
+    schedule = build_schedule(plan)
+    if len(blocks) < schedule.num_stages:
+        raise ValueError(
+            f"pp × chunks = {schedule.num_stages} stages but the model has only {len(blocks)} "
+            "blocks: use fewer pipeline ranks or chunks, or more layers"
+        )
+    cut = _partition(blocks, schedule, cluster, plan)
+    stages = [StageCost(tuple(s)) for s in cut.split(blocks)]
+    result = simulate(schedule, stages, cluster, plan)
+    return Prediction(result, cut, schedule, cluster)
+
+
+def _check(args: argparse.Namespace, spec: GPTSpec) -> None:
+    for name in ("dp", "tp", "pp", "microbatches"):
+        value = getattr(args, name)
+        if value < 1:
+            raise ValueError(f"--{name} {value} must be >= 1")
+    if args.zero not in (0, 1, 2, 3):
+        raise ValueError(f"--zero {args.zero} must be 0, 1, 2 or 3")
+    for flag, size in (("--heads", spec.num_heads), ("--hidden", spec.hidden)):
+        if size % args.tp:
+            raise ValueError(
+                f"--tp {args.tp} does not divide {flag} {size}: tensor parallelism splits "
+                "heads and hidden units evenly; choose a tp that divides both"
+            )
+    if spec.ffn % args.tp:
+        raise ValueError(f"--tp {args.tp} does not divide the MLP width {spec.ffn}: change --tp")
+    if args.sequence_parallel and spec.seq_len % args.tp:
+        raise ValueError(
+            f"--sequence-parallel needs --seq-len {spec.seq_len} divisible by --tp {args.tp}"
+        )
+    if args.chunks is not None and args.chunks < 1:
+        raise ValueError(f"--chunks {args.chunks} must be >= 1")
+    if args.chunks not in (None, 1) and args.schedule != "interleaved":
+        raise ValueError(f"--chunks {args.chunks} applies only to --schedule interleaved")
+    stages = args.pp * (args.chunks or (2 if args.schedule == "interleaved" else 1))
+    if stages > spec.num_layers + 2:
+        raise ValueError(
+            f"--pp {args.pp} with {stages // args.pp} chunk(s) makes {stages} stages but the "
+            f"model has {spec.num_layers + 2} blocks (--layers {spec.num_layers} + embedding "
+            "+ head): use fewer stages or more layers"
+        )
+
+
+def _plan(args: argparse.Namespace, spec: GPTSpec, dtype: str) -> SimPlan:
+    chunks = args.chunks or (2 if args.schedule == "interleaved" else 1)
+    return SimPlan(
+        dp=args.dp,
+        tp=args.tp,
+        pp=args.pp,
+        schedule=args.schedule,
+        num_microbatches=args.microbatches,
+        micro_batch_size=args.micro_batch_size,
+        num_chunks=chunks,
+        recompute=args.recompute,
+        zero_stage=args.zero,
+        dtype=dtype,
+        sequence_parallel=args.sequence_parallel,
+        optimizer=args.optimizer,
+        seq_len=spec.seq_len,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    spec = spec_from_args(args)
+    _check(args, spec)
+    dtype = normalize_dtype(args.dtype)
+    plan = _plan(args, spec, dtype)
+    cluster = scaled_cluster(load_cluster(args.cluster), plan.num_devices)
+    cluster.device(0).peak(dtype)  # a device without this dtype fails here, naming it
+    blocks = spec.block_costs(
+        micro_batch_size=args.micro_batch_size,
+        dtype=dtype,
+        tp=args.tp,
+        sequence_parallel=args.sequence_parallel,
+    )
+    prediction = predict(blocks, cluster, plan)
+    summary = to_dict(prediction, spec)
+    _write_outputs(args, prediction)
+    if args.json:
+        json.dump(summary, sys.stdout, sort_keys=True)
+        print()
+    else:
+        _print(summary)
+    if not prediction.result.fits:
+        print("\n".join(overflow_lines(prediction.result)), file=sys.stderr)
+    return 0
+
+
+def overflow_lines(result: SimResult) -> list[str]:
+    """What does not fit, one line per pipeline rank (worst first), and what to try."""
+    by_stage: dict[int, list[MemoryOverflow]] = {}
+    for o in result.overflows:
+        by_stage.setdefault(o.pp_rank, []).append(o)
+    lines = ["plait simulate: the plan does not fit in device memory:"]
+    for items in sorted(by_stage.values(), key=lambda os: -os[0].excess_bytes):
+        o, ranks = items[0], [x.rank for x in items]
+        where = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {_span(ranks)}"
+        lines.append(
+            f"  {where} (pipeline rank {o.pp_rank}) need {o.needed_bytes / _GIB:.2f} GiB each "
+            f"but have {o.capacity_bytes / _GIB:.2f} GiB: {o.excess_bytes / _GIB:.2f} GiB over"
+        )
+    lines.append(
+        "  try --recompute full or selective, --zero 1..3 with --dp > 1, more --pp or --tp, "
+        "a smaller --micro-batch-size, or a schedule holding fewer micro-batches (1f1b)"
+    )
+    return lines
+
+
+def _span(ranks: list[int]) -> str:
+    ranks = sorted(ranks)
+    if ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ", ".join(map(str, ranks))
+
+
+def _write_outputs(args: argparse.Namespace, prediction: Prediction) -> None:
+    if not (args.trace or args.plot):
+        return
+    from plait.trace import plot_timeline, spans_from_timeline, write_chrome_trace
+
+    spans = spans_from_timeline(prediction.result.timeline)
+    if args.trace:
+        write_chrome_trace(args.trace, {"predicted": spans})
+    if args.plot:
+        plan = prediction.result.plan
+        title = f"{plan.schedule}: pp={plan.pp}, {plan.num_microbatches} micro-batches"
+        plot_timeline(spans, args.plot, title=title)
+
+
+def to_dict(prediction: Prediction, spec: GPTSpec) -> dict[str, Any]:
+    """The JSON summary of a prediction."""
+    r, cluster = prediction.result, prediction.cluster
+    group = cluster.groups[0]
+    return {
+        "step_time_s": r.step_time_s,
+        "pipeline_time_s": r.pipeline_time_s,
+        "bubble_fraction": r.bubble_fraction,
+        "tokens_per_s": r.tokens_per_s,
+        "samples_per_s": r.samples_per_s,
+        "mfu": r.mfu,
+        "comm_share": r.comm_share,
+        "peak_memory_bytes": list(r.peak_memory_bytes),  # per pipeline rank
+        "fits": r.fits,
+        "overflows": [
+            {**asdict(o), "excess_bytes": o.excess_bytes, "message": str(o)} for o in r.overflows
+        ],
+        "memory": [_memory_row(k) for k in r.ranks],
+        "ranks": [{k: v for k, v in asdict(rank).items() if k != "memory"} for rank in r.ranks],
+        "partition": {
+            "sizes": list(prediction.partition.sizes),
+            "boundaries": list(prediction.partition.boundaries),
+        },
+        "plan": asdict(r.plan),
+        "model": _model_row(spec),
+        "cluster": {
+            "name": cluster.name,
+            "num_nodes": cluster.num_nodes,
+            "devices_per_node": group.devices_per_node,
+            "device": group.device.name,
+        },
+    }
+
+
+def _memory_row(rank: RankReport) -> dict[str, Any]:
+    return {
+        "pp_rank": rank.pp_rank,
+        **asdict(rank.memory),
+        "total": rank.memory.total,
+        "capacity": rank.capacity_bytes,
+    }
+
+
+def _model_row(spec: GPTSpec) -> dict[str, Any]:
+    row: dict[str, Any] = {k: getattr(spec, k) for k in spec.__dataclass_fields__}
+    row["num_params"] = spec.num_params()
+    return row
+
+
+def _print(summary: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    plan, c = summary["plan"], summary["cluster"]
+    console = Console()
+    console.print(
+        f"[bold]{plan['schedule']}[/]: dp={plan['dp']} tp={plan['tp']} pp={plan['pp']} "
+        f"({plan['num_chunks']} chunk(s)), {plan['num_microbatches']} micro-batches of "
+        f"{plan['micro_batch_size']}, recompute {plan['recompute']}, ZeRO-{plan['zero_stage']}, "
+        f"{plan['dtype']} on {c['num_nodes']} × {c['name']} ({c['device']})"
+    )
+    console.print(
+        f"step {summary['step_time_s']:.4g} s | bubble {summary['bubble_fraction']:.1%} | "
+        f"{summary['tokens_per_s']:,.0f} tokens/s | MFU {summary['mfu']:.1%} | "
+        f"{'fits' if summary['fits'] else '[red]DOES NOT FIT[/]'}"
+    )
+    table = Table(title="per pipeline rank (GiB)")
+    for column in ("rank", "params", "grads", "optimizer", "activations", "transient",
+                   "total", "capacity"):  # fmt: skip
+        table.add_column(column, justify="right")
+    for m in summary["memory"]:
+        values = [m[k] / 2**30 for k in ("params", "grads", "optimizer", "activations")]
+        values += [m[k] / 2**30 for k in ("transient", "total", "capacity")]
+        style = "red" if m["total"] > m["capacity"] else None
+        table.add_row(str(m["pp_rank"]), *(f"{v:.2f}" for v in values), style=style)
+    console.print(table)
+    console.print(f"blocks per stage: {summary['partition']['sizes']}")

@@ -1,0 +1,97 @@
+"""The analytic source of block costs: a GPT described by its sizes, never instantiated.
+
+`GPTSpec` names a GPT by its sizes; `block_costs` derives its per-block FLOPs and bytes
+from `plait.cost.transformer_block_costs` (Narayanan et al. 2021 for FLOPs, Korthikanti
+et al. 2022 for activations), so 175B or 1T-parameter models cost nothing to describe.
+`build` instantiates the same model as `plait.models.GPT` when it is small enough to be
+measured instead; both sources name their blocks `embedding`, `layer0`, ..., `head`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from plait.cluster import dtype_bytes
+from plait.cost import BlockCost, transformer_block_costs
+
+__all__ = ["GPTSpec"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class GPTSpec:
+    """A GPT by its sizes (`ffn_hidden` 0 means 4 × hidden)."""
+
+    num_layers: int
+    hidden: int
+    num_heads: int
+    seq_len: int
+    vocab_size: int
+    ffn_hidden: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden", "num_heads", "seq_len", "vocab_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an integer >= 1")
+        if self.ffn_hidden < 0:
+            raise ValueError(f"ffn_hidden={self.ffn_hidden} must be >= 0 (0: 4 × hidden)")
+        if self.hidden % self.num_heads:
+            raise ValueError(
+                f"hidden={self.hidden} is not divisible by num_heads={self.num_heads}: "
+                "choose a hidden size that is a multiple of the head count"
+            )
+
+    @property
+    def ffn(self) -> int:
+        return self.ffn_hidden or 4 * self.hidden
+
+    def block_names(self) -> list[str]:
+        return ["embedding", *(f"layer{i}" for i in range(self.num_layers)), "head"]
+
+    def block_costs(
+        self,
+        *,
+        micro_batch_size: int = 1,
+        dtype: str = "bf16",
+        tp: int = 1,
+        sequence_parallel: bool = False,
+    ) -> list[BlockCost]:
+        """Per-block costs for one micro-batch on one of `tp` tensor-parallel ranks."""
+        return transformer_block_costs(
+            num_layers=self.num_layers,
+            hidden=self.hidden,
+            num_heads=self.num_heads,
+            seq_len=self.seq_len,
+            vocab_size=self.vocab_size,
+            micro_batch_size=micro_batch_size,
+            ffn_hidden=self.ffn_hidden,
+            dtype=dtype,
+            tp=tp,
+            sequence_parallel=sequence_parallel,
+        )
+
+    def num_params(self) -> int:
+        """Parameters of the whole model (no tensor parallelism)."""
+        return sum(b.num_params for b in self.block_costs(dtype="fp32"))
+
+    def train_bytes(self, dtype: str, micro_batch_size: int) -> float:
+        """A rough footprint of measuring it: weights and gradients, Adam-free, plus the
+        activations of every block for one micro-batch."""
+        blocks = self.block_costs(micro_batch_size=micro_batch_size, dtype=dtype)
+        state = 2 * self.num_params() * dtype_bytes(dtype)
+        return state + sum(b.saved_bytes for b in blocks)
+
+    def build(self) -> object:
+        """The same model as a `plait.models.GPT` (fp32, on the CPU, no dropout)."""
+        from plait.models import GPT, GPTConfig
+
+        return GPT(
+            GPTConfig(
+                vocab_size=self.vocab_size,
+                seq_len=self.seq_len,
+                num_layers=self.num_layers,
+                hidden=self.hidden,
+                num_heads=self.num_heads,
+                ffn_hidden=self.ffn_hidden or None,
+            )
+        )
