@@ -240,4 +240,9 @@ def test_plan_cli_json_and_plan_file(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert best["dp"] * best["tp"] * best["pp"] == 4 and "step_time_s" in best["predicted"]
     plan = plan_from_dict(read_plan(out))
     assert plan.global_batch_size == 16
+    # `plait simulate --plan` replays the same plan: the same prediction
+    assert main(["simulate", "--plan", str(out), "--json"]) == 0
+    replayed = json.loads(capsys.readouterr().out)
+    assert replayed["step_time_s"] == pytest.approx(best["predicted"]["step_time_s"], rel=1e-6)
+    assert replayed["fits"] is True
     assert main(["plan", "--cluster", "dgx-a100-80gb", "--global-batch", "0"]) == 2

@@ -60,14 +60,14 @@ def _grid(cfg: PlannerBenchConfig, spec: Any, cluster: Any) -> list[Any]:
     return found
 
 
-def _predict(cfg: PlannerBenchConfig, model: Any, corpus: Any) -> list[dict[str, Any]]:
+def _predict(cfg: PlannerBenchConfig, model: Any, corpus: Any, link: Any) -> list[dict[str, Any]]:
     from plait.blocks import as_blocks
     from plait.cluster import measured_cluster
     from plait.models import GPT
     from plait.plan import scaled_spec
     from plait.plan.io import plan_to_dict
     from plait.profile import block_costs, measured_device, profile_model
-    from plait.train.autoplan import _LOOPBACK, core_share
+    from plait.train.autoplan import core_share
 
     speed = 1e9
     device = measured_device(name="cpu", flops=speed, dtype="fp32", memory_bytes=2**34)
@@ -81,7 +81,7 @@ def _predict(cfg: PlannerBenchConfig, model: Any, corpus: Any) -> list[dict[str,
                        tp_blocks=sharded)  # fmt: skip
     cluster = measured_cluster(name="local", flops={"fp32": speed * core_share(cfg.workers)},
                                memory_bytes=2**34, devices_per_node=cfg.workers,
-                               intra_node=_LOOPBACK)  # fmt: skip
+                               intra_node=link)  # fmt: skip
     return [plan_to_dict(r) for r in _grid(cfg, spec, cluster)]
 
 
@@ -132,10 +132,12 @@ def _worker(cfg: PlannerBenchConfig) -> dict[str, Any] | None:
     from plait.data import stdlib_corpus
     from plait.mesh import init_worker
     from plait.models import GPT, GPTConfig
+    from plait.train.autoplan import measure_collectives
 
     single_thread()
     env, _ = init_worker()
     corpus = stdlib_corpus(max_chars=200_000)
+    link = measure_collectives()
     box: list[Any] = [None]
     if env.rank == 0:
         torch.manual_seed(0)
@@ -149,7 +151,7 @@ def _worker(cfg: PlannerBenchConfig) -> dict[str, Any] | None:
             )
         )
         t0 = time.perf_counter()
-        box[0] = (_predict(cfg, model, corpus), time.perf_counter() - t0)
+        box[0] = (_predict(cfg, model, corpus, link), time.perf_counter() - t0)
     dist.broadcast_object_list(box, src=0)
     plans, plan_seconds = box[0]
     measured = [_measure(cfg, plan, corpus) for plan in plans]

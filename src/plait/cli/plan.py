@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
         "seq_len": spec.seq_len,
         "vocab": spec.vocab_size,
     }
-    plans = [plan_to_dict(r, model=model_desc, cluster=cluster.name) for r in found.ranked]
+    plans = [plan_to_dict(r, model=model_desc, cluster=cluster.name) for r in found.top]
     why = explain(found)
     if args.out:
         write_plan(args.out, plans[0])
@@ -129,7 +129,7 @@ def _table(found: Any, describe: Any) -> None:
         "headroom GiB",
     ):
         table.add_column(col, justify="right")
-    for i, r in enumerate(found.ranked, 1):
+    for i, r in enumerate(found.top, 1):
         p = r.plan
         sched = p.schedule + (f"×{p.num_chunks}" if p.schedule == "interleaved" else "")
         table.add_row(

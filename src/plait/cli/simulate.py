@@ -39,7 +39,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     )
     add_model_arguments(p)
     a = p.add_argument
-    a("--cluster", required=True, help="preset (local-cpu, dgx-a100-80gb, dgx-h100) or TOML file")
+    a("--cluster", help="preset (local-cpu, dgx-a100-80gb, dgx-h100) or TOML file")
+    a(
+        "--plan",
+        help="a plan file (`plait plan --out`): its layout, batch, model and cluster "
+        "replace the flags",
+    )
     a("--dp", type=int, default=1, help="data-parallel degree")
     a("--tp", type=int, default=1, help="tensor-parallel degree")
     a("--pp", type=int, default=1, help="pipeline-parallel degree")
@@ -180,7 +185,35 @@ def _plan(args: argparse.Namespace, spec: GPTSpec, dtype: str) -> SimPlan:
     )
 
 
+_FROM_PLAN = {
+    "dp": "dp", "tp": "tp", "pp": "pp", "schedule": "schedule", "microbatches": "microbatches",
+    "chunks": "chunks", "recompute": "recompute", "zero": "zero", "dtype": "dtype",
+    "sequence_parallel": "sequence_parallel", "micro_batch_size": "micro_batch_size",
+}  # fmt: skip
+_MODEL_FROM_PLAN = {"layers": "layers", "hidden": "hidden", "heads": "heads",
+                    "seq_len": "seq_len", "vocab": "vocab"}  # fmt: skip
+
+
+def _apply_plan(args: argparse.Namespace) -> None:
+    """Take the layout (and model, and cluster when not given) from `--plan`."""
+    from plait.plan.io import read_plan
+
+    data = read_plan(args.plan)
+    for key, attr in _FROM_PLAN.items():
+        if key in data:
+            setattr(args, attr, data[key])
+    for key, attr in _MODEL_FROM_PLAN.items():
+        if key in data.get("model", {}):
+            setattr(args, attr, data["model"][key])
+    if args.cluster is None:
+        args.cluster = data.get("cluster")
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.plan:
+        _apply_plan(args)
+    if not args.cluster:
+        raise ValueError("--cluster is required (a preset or a TOML file), or a --plan naming one")
     spec = spec_from_args(args)
     _check(args, spec)
     dtype = normalize_dtype(args.dtype)

@@ -82,9 +82,8 @@ def explain(search: PlanSearch) -> str:
     ]
     if ties:
         lines.append(
-            "Variants with the same layout run as fast but leave less memory free: "
-            + "; ".join(describe(r.plan) for r in ties)
-            + "."
+            "Variants of the same layout run as fast (the one with less sharding and "
+            "recomputation is preferred): " + "; ".join(describe(r.plan) for r in ties) + "."
         )
     return " ".join(lines)
 

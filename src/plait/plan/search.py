@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 from plait.cluster import Cluster
 from plait.cost import StageCost
@@ -86,7 +85,11 @@ class PlanSearch:
     num_candidates: int
     num_simulated: int
     plan_seconds: float
-    extra: dict[str, Any] = field(default_factory=dict)
+    top_k: int = 5
+
+    @property
+    def top(self) -> tuple[RankedPlan, ...]:
+        return self.ranked[: self.top_k]
 
     @property
     def best(self) -> RankedPlan:
@@ -280,8 +283,15 @@ def search(
     ranked.sort(key=_preference)
     if not ranked:
         raise NoFeasiblePlan(_nothing_fits(rejected, model, cluster, devices))
+    # every simulated plan that fits stays ranked (the explanation looks past variants of
+    # the winner for a different layout); `top` is what a report shows
     return PlanSearch(
-        tuple(ranked[:top_k]), tuple(rejected), len(plans), simulated, time.perf_counter() - t0
+        tuple(ranked),
+        tuple(rejected),
+        len(plans),
+        simulated,
+        time.perf_counter() - t0,
+        top_k=top_k,
     )
 
 

@@ -22,10 +22,33 @@ from plait.plan import SearchSpace, scaled_spec, search
 from plait.plan.io import plan_to_dict
 from plait.profile import block_costs, measured_device, profile_model
 
-__all__ = ["auto_plan", "core_share", "parallel_plan_from"]
+__all__ = ["auto_plan", "core_share", "measure_collectives", "parallel_plan_from"]
 
-# gloo between processes of one machine; the order of magnitude sim-accuracy measures
-_LOOPBACK = Link(latency_s=1e-4, bandwidth_Bps=2e9)
+
+def measure_collectives(*, repeats: int = 8) -> Link:
+    """The link that reproduces the all-reduce times the workers measure among themselves
+    (a collective: call on every worker), as the cost model's ring formula reads it:
+    t(bytes) = 2(n-1)·latency + 2(n-1)/n · bytes / bandwidth. Measured while every worker
+    takes part, so it includes gloo's and Python's per-call costs and core sharing."""
+    import statistics
+    import time
+
+    n = dist.get_world_size()
+    samples = []
+    for size in (256, 64 * 1024, 1024 * 1024):
+        t = torch.zeros(size // 4)
+        times = []
+        for _ in range(repeats):
+            dist.barrier()
+            start = time.perf_counter()
+            dist.all_reduce(t)
+            times.append(time.perf_counter() - start)
+        samples.append((float(size), statistics.median(times)))
+    (x1, y1), (x2, y2) = samples[0], samples[-1]
+    slope = max((y2 - y1) / (x2 - x1), 1e-12)
+    steps = 2 * (n - 1)
+    latency = max(y1 - slope * x1, 1e-6) / steps
+    return Link(latency_s=latency, bandwidth_Bps=steps / n / slope)
 
 
 def core_share(workers: int) -> float:
@@ -67,6 +90,7 @@ def _search(
     world: int,
     global_batch: int,
     dtype: str,
+    link: Link,
 ) -> dict[str, Any]:
     speed = 1e9  # any rate: measured seconds become FLOPs at it and back
     share = core_share(world)
@@ -82,7 +106,7 @@ def _search(
         flops={dtype: speed * share},
         memory_bytes=2**34,
         devices_per_node=world,
-        intra_node=_LOOPBACK,
+        intra_node=link,
     )
     found = search(spec, cluster, global_batch=global_batch, space=SearchSpace(dtype=dtype))
     return plan_to_dict(found.best, cluster=cluster.name)
@@ -101,6 +125,7 @@ def auto_plan(
     """The plan every worker trains under (call on every worker; a collective). `samples`
     are micro-batches of one or two sizes, to learn how block costs grow with the size."""
     world = dist.get_world_size()
+    link = measure_collectives()
     box: list[Any] = [None]
     if dist.get_rank() == 0:
         with torch.random.fork_rng():
@@ -113,6 +138,7 @@ def auto_plan(
                 world=world,
                 global_batch=global_batch,
                 dtype=dtype,
+                link=link,
             )
     dist.broadcast_object_list(box, src=0)
     return dict(box[0])
