@@ -61,28 +61,14 @@ def _grid(cfg: PlannerBenchConfig, spec: Any, cluster: Any) -> list[Any]:
 
 
 def _predict(cfg: PlannerBenchConfig, model: Any, corpus: Any, link: Any) -> list[dict[str, Any]]:
-    from plait.blocks import as_blocks
-    from plait.cluster import measured_cluster
     from plait.models import GPT
-    from plait.plan import scaled_spec
     from plait.plan.io import plan_to_dict
-    from plait.profile import block_costs, measured_device, profile_model
-    from plait.train.autoplan import core_share
+    from plait.train.autoplan import local_cluster, measured_spec
 
-    speed = 1e9
-    device = measured_device(name="cpu", flops=speed, dtype="fp32", memory_bytes=2**34)
-    measured = {}
-    for b in sorted({1, cfg.batch_size // cfg.workers}):
-        x, y = corpus.batch(0, b, cfg.seq_len)
-        profile = profile_model(model, x, target=y, loss_fn=GPT.loss, repeats=3)
-        measured[b] = block_costs(profile.blocks, device, "fp32", split=True)
-    sharded = [i for i, blk in enumerate(as_blocks(model)) if hasattr(blk, "tp_plan")]
-    spec = scaled_spec("gpt", measured, seq_len=cfg.seq_len, num_heads=cfg.heads,
-                       tp_blocks=sharded)  # fmt: skip
-    cluster = measured_cluster(name="local", flops={"fp32": speed * core_share(cfg.workers)},
-                               memory_bytes=2**34, devices_per_node=cfg.workers,
-                               intra_node=link)  # fmt: skip
-    return [plan_to_dict(r) for r in _grid(cfg, spec, cluster)]
+    sizes = sorted({1, cfg.batch_size // cfg.workers})
+    samples = [corpus.batch(0, b, cfg.seq_len) for b in sizes]
+    spec = measured_spec(model, samples, GPT.loss, num_heads=cfg.heads, seq_len=cfg.seq_len)
+    return [plan_to_dict(r) for r in _grid(cfg, spec, local_cluster(cfg.workers, link))]
 
 
 def _measure(cfg: PlannerBenchConfig, plan: dict[str, Any], corpus: Any) -> float:

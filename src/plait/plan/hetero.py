@@ -85,7 +85,7 @@ def plan_replicas(plan: SimPlan, model: ModelSpec, cluster: Cluster) -> HeteroPl
 
     `plan.num_microbatches` is read as the micro-batches of one replica in an equal split,
     so the total is dp × that."""
-    blocks = model.blocks(plan.micro_batch_size, plan.tp, plan.sequence_parallel)
+    blocks = model.blocks_for(plan)
     stages = plan.pp * plan.num_chunks
     splits = []
     for d in range(plan.dp):

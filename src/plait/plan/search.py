@@ -108,7 +108,7 @@ def describe(plan: SimPlan) -> str:
 
 def _exact(plan: SimPlan, model: ModelSpec, cluster: Cluster) -> RankedPlan | Rejection:
     """Partition exactly under memory caps, then simulate."""
-    blocks = model.blocks(plan.micro_batch_size, plan.tp, plan.sequence_parallel)
+    blocks = model.blocks_for(plan)
     stages = plan.pp * plan.num_chunks
     devices = [cluster.device(plan.global_rank(s % plan.pp)) for s in range(stages)]
     counts = [
@@ -162,7 +162,7 @@ def _exact_hetero(plan: SimPlan, model: ModelSpec, cluster: Cluster) -> RankedPl
     step = het.step_time_s
     flops = sum(
         b.forward_flops + b.backward_input_flops + b.backward_weight_flops
-        for b in model.blocks(plan.micro_batch_size, plan.tp, plan.sequence_parallel)
+        for b in model.blocks_for(plan)
     )
     total_flops = flops * plan.tp * plan.num_microbatches * plan.dp
     peak = sum(cluster.device(g).peak(plan.dtype) for g in range(plan.num_devices))
@@ -230,8 +230,8 @@ def search(
     space: SearchSpace | None = None,
     top_k: int = 5,
     exact_limit: int = 300,
-    max_simulated: int = 32,
-    time_budget_s: float = 5.0,
+    max_simulated: int = 24,
+    time_budget_s: float = 3.0,
     memory_margin: float = 0.05,
 ) -> PlanSearch:
     """The best plans for training `model` on `cluster` with `global_batch` samples a step.
@@ -299,10 +299,7 @@ def _estimates(
     plans: list[SimPlan], model: ModelSpec, cluster: Cluster
 ) -> list[tuple[Estimate, SimPlan]]:
     est = Estimator(cluster)
-    return [
-        (est.estimate(p, model.blocks(p.micro_batch_size, p.tp, p.sequence_parallel)), p)
-        for p in plans
-    ]
+    return [(est.estimate(p, model.blocks_for(p)), p) for p in plans]
 
 
 def _order(

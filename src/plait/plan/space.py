@@ -24,17 +24,31 @@ class ModelSpec:
     seq_len: int
     num_heads: int
     costs: BlockCosts = field(compare=False, repr=False)
-    _cache: dict[tuple[int, int, bool], tuple[BlockCost, ...]] = field(
+    # costs of the backward split in two passes (BI, BW), when they differ from the full
+    # backward's (measured blocks: on some devices the two passes cost more than one)
+    split_costs: BlockCosts | None = field(default=None, compare=False, repr=False)
+    _cache: dict[tuple[int, int, bool, bool], tuple[BlockCost, ...]] = field(
         default_factory=dict, compare=False, repr=False
     )
 
     def blocks(
-        self, micro_batch_size: int, tp: int, sequence_parallel: bool
+        self, micro_batch_size: int, tp: int, sequence_parallel: bool, *, split: bool = False
     ) -> tuple[BlockCost, ...]:
-        key = (micro_batch_size, tp, sequence_parallel)
+        split = split and self.split_costs is not None
+        key = (micro_batch_size, tp, sequence_parallel, split)
         if key not in self._cache:
-            self._cache[key] = tuple(self.costs(*key))
+            source = self.split_costs if split and self.split_costs else self.costs
+            self._cache[key] = tuple(source(*key[:3]))
         return self._cache[key]
+
+    def blocks_for(self, plan: SimPlan) -> tuple[BlockCost, ...]:
+        """The blocks as `plan` runs them (split backward for zero-bubble schedules)."""
+        return self.blocks(
+            plan.micro_batch_size,
+            plan.tp,
+            plan.sequence_parallel,
+            split=plan.schedule == "zb-h1",
+        )
 
 
 def gpt_spec(
@@ -76,6 +90,7 @@ def scaled_spec(
     seq_len: int,
     num_heads: int,
     tp_blocks: Collection[int] = (),
+    measured_split: Mapping[int, Sequence[BlockCost]] | None = None,
 ) -> ModelSpec:
     """A model known from its blocks measured at one or more micro-batch sizes (tp = 1).
 
@@ -84,28 +99,33 @@ def scaled_spec(
     CPU) is kept; with one point it is proportional. Blocks in `tp_blocks` shard under
     tensor parallelism as a Megatron layer does: work, parameters and saved activations
     divide by tp, and each pass adds two all-reduces of the block's output; the others
-    are computed whole on every tensor-parallel rank."""
-    points = sorted(measured.items())
-    if not points:
-        raise ValueError("no measured blocks: profile the model at >= 1 micro-batch size")
-    if len({len(blocks) for _, blocks in points}) != 1:
-        raise ValueError("the measured profiles disagree on the number of blocks")
-    sharded = frozenset(tp_blocks)
+    are computed whole on every tensor-parallel rank. `measured_split` holds the same
+    blocks with the backward timed as two passes (for zero-bubble schedules)."""
 
-    def costs(b: int, tp: int, sp: bool) -> list[BlockCost]:
-        del sp
-        return [
-            _at([(size, blocks[i]) for size, blocks in points], b, tp if i in sharded else 1)
-            for i in range(len(points[0][1]))
-        ]
+    def builder(source: Mapping[int, Sequence[BlockCost]]) -> BlockCosts:
+        points = sorted(source.items())
+        if not points:
+            raise ValueError("no measured blocks: profile the model at >= 1 micro-batch size")
+        if len({len(blocks) for _, blocks in points}) != 1:
+            raise ValueError("the measured profiles disagree on the number of blocks")
+        sharded = frozenset(tp_blocks)
 
+        def costs(b: int, tp: int, sp: bool) -> list[BlockCost]:
+            del sp
+            return [
+                _at([(size, blocks[i]) for size, blocks in points], b,
+                    tp if i in sharded else 1)
+                for i in range(len(points[0][1]))
+            ]  # fmt: skip
+
+        return costs
+
+    count = len(next(iter(measured.values()), ()))
     return ModelSpec(
-        name=name,
-        num_blocks=len(points[0][1]),
-        seq_len=seq_len,
-        num_heads=num_heads,
-        costs=costs,
-    )
+        name=name, num_blocks=count, seq_len=seq_len, num_heads=num_heads,
+        costs=builder(measured),
+        split_costs=builder(measured_split) if measured_split else None,
+    )  # fmt: skip
 
 
 _LINEAR = (

@@ -16,13 +16,20 @@ import torch.distributed as dist
 from torch import nn
 
 from plait.blocks import as_blocks
-from plait.cluster import Link, measured_cluster
+from plait.cluster import Cluster, Link, measured_cluster
 from plait.config import ParallelPlan
-from plait.plan import SearchSpace, scaled_spec, search
+from plait.plan import ModelSpec, SearchSpace, scaled_spec, search
 from plait.plan.io import plan_to_dict
 from plait.profile import block_costs, measured_device, profile_model
 
-__all__ = ["auto_plan", "core_share", "measure_collectives", "parallel_plan_from"]
+__all__ = [
+    "auto_plan",
+    "core_share",
+    "local_cluster",
+    "measure_collectives",
+    "measured_spec",
+    "parallel_plan_from",
+]
 
 
 def measure_collectives(*, repeats: int = 8) -> Link:
@@ -69,47 +76,38 @@ def parallel_plan_from(data: dict[str, Any]) -> ParallelPlan:
     )  # fmt: skip
 
 
-def _measure(
-    model: nn.Module, samples: list[tuple[Any, Any]], loss_fn: Any, device: Any, dtype: str
-) -> dict[int, list[Any]]:
-    """Block costs at each sample's micro-batch size."""
-    out = {}
-    for x, y in samples:
-        profile = profile_model(model, x, target=y, loss_fn=loss_fn, repeats=3)
-        out[int(x.shape[0])] = block_costs(profile.blocks, device, dtype, split=True)
-    return out
+_SPEED = 1e9  # any rate: measured seconds become FLOPs at it and back
 
 
-def _search(
+def measured_spec(
     model: nn.Module,
     samples: list[tuple[Any, Any]],
     loss_fn: Any,
     *,
     num_heads: int,
     seq_len: int,
-    world: int,
-    global_batch: int,
-    dtype: str,
-    link: Link,
-) -> dict[str, Any]:
-    speed = 1e9  # any rate: measured seconds become FLOPs at it and back
-    share = core_share(world)
-    device = measured_device(name="local-cpu", flops=speed, dtype=dtype, memory_bytes=2**34)
-    measured = _measure(model, samples, loss_fn, device, dtype)
+    dtype: str = "fp32",
+) -> ModelSpec:
+    """The planner's view of `model` from its blocks measured here, at each sample's
+    micro-batch size, with the full and the split backward."""
+    device = measured_device(name="local-cpu", flops=_SPEED, dtype=dtype, memory_bytes=2**34)
+    full, split = {}, {}
+    for x, y in samples:
+        profile = profile_model(model, x, target=y, loss_fn=loss_fn, repeats=3)
+        full[int(x.shape[0])] = block_costs(profile.blocks, device, dtype)
+        split[int(x.shape[0])] = block_costs(profile.blocks, device, dtype, split=True)
     sharded = [i for i, b in enumerate(as_blocks(model)) if hasattr(b, "tp_plan")]
     # with no block that shards, tensor parallelism is out: tp must divide 1
-    spec = scaled_spec(
-        "model", measured, seq_len=seq_len, num_heads=num_heads if sharded else 1, tp_blocks=sharded
-    )
-    cluster = measured_cluster(
-        name="local-workers",
-        flops={dtype: speed * share},
-        memory_bytes=2**34,
-        devices_per_node=world,
-        intra_node=link,
-    )
-    found = search(spec, cluster, global_batch=global_batch, space=SearchSpace(dtype=dtype))
-    return plan_to_dict(found.best, cluster=cluster.name)
+    return scaled_spec("model", full, seq_len=seq_len, num_heads=num_heads if sharded else 1,
+                       tp_blocks=sharded, measured_split=split)  # fmt: skip
+
+
+def local_cluster(world: int, link: Link, dtype: str = "fp32") -> Cluster:
+    """The local workers as the planner sees them: each gets its share of the cores."""
+    return measured_cluster(
+        name="local-workers", flops={dtype: _SPEED * core_share(world)}, memory_bytes=2**34,
+        devices_per_node=world, intra_node=link,
+    )  # fmt: skip
 
 
 def auto_plan(
@@ -129,16 +127,11 @@ def auto_plan(
     box: list[Any] = [None]
     if dist.get_rank() == 0:
         with torch.random.fork_rng():
-            box[0] = _search(
-                model,
-                samples,
-                loss_fn,
-                num_heads=num_heads,
-                seq_len=seq_len,
-                world=world,
-                global_batch=global_batch,
-                dtype=dtype,
-                link=link,
-            )
+            spec = measured_spec(model, samples, loss_fn, num_heads=num_heads,
+                                 seq_len=seq_len, dtype=dtype)  # fmt: skip
+            cluster = local_cluster(world, link, dtype)
+            found = search(spec, cluster, global_batch=global_batch,
+                           space=SearchSpace(dtype=dtype))  # fmt: skip
+            box[0] = plan_to_dict(found.best, cluster=cluster.name)
     dist.broadcast_object_list(box, src=0)
     return dict(box[0])
