@@ -15,17 +15,18 @@ HetPipe's wave-synchronous staleness); the batch shares are whole micro-batches.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from plait.cluster import Cluster
-from plait.cost import StageCost
+from plait.cluster import Cluster, Device
+from plait.cost import BlockCost, StageCost
 from plait.plan.estimate import inflight
-from plait.plan.partition import partition_blocks
+from plait.plan.partition import Partition, partition_blocks
 from plait.plan.space import ModelSpec
 from plait.sim import SimPlan, build_schedule
 from plait.sim.replica import ReplicaRun, simulate_replica
 
-__all__ = ["HeteroPlan", "Replica", "plan_replicas", "shares"]
+__all__ = ["HeteroPlan", "Replica", "plan_replicas", "shares", "split_replica"]
 
 
 @dataclass(frozen=True)
@@ -80,47 +81,36 @@ def shares(total: int, throughputs: list[float]) -> list[int]:
     return counts
 
 
+def split_replica(
+    plan: SimPlan, blocks: Sequence[BlockCost], cluster: Cluster, dp_rank: int = 0
+) -> tuple[list[Device], Partition]:
+    """The devices of replica `dp_rank`'s stages and the fastest split of `blocks` over
+    them within their memory (raises ValueError, naming the stage, when none fits)."""
+    k = plan.pp * plan.num_chunks
+    devices = [cluster.device(plan.global_rank(s % plan.pp, dp_rank)) for s in range(k)]
+    held = [inflight(plan.schedule, plan.pp, plan.num_microbatches, plan.num_chunks, s % plan.pp)
+            for s in range(k)]  # fmt: skip
+    part = partition_blocks(
+        blocks, devices, dtype=plan.dtype, recompute=plan.recompute,
+        inflight=[max(1, round(h)) for h in held], zero_stage=plan.zero_stage, dp=plan.dp,
+        optimizer=plan.optimizer,
+    )  # fmt: skip
+    return devices, part
+
+
 def plan_replicas(plan: SimPlan, model: ModelSpec, cluster: Cluster) -> HeteroPlan:
     """Partition each replica by its devices, share the batch by throughput, simulate.
 
     `plan.num_microbatches` is read as the micro-batches of one replica in an equal split,
     so the total is dp × that."""
     blocks = model.blocks_for(plan)
-    stages = plan.pp * plan.num_chunks
-    splits = []
-    for d in range(plan.dp):
-        devices = [cluster.device(plan.global_rank(s % plan.pp, d)) for s in range(stages)]
-        counts = [
-            max(
-                1,
-                round(
-                    inflight(
-                        plan.schedule, plan.pp, plan.num_microbatches, plan.num_chunks, s % plan.pp
-                    )
-                ),
-            )
-            for s in range(stages)
-        ]
-        part = partition_blocks(
-            blocks,
-            devices,
-            dtype=plan.dtype,
-            recompute=plan.recompute,
-            inflight=counts,
-            zero_stage=plan.zero_stage,
-            dp=plan.dp,
-            optimizer=plan.optimizer,
-        )
-        splits.append((devices, part))
+    splits = [split_replica(plan, blocks, cluster, d) for d in range(plan.dp)]
     total = plan.num_microbatches * plan.dp
     counts = shares(total, [1.0 / part.bottleneck_s for _, part in splits])
     replicas = []
     for d, ((devices, part), m) in enumerate(zip(splits, counts, strict=True)):
         mine = replace(plan, num_microbatches=m)
-        stage_list, start = [], 0
-        for size in part.sizes:
-            stage_list.append(StageCost(tuple(blocks[start : start + size])))
-            start += size
+        stage_list = [StageCost(tuple(s)) for s in part.split(list(blocks))]
         run = simulate_replica(build_schedule(mine, check=False), stage_list, cluster, mine, d)
         kinds = tuple(dev.name for dev in devices[: plan.pp])
         replicas.append(Replica(d, kinds, tuple(part.sizes), m, part.bottleneck_s, run))

@@ -19,9 +19,8 @@ from dataclasses import dataclass
 
 from plait.cluster import Cluster
 from plait.cost import StageCost
-from plait.plan.estimate import Estimate, Estimator, inflight
-from plait.plan.hetero import HeteroPlan, plan_replicas
-from plait.plan.partition import Partition, partition_blocks
+from plait.plan.estimate import Estimate, Estimator
+from plait.plan.hetero import HeteroPlan, plan_replicas, split_replica
 from plait.plan.space import ModelSpec, SearchSpace, candidates
 from plait.sim import SimPlan, SimResult, build_schedule, simulate
 
@@ -109,37 +108,12 @@ def describe(plan: SimPlan) -> str:
 def _exact(plan: SimPlan, model: ModelSpec, cluster: Cluster) -> RankedPlan | Rejection:
     """Partition exactly under memory caps, then simulate."""
     blocks = model.blocks_for(plan)
-    stages = plan.pp * plan.num_chunks
-    devices = [cluster.device(plan.global_rank(s % plan.pp)) for s in range(stages)]
-    counts = [
-        max(
-            1,
-            round(
-                inflight(
-                    plan.schedule, plan.pp, plan.num_microbatches, plan.num_chunks, s % plan.pp
-                )
-            ),
-        )
-        for s in range(stages)
-    ]
     try:
-        part: Partition = partition_blocks(
-            blocks,
-            devices,
-            dtype=plan.dtype,
-            recompute=plan.recompute,
-            inflight=counts,
-            zero_stage=plan.zero_stage,
-            dp=plan.dp,
-            optimizer=plan.optimizer,
-        )
-        sizes = tuple(part.sizes)
+        part = split_replica(plan, blocks, cluster)[1]
     except ValueError as err:
         return Rejection(plan, f"no stage split fits in memory: {err}", _excess(str(err)))
-    stage_list, start = [], 0
-    for size in sizes:
-        stage_list.append(StageCost(tuple(blocks[start : start + size])))
-        start += size
+    sizes = tuple(part.sizes)
+    stage_list = [StageCost(tuple(s)) for s in part.split(list(blocks))]
     result = simulate(build_schedule(plan, check=False), stage_list, cluster, plan)
     if not result.fits:
         worst = max(result.overflows, key=lambda o: o.excess_bytes)
