@@ -95,6 +95,27 @@ def _fp16_overflow_is_skipped() -> None:
     assert any(not torch.equal(p.detach(), b) for p, b in zip(engine.params, before, strict=True))
 
 
+def _zero1_adamw_matches() -> None:
+    """ZeRO-1 shards AdamW's state; the weights after each step equal one process's."""
+    model = _model()
+    ref = copy.deepcopy(model)
+    plan = ParallelPlan(dp=2, pp=2, microbatches=2, zero=1)
+
+    def adamw(ps: object) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)  # type: ignore[arg-type]
+
+    engine = parallelize(model, plan, adamw, GPT.loss, device="cpu")
+    ref_opt = adamw(ref.parameters())
+    for step in range(3):
+        x, y = _batch(step)
+        ref_opt.zero_grad()
+        ref_loss = GPT.loss(ref(x), y)
+        ref_loss.backward()
+        ref_opt.step()
+        report = engine.step((x, y))
+        torch.testing.assert_close(torch.tensor(report.loss), ref_loss.detach(), **TOL)
+
+
 def _features(rank: int, world: int) -> None:
     torch.use_deterministic_algorithms(True)
     for plan in [
@@ -117,6 +138,7 @@ def _features(rank: int, world: int) -> None:
         ParallelPlan(dp=2, tp=1, pp=2, microbatches=2, schedule="gpipe", zero=1),
     ]:
         _clipped_sequence_parallel(plan)
+    _zero1_adamw_matches()
     _bf16_loss_falls()
     _fp16_overflow_is_skipped()
 

@@ -220,11 +220,17 @@ def _optimizer(
             "zero=1 with tp > 1 is not supported (torch's ZeroRedundancyOptimizer takes plain "
             "tensors): use zero=2 or zero=3, which shard optimizer state too, or tp=1"
         )
+    import inspect
+
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
+    # `defaults` may hold entries the constructor does not take (AdamW's
+    # decoupled_weight_decay): pass on only the constructor's own arguments
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    settings = {k: v for k, v in optimizer.defaults.items() if k in accepted}
     return ZeroRedundancyOptimizer(
         params,
         optimizer_class=type(optimizer),
         process_group=mesh.get_group("dp"),
-        **optimizer.defaults,
+        **settings,
     )
