@@ -37,6 +37,41 @@ class _Bucket:
     ready: int = 0
     flat: torch.Tensor | None = None
     work: Any = None
+    # plain-tensor buckets keep one buffer whose slices are the parameters' gradients
+    # (DDP's gradient_as_bucket_view): autograd accumulates into it, nothing is copied
+    storage: torch.Tensor | None = None
+    views: list[torch.Tensor] | None = None
+
+    def attach(self) -> None:
+        """Make each gradient a slice of the bucket's buffer (plain tensors of one dtype)."""
+        if any(hasattr(p, "to_local") for p in self.params):
+            return
+        if len({(p.dtype, p.device) for p in self.params}) != 1:
+            return
+        first = self.params[0]
+        self.storage = torch.zeros(
+            sum(p.numel() for p in self.params), dtype=first.dtype, device=first.device
+        )
+        self.views, offset = [], 0
+        for p in self.params:
+            self.views.append(self.storage[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+        self.zero()
+
+    def zero(self) -> None:
+        if self.storage is None or self.views is None:
+            for p in self.params:
+                p.grad = None
+            return
+        self.storage.zero_()
+        for p, view in zip(self.params, self.views, strict=True):
+            p.grad = view
+
+    def attached(self) -> bool:
+        """Whether every gradient is still its slice of the buffer."""
+        return self.views is not None and all(
+            p.grad is v for p, v in zip(self.params, self.views, strict=True)
+        )
 
 
 @dataclass
@@ -66,6 +101,7 @@ class GradReducer:
             buckets = _make_buckets(list(reversed(trainable)), bucket_bytes)
             state = _StageBuckets(buckets)
             for bucket in buckets:
+                bucket.attach()
                 for p in bucket.params:
                     state.bucket_of[id(p)] = bucket
                     hook = p.register_post_accumulate_grad_hook(self._hook(state))  # type: ignore[no-untyped-call]
@@ -99,7 +135,19 @@ class GradReducer:
             if bucket.work is None and bucket.flat is None:
                 self._launch(bucket)
 
+    def zero_grad(self) -> None:
+        """Zero every gradient (in place where it is a view of a bucket)."""
+        for state in self.stages.values():
+            for bucket in state.buckets:
+                bucket.zero()
+
     def _launch(self, bucket: _Bucket) -> None:
+        if bucket.attached():
+            assert bucket.storage is not None
+            bucket.flat = bucket.storage.div_(self.world)
+            bucket.work = dist.all_reduce(bucket.flat, group=self.group, async_op=True)
+            self._launched.append(bucket)
+            return
         grads = []
         for p in bucket.params:
             g = p.grad
@@ -112,6 +160,9 @@ class GradReducer:
         for bucket in self._launched:
             bucket.work.wait()
             assert bucket.flat is not None
+            if bucket.flat is bucket.storage:  # the gradients are the buffer's slices
+                bucket.flat, bucket.work = None, None
+                continue
             offset = 0
             for p in bucket.params:
                 n = _local(p).numel()

@@ -59,5 +59,10 @@ class FSDPGradSync:
                 group.post_backward()
         state._root_post_backward_final_callback()
 
+    def zero_grad(self) -> None:
+        for module in self.stages.values():
+            assert isinstance(module, nn.Module)
+            module.zero_grad(set_to_none=True)
+
     def finish(self) -> None:
         """Reductions finish inside `after_backward`'s final callback."""

@@ -19,6 +19,10 @@ class GradSync(Protocol):
 
     def after_backward(self, stage: int, *, last: bool) -> None: ...
 
+    def zero_grad(self) -> None:
+        """Clear the gradients of every parameter it reduces, before a step."""
+        ...
+
     def finish(self) -> None:
         """Wait for every reduction launched this step; gradients are then final."""
         ...

@@ -99,6 +99,8 @@ class Engine:
             else None
         )
         self.optimizer.zero_grad(set_to_none=True)
+        if self.grad_sync is not None:  # after the optimizer: keeps bucket views alive
+            self.grad_sync.zero_grad()
         scale = self.scaler.scale if self.scaler is not None else 1.0
         result = self.executor.step(micro_in, micro_tg, loss_scale=scale)
         if self.grad_sync is not None:
