@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -219,7 +220,7 @@ def _max_diff(a: list[torch.Tensor | None], b: list[torch.Tensor | None]) -> flo
     return worst
 
 
-class _Runner:
+class _Runner(ABC):
     """One runtime's replica of the GPT on this rank, and its optimizer."""
 
     def __init__(self, config: DPBenchConfig, rank: int, device: torch.device) -> None:
@@ -238,10 +239,11 @@ class _Runner:
             return torch.optim.SGD(params, lr=self.config.lr)
         return torch.optim.AdamW(params, lr=self.config.lr)
 
+    @abstractmethod
     def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         """zero_grad, forward, backward, gradient reduction, optimizer step; the loss (plait:
         the global batch's, peers: this rank's share's)."""
-        raise NotImplementedError
+        ...
 
     def grads(self) -> list[torch.Tensor | None]:
         """Every parameter's whole gradient, in the model's parameter order."""

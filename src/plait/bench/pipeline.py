@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -240,7 +241,7 @@ def _batch(
     return ids[:, :-1].contiguous().to(device), ids[:, 1:].contiguous().to(device)
 
 
-class _Runner:
+class _Runner(ABC):
     """One runtime's copy of the model on this rank: its stages and their optimizer."""
 
     def __init__(self, config: PipelineBenchConfig, rank: int, device: torch.device) -> None:
@@ -271,8 +272,8 @@ class _Runner:
             torch.cuda.synchronize(device)
         return loss
 
-    def _pipeline_step(self, x: torch.Tensor, y: torch.Tensor) -> float | None:
-        raise NotImplementedError
+    @abstractmethod
+    def _pipeline_step(self, x: torch.Tensor, y: torch.Tensor) -> float | None: ...
 
 
 class _PlaitRunner(_Runner):
