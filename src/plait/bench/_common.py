@@ -18,6 +18,7 @@ __all__ = [
     "median",
     "print_json",
     "print_table",
+    "report",
     "single_thread",
     "timed",
 ]
@@ -106,3 +107,13 @@ def print_table(
     console.print(table)
     if footer:
         console.print(footer)
+
+
+def report(result: Any, *, as_json: bool, table: Callable[[Any], None]) -> int:
+    """Print a bench result (one JSON object, or `table`); exit 1 when the runtimes
+    compared did not compute the same losses."""
+    if as_json:
+        print_json(result.to_dict())
+    else:
+        table(result)
+    return 0 if result.loss_match else 1

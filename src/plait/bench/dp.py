@@ -362,11 +362,7 @@ def _config_from_args(args: argparse.Namespace) -> DPBenchConfig:
 
 def run(args: argparse.Namespace) -> int:
     result = run_bench(_config_from_args(args))
-    if args.json:
-        common.print_json(result.to_dict())
-    else:
-        _print_table(result)
-    return 0 if result.loss_match else 1
+    return common.report(result, as_json=args.json, table=_print_table)
 
 
 def _print_table(result: DPBenchResult) -> None:

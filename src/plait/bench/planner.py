@@ -71,17 +71,14 @@ def _predict(cfg: PlannerBenchConfig, model: Any, corpus: Any, link: Any) -> lis
     return [plan_to_dict(r) for r in _grid(cfg, spec, local_cluster(cfg.workers, link))]
 
 
-def _measure(cfg: PlannerBenchConfig, plan: dict[str, Any], corpus: Any) -> float:
-    """Median step time of `plan` trained with the real engine (a collective)."""
+def _model(cfg: PlannerBenchConfig, corpus: Any) -> Any:
+    """The benchmark's GPT, the same on every worker."""
     import torch
-    import torch.distributed as dist
 
     from plait.models import GPT, GPTConfig
-    from plait.train.autoplan import parallel_plan_from
-    from plait.train.engine import parallelize
 
     torch.manual_seed(0)
-    model = GPT(
+    return GPT(
         GPTConfig(
             vocab_size=corpus.vocab_size,
             seq_len=cfg.seq_len,
@@ -90,6 +87,18 @@ def _measure(cfg: PlannerBenchConfig, plan: dict[str, Any], corpus: Any) -> floa
             num_heads=cfg.heads,
         )
     )
+
+
+def _measure(cfg: PlannerBenchConfig, plan: dict[str, Any], corpus: Any) -> float:
+    """Median step time of `plan` trained with the real engine (a collective)."""
+    import torch
+    import torch.distributed as dist
+
+    from plait.models import GPT
+    from plait.train.autoplan import parallel_plan_from
+    from plait.train.engine import parallelize
+
+    model = _model(cfg, corpus)
     engine = parallelize(
         model,
         parallel_plan_from(plan),
@@ -111,13 +120,11 @@ def _measure(cfg: PlannerBenchConfig, plan: dict[str, Any], corpus: Any) -> floa
 
 
 def _worker(cfg: PlannerBenchConfig) -> dict[str, Any] | None:
-    import torch
     import torch.distributed as dist
 
     from plait.bench._common import single_thread
     from plait.data import stdlib_corpus
     from plait.mesh import init_worker
-    from plait.models import GPT, GPTConfig
     from plait.train.autoplan import measure_collectives
 
     single_thread()
@@ -126,16 +133,7 @@ def _worker(cfg: PlannerBenchConfig) -> dict[str, Any] | None:
     link = measure_collectives()
     box: list[Any] = [None]
     if env.rank == 0:
-        torch.manual_seed(0)
-        model = GPT(
-            GPTConfig(
-                vocab_size=corpus.vocab_size,
-                seq_len=cfg.seq_len,
-                num_layers=cfg.layers,
-                hidden=cfg.hidden,
-                num_heads=cfg.heads,
-            )
-        )
+        model = _model(cfg, corpus)
         t0 = time.perf_counter()
         box[0] = (_predict(cfg, model, corpus, link), time.perf_counter() - t0)
     dist.broadcast_object_list(box, src=0)

@@ -29,6 +29,7 @@ __all__ = [
     "all_reduce_time",
     "all_to_all_time",
     "collective_time",
+    "dp_sync_time",
     "group_collective_time",
     "p2p_time",
     "reduce_scatter_time",
@@ -132,3 +133,24 @@ def group_collective_time(cluster: Cluster, ranks: Sequence[int], collective: Co
     """Seconds a collective takes over global `ranks`, on the group's bottleneck link
     (`Cluster.group_link`: inter-node as soon as the group spans nodes)."""
     return collective_time(collective, len(set(ranks)), cluster.group_link(ranks))
+
+
+# what data parallelism communicates per step, by ZeRO stage (Rajbhandari et al. 2020)
+_DP_COLLECTIVES: dict[int, tuple[CollectiveKind, ...]] = {
+    0: ("all_reduce",),
+    1: ("reduce_scatter", "all_gather"),
+    2: ("reduce_scatter", "all_gather"),
+    3: ("reduce_scatter",),
+}
+
+
+def dp_sync_time(num_bytes: float, *, zero_stage: int, dp: int, link: Link) -> float:
+    """Seconds of the gradient reduction of `num_bytes` of parameters over `dp` ranks: an
+    all-reduce; with ZeRO-1/2 a reduce-scatter plus the all-gather of the updated
+    weights; with ZeRO-3 only the reduce-scatter (its gathers happen per micro-batch)."""
+    if dp == 1:
+        return 0.0
+    return sum(
+        collective_time(Collective(kind=k, num_bytes=num_bytes), dp, link)
+        for k in _DP_COLLECTIVES[zero_stage]
+    )

@@ -23,22 +23,15 @@ from plait.cluster import Cluster, Link, dtype_bytes
 from plait.cost import (
     BlockCost,
     Collective,
-    CollectiveKind,
     StageCost,
     collective_time,
+    dp_sync_time,
     model_state_bytes,
     optimizer_step_time,
 )
 from plait.sim import SimPlan
 
 __all__ = ["Estimate", "Estimator", "RankProfile", "balanced_sizes", "estimate", "inflight"]
-
-_DP_KINDS: dict[int, tuple[CollectiveKind, ...]] = {
-    0: ("all_reduce",),
-    1: ("reduce_scatter", "all_gather"),
-    2: ("reduce_scatter", "all_gather"),
-    3: ("reduce_scatter",),
-}
 
 
 @dataclass(frozen=True)
@@ -262,15 +255,10 @@ def estimate(plan: SimPlan, profile: RankProfile, est: Estimator) -> Estimate:
         fill -= float(profile.backward_weight_s.sum()) / p * (p - 1)
     p2p = 2 * (p - 1) * v * est.link(plan, "pp").time(profile.activation_bytes) if p > 1 else 0.0
     pipeline = (m - 1) * float(work.max()) + max(fill, 0.0) + p2p
-    dp_sync = 0.0
-    if plan.dp > 1:
-        size = float(profile.params[0]) * pbytes
-        link = est.link(plan, "dp")
-        kinds: tuple[CollectiveKind, ...] = _DP_KINDS[plan.zero_stage]
-        dp_sync = sum(
-            (collective_time(Collective(kind=k, num_bytes=size), plan.dp, link) for k in kinds),
-            0.0,
-        )
+    dp_sync = dp_sync_time(
+        float(profile.params[0]) * pbytes, zero_stage=plan.zero_stage, dp=plan.dp,
+        link=est.link(plan, "dp"),
+    )  # fmt: skip
     opt = optimizer_step_time(
         float(profile.params.max()),
         est.device,

@@ -24,9 +24,9 @@ from plait.cluster import Cluster, Device, Link, dtype_bytes
 from plait.cost import (
     BlockCost,
     Collective,
-    CollectiveKind,
     StageCost,
     collective_time,
+    dp_sync_time,
     model_state_bytes,
     optimizer_step_time,
 )
@@ -35,14 +35,6 @@ from plait.sim.plan import SimPlan
 from plait.sim.result import MemoryUse, RankReport, TimelineEvent
 
 __all__ = ["ReplicaRun", "signature", "simulate_replica"]
-
-
-_DP_COLLECTIVES: dict[int, tuple[CollectiveKind, ...]] = {
-    0: ("all_reduce",),
-    1: ("reduce_scatter", "all_gather"),
-    2: ("reduce_scatter", "all_gather"),
-    3: ("reduce_scatter",),
-}
 
 
 @dataclass
@@ -129,17 +121,10 @@ class _Replica:
         return {Op.SEND_F: forward, Op.SEND_B: backward}
 
     def dp_sync_time(self, stage: int) -> float:
-        """Gradient reduction of one stage over its data-parallel group: all-reduce; with
-        ZeRO-1/2 reduce-scatter plus all-gather of the updated weights; ZeRO-3 only the
-        reduce-scatter (its gathers happen per micro-batch)."""
-        plan = self.plan
-        if plan.dp == 1:
-            return 0.0
-        size = self._param_bytes(stage)
+        """Gradient reduction of one stage over its data-parallel group (`dp_sync_time`)."""
         link = self.dp_links[self.s.stage_to_rank[stage]]
-        kinds = _DP_COLLECTIVES[plan.zero_stage]
-        return sum(
-            collective_time(Collective(kind=k, num_bytes=size), plan.dp, link) for k in kinds
+        return dp_sync_time(
+            self._param_bytes(stage), zero_stage=self.plan.zero_stage, dp=self.plan.dp, link=link
         )
 
     def run(self) -> ReplicaRun:
