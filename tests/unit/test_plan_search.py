@@ -247,3 +247,11 @@ def test_plan_cli_json_and_plan_file(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert replayed["step_time_s"] == pytest.approx(best["predicted"]["step_time_s"], rel=1e-6)
     assert replayed["fits"] is True
     assert main(["plan", "--cluster", "dgx-a100-80gb", "--global-batch", "0"]) == 2
+
+
+def test_memory_shortfall_carries_the_excess() -> None:
+    from plait.plan import MemoryShortfall, partition
+
+    with pytest.raises(MemoryShortfall) as err:
+        partition([1.0, 1.0, 1.0], 2, static_bytes=[10.0, 10.0, 10.0], memory_caps=[12.0, 12.0])
+    assert err.value.excess_bytes == pytest.approx(8.0)  # best split puts 20 bytes on a stage

@@ -1,10 +1,11 @@
 """Planning: partition blocks into balanced stages, search layouts, explain the choice."""
 
-from plait.plan.partition import Partition, partition, partition_blocks
+from plait.plan.partition import MemoryShortfall, Partition, partition, partition_blocks
 from plait.plan.search import NoFeasiblePlan, PlanSearch, RankedPlan, Rejection, describe, search
 from plait.plan.space import ModelSpec, SearchSpace, candidates, degrees, gpt_spec, scaled_spec
 
 __all__ = [
+    "MemoryShortfall",
     "ModelSpec",
     "NoFeasiblePlan",
     "Partition",

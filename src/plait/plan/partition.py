@@ -26,7 +26,7 @@ from typing import TypeVar
 from plait.cluster import Device
 from plait.cost import BlockCost, Optimizer, Recompute, model_state_bytes
 
-__all__ = ["Partition", "partition", "partition_blocks"]
+__all__ = ["MemoryShortfall", "Partition", "partition", "partition_blocks"]
 
 _T = TypeVar("_T")
 Segment = Callable[[int, int, int], float]  # (stage, first block, end block) -> value
@@ -161,18 +161,29 @@ def partition(
     )
 
 
+class MemoryShortfall(ValueError):
+    """No split fits the memory caps; `excess_bytes` is how far the best one is over."""
+
+    def __init__(self, message: str, *, stage: int, excess_bytes: float) -> None:
+        super().__init__(message)
+        self.stage = stage
+        self.excess_bytes = excess_bytes
+
+
 def _raise_memory(n: int, k: int, memory: Segment, caps: list[float]) -> None:
     """Explain infeasibility with the split that needs the least memory relative to caps."""
     cuts = _minimax(n, k, lambda i, a, b: memory(i, a, b) / caps[i], lambda i, a, b: True)
     pairs = list(pairwise(cuts))
     stage = max(range(k), key=lambda i: memory(i, *pairs[i]) / caps[i])
     need = memory(stage, *pairs[stage])
-    raise ValueError(
+    raise MemoryShortfall(
         f"no split of {n} blocks into {k} stages fits the memory caps: even the split that "
         f"needs least memory puts {need:.4g} bytes on stage {stage} (blocks "
         f"{pairs[stage][0]}..{pairs[stage][1] - 1}), whose cap is {caps[stage]:.4g}: "
         f"{need - caps[stage]:.4g} bytes over. Use more stages, recomputation, ZeRO, or "
-        "devices with more memory"
+        "devices with more memory",
+        stage=stage,
+        excess_bytes=need - caps[stage],
     )
 
 

@@ -21,6 +21,7 @@ from plait.cluster import Cluster
 from plait.cost import StageCost
 from plait.plan.estimate import Estimate, Estimator
 from plait.plan.hetero import HeteroPlan, plan_replicas, split_replica
+from plait.plan.partition import MemoryShortfall
 from plait.plan.space import ModelSpec, SearchSpace, candidates
 from plait.sim import SimPlan, SimResult, build_schedule, simulate
 
@@ -111,7 +112,7 @@ def _exact(plan: SimPlan, model: ModelSpec, cluster: Cluster) -> RankedPlan | Re
     try:
         part = split_replica(plan, blocks, cluster)[1]
     except ValueError as err:
-        return Rejection(plan, f"no stage split fits in memory: {err}", _excess(str(err)))
+        return Rejection(plan, f"no stage split fits in memory: {err}", _excess(err))
     sizes = tuple(part.sizes)
     stage_list = [StageCost(tuple(s)) for s in part.split(list(blocks))]
     result = simulate(build_schedule(plan, check=False), stage_list, cluster, plan)
@@ -126,7 +127,7 @@ def _exact_hetero(plan: SimPlan, model: ModelSpec, cluster: Cluster) -> RankedPl
     try:
         het = plan_replicas(plan, model, cluster)
     except ValueError as err:
-        return Rejection(plan, str(err), _excess(str(err)))
+        return Rejection(plan, str(err), _excess(err))
     worst = max(
         het.replicas, key=lambda r: max(x.memory.total - x.capacity_bytes for x in r.run.ranks)
     )
@@ -187,12 +188,9 @@ def _with_margin(ranked: RankedPlan, margin: float) -> RankedPlan | Rejection:
     )
 
 
-def _excess(message: str) -> float:
-    """The bytes a partitioner error reports over (0 when it names none)."""
-    import re
-
-    found = re.search(r"([0-9.]+) GiB over", message)
-    return float(found.group(1)) * _GIB if found else 0.0
+def _excess(err: ValueError) -> float:
+    """How many bytes over memory a failed split was (0 for other errors)."""
+    return err.excess_bytes if isinstance(err, MemoryShortfall) else 0.0
 
 
 def search(
