@@ -37,7 +37,8 @@ class Saved:
     param_groups: list[dict[str, Any]] | None = None
     output_grads: list[torch.Tensor] | None = None
     full_in_weight_pass: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
+    # which output leaves carry a gradient (the peer sends one for every floating leaf)
+    output_requires: list[bool] = field(default_factory=list)
 
 
 def _input_grads(saved: Saved) -> list[torch.Tensor | None]:

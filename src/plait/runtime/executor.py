@@ -282,8 +282,11 @@ class PipelineExecutor:
             return wait
         out_leaves = flatten(out)
         grad_leaves = [t for t in out_leaves if t.requires_grad]
-        state.saved[(s, m)] = Saved(leaves if s > 0 else [], grad_leaves)
-        state.saved[(s, m)].extra["requires"] = [t.requires_grad for t in out_leaves]
+        state.saved[(s, m)] = Saved(
+            leaves if s > 0 else [],
+            grad_leaves,
+            output_requires=[t.requires_grad for t in out_leaves],
+        )
         detached = [t.detach() for t in out_leaves]
         if self.schedule.stage_to_rank[s + 1] == self.rank:
             state.local[(Op.F, s + 1, m)] = unflatten(self._meta[s + 1], detached)
@@ -303,7 +306,7 @@ class PipelineExecutor:
             grads, wait = self._take(state, (Op.RECV_B, s, m))
         # gradients arrive for every floating output; keep those of outputs that need one
         floating = self._meta[s + 1].grad_indices()
-        requires = state.saved[(s, m)].extra["requires"]
+        requires = state.saved[(s, m)].output_requires
         return [g for g, i in zip(grads, floating, strict=True) if requires[i]], wait
 
     def _backward(self, state: _StepState, a: Action) -> float:
