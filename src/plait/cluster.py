@@ -132,18 +132,40 @@ LOCAL = Link(latency_s=0.0, bandwidth_Bps=math.inf)
 
 @dataclass(frozen=True, kw_only=True)
 class NodeGroup:
-    """`num_nodes` identical nodes, each with `devices_per_node` devices on `intra_node`."""
+    """`num_nodes` identical nodes, each with `devices_per_node` devices on `intra_node`.
+
+    `processors`: the devices of a node time-share this many processors, device i running
+    on processor i mod `processors` (CPU workers outnumbering the cores they are pinned to,
+    see `plait.mesh.cpu_cores_for`); None when every device computes on its own.
+    `sharing_efficiency`: the share of a processor's speed its devices keep while they
+    time-share it (context switches and cache refills cost the rest; measured, see
+    `plait.bench.sim_accuracy`).
+    """
 
     device: Device
     devices_per_node: int
     intra_node: Link
     num_nodes: int = 1
+    processors: int | None = None
+    sharing_efficiency: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("devices_per_node", "num_nodes"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"node group {self.device.name!r}: {name}={value!r} must be >= 1")
+        if self.processors is not None and not (
+            isinstance(self.processors, int) and self.processors >= 1
+        ):
+            raise ValueError(
+                f"node group {self.device.name!r}: processors={self.processors!r} must be an "
+                "integer >= 1, or None when each device has its own"
+            )
+        if not 0.0 < self.sharing_efficiency <= 1.0:
+            raise ValueError(
+                f"node group {self.device.name!r}: sharing_efficiency={self.sharing_efficiency} "
+                "must be in (0, 1]"
+            )
 
     @property
     def num_devices(self) -> int:
@@ -159,6 +181,7 @@ class Cluster:
     inter_node: Link
     _node_of: tuple[int, ...] = field(init=False, repr=False, compare=False)
     _group_of: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    _processor_of: tuple[int, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.groups:
@@ -166,14 +189,19 @@ class Cluster:
         object.__setattr__(self, "groups", tuple(self.groups))
         node_of: list[int] = []
         group_of: list[int] = []
+        processor_of: list[int] = []
         node = 0
         for g_index, group in enumerate(self.groups):
+            per_node = group.devices_per_node
             for _ in range(group.num_nodes):
-                node_of += [node] * group.devices_per_node
-                group_of += [g_index] * group.devices_per_node
+                node_of += [node] * per_node
+                group_of += [g_index] * per_node
+                base = len(processor_of)  # processors are numbered by their node's first device
+                processor_of += [base + i % (group.processors or per_node) for i in range(per_node)]
                 node += 1
         object.__setattr__(self, "_node_of", tuple(node_of))
         object.__setattr__(self, "_group_of", tuple(group_of))
+        object.__setattr__(self, "_processor_of", tuple(processor_of))
 
     @property
     def num_devices(self) -> int:
@@ -198,6 +226,21 @@ class Cluster:
         """The node index that global rank `rank` sits on."""
         self._check_rank(rank)
         return self._node_of[rank]
+
+    def sharing_efficiency(self, rank: int) -> float:
+        """What is left of a processor's speed while devices time-share it (1.0: ideal)."""
+        self._check_rank(rank)
+        return self.groups[self._group_of[rank]].sharing_efficiency
+
+    def processor(self, rank: int) -> int:
+        """The processor global rank `rank` computes on (ranks that share one time-share it)."""
+        self._check_rank(rank)
+        return self._processor_of[rank]
+
+    @property
+    def shares_processors(self) -> bool:
+        """Whether some devices time-share a processor (see `NodeGroup.processors`)."""
+        return len(set(self._processor_of)) < self.num_devices
 
     def device(self, rank: int) -> Device:
         """The device of global rank `rank`."""

@@ -8,8 +8,12 @@ measured best, the pick's measured throughput as a fraction of the best
 (`pick_fraction_of_best`) and the Spearman rank correlation between predicted and
 measured step times (`rank_correlation`). Target: the pick reaches 90% of the best.
 
-Four workers share this machine's cores, so the planner's local devices run at the
-speed of a core divided among the workers that share it (see plait.train.autoplan).
+Four workers share this machine's two cores, pinned two to a core; the planner's local
+cluster says so, and the simulator shares each core among the workers computing on it.
+Workers time-sharing a core also lose speed to switching and cache refills, so first a
+reference plan outside the grid (a 1F1B pipeline over all workers, with twice the grid's
+largest micro-batch count) is measured, and the sharing efficiency that reproduces it
+(`plait.train.autoplan.fit_sharing_efficiency`) is used for every prediction.
 """
 
 from __future__ import annotations
@@ -60,15 +64,31 @@ def _grid(cfg: PlannerBenchConfig, spec: Any, cluster: Any) -> list[Any]:
     return found
 
 
-def _predict(cfg: PlannerBenchConfig, model: Any, corpus: Any, link: Any) -> list[dict[str, Any]]:
+def _spec(cfg: PlannerBenchConfig, model: Any, corpus: Any) -> Any:
     from plait.models import GPT
-    from plait.plan.io import plan_to_dict
-    from plait.train.autoplan import local_cluster, measured_spec
+    from plait.train.autoplan import measured_spec
 
     sizes = sorted({1, cfg.batch_size // cfg.workers})
     samples = [corpus.batch(0, b, cfg.seq_len) for b in sizes]
-    spec = measured_spec(model, samples, GPT.loss, num_heads=cfg.heads, seq_len=cfg.seq_len)
-    return [plan_to_dict(r) for r in _grid(cfg, spec, local_cluster(cfg.workers, link))]
+    return measured_spec(model, samples, GPT.loss, num_heads=cfg.heads, seq_len=cfg.seq_len)
+
+
+def _reference(cfg: PlannerBenchConfig, spec: Any, cluster: Any) -> dict[str, Any] | None:
+    """The plan that measures how well workers time-share a core (none when each has
+    one): a pipeline over all workers, 1F1B, with more micro-batches than the grid's."""
+    from plait.plan import SearchSpace, search
+    from plait.plan.io import plan_to_dict
+
+    m = 2 * max(cfg.microbatch_counts)
+    if not cluster.shares_processors or cfg.batch_size % m:
+        return None
+    space = SearchSpace(schedules=("1f1b",), recompute=("none",), zero_stages=(0,), chunks=(),
+                        micro_batch_sizes=(cfg.batch_size // m,), sequence_parallel=(False,),
+                        dtype="fp32")  # fmt: skip
+    found = search(spec, cluster, global_batch=cfg.batch_size, space=space, top_k=1000,
+                   exact_limit=10**6, memory_margin=0.0)  # fmt: skip
+    pipeline = [r for r in found.ranked if r.plan.pp == cfg.workers]
+    return plan_to_dict(pipeline[0]) if pipeline else None
 
 
 def _model(cfg: PlannerBenchConfig, corpus: Any) -> Any:
@@ -120,12 +140,15 @@ def _measure(cfg: PlannerBenchConfig, plan: dict[str, Any], corpus: Any) -> floa
 
 
 def _worker(cfg: PlannerBenchConfig) -> dict[str, Any] | None:
+    """Profile (rank 0), measure the reference plan (all), fit the sharing efficiency and
+    predict the grid (rank 0), then measure every plan of the grid (all)."""
     import torch.distributed as dist
 
     from plait.bench._common import single_thread
     from plait.data import stdlib_corpus
     from plait.mesh import init_worker
-    from plait.train.autoplan import measure_collectives
+    from plait.plan.io import plan_to_dict
+    from plait.train.autoplan import fit_sharing_efficiency, local_cluster, measure_collectives
 
     single_thread()
     env, _ = init_worker()
@@ -133,15 +156,28 @@ def _worker(cfg: PlannerBenchConfig) -> dict[str, Any] | None:
     link = measure_collectives()
     box: list[Any] = [None]
     if env.rank == 0:
-        model = _model(cfg, corpus)
         t0 = time.perf_counter()
-        box[0] = (_predict(cfg, model, corpus, link), time.perf_counter() - t0)
+        spec, cluster = _spec(cfg, _model(cfg, corpus), corpus), local_cluster(cfg.workers, link)
+        box[0] = _reference(cfg, spec, cluster)
+        spent = time.perf_counter() - t0
     dist.broadcast_object_list(box, src=0)
-    plans, plan_seconds = box[0]
+    reference = box[0]
+    reference_s = _measure(cfg, reference, corpus) if reference else None
+    if env.rank == 0:
+        t0, efficiency = time.perf_counter(), 1.0
+        if reference and reference_s:
+            efficiency = fit_sharing_efficiency(spec, cluster, reference, reference_s,
+                                                global_batch=cfg.batch_size)  # fmt: skip
+        cluster = local_cluster(cfg.workers, link, sharing_efficiency=efficiency)
+        plans = [plan_to_dict(r) for r in _grid(cfg, spec, cluster)]
+        box[0] = (plans, spent + time.perf_counter() - t0, efficiency)
+    dist.broadcast_object_list(box, src=0)
+    plans, plan_seconds, efficiency = box[0]
     measured = [_measure(cfg, plan, corpus) for plan in plans]
     if env.rank != 0:
         return None
-    return {"plans": plans, "measured": measured, "plan_seconds": plan_seconds}
+    return {"plans": plans, "measured": measured, "plan_seconds": plan_seconds,
+            "sharing_efficiency": efficiency, "reference_step_s": reference_s}  # fmt: skip
 
 
 def _spearman(a: list[float], b: list[float]) -> float:
@@ -185,6 +221,8 @@ def run_bench(cfg: PlannerBenchConfig) -> dict[str, Any]:
         "pick_fraction_of_best": measured[best] / measured[pick],
         "rank_correlation": _spearman(predicted, measured),
         "plan_seconds": out["plan_seconds"],
+        "sharing_efficiency": out["sharing_efficiency"],
+        "reference_step_s": out["reference_step_s"],
     }
 
 

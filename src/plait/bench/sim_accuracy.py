@@ -14,14 +14,20 @@ each stage charged the overheads of posting the messages of its boundaries that 
 ranks (simulated sends do not occupy the sender), on a local-cpu cluster built from the
 calibration, and reports the relative error of each.
 
-CPU oversubscription: with more workers than cores (4 on 2) they time-share the cores,
-which the simulator (one device per rank) cannot see. The prediction then gives each
-rank the speed it would have under processor sharing: the mean over its busy time of
-min(1, cores / busy ranks) (`plait.trace.core_shares`), iterated to a fixed point, since
-slower ranks change who is busy when (idle ranks free their core: gloo waits block).
+CPU oversubscription: with more workers than cores (4 on 2), `plait.mesh.init_worker`
+pins worker i to core i mod cores, and the simulated node says so
+(`NodeGroup.processors`): the simulator then shares each core among the ranks computing
+on it at each moment (`plait.schedule.sharing`); idle ranks free their core (gloo waits
+block). Processes time-sharing a core lose part of its speed to switching and cache
+refills (their CPU time per step rose by 30-50% over the profile here, while two
+processes looping over the same blocks lost only 5%), so the simulated node's
+`sharing_efficiency` is measured: a reference plan outside the grid (1F1B, 6 micro-batches)
+runs first, and the efficiency under which the simulator reproduces it is used for every
+plan of that world size.
 
 Limits: other load on a shared machine disturbs measurements (the load average is shown);
-other per-action overheads of the executor are not modelled; processor sharing is a mean.
+other per-action overheads of the executor are not modelled; the kernel's scheduler shares
+a core in time slices, not continuously.
 """
 
 from __future__ import annotations
@@ -35,12 +41,12 @@ from pathlib import Path
 from typing import Any
 
 from plait.bench import _common as common
+from plait.bench.accuracy_model import device, fit_efficiency, predict
 
 __all__ = ["AccuracyConfig", "PlanRun", "add_arguments", "run", "run_bench"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 _TIMES = ("forward_s", "backward_s", "backward_input_s", "backward_weight_s")
-_BUSY = ("F", "B", "BI", "BW", "optimizer")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,7 +103,6 @@ class PlanRun:
     measured_s: float = 0.0
     predicted_s: float = 0.0
     predicted_bubble: float = 0.0
-    speeds: tuple[float, ...] = ()
     step_times_s: tuple[float, ...] = ()
     measured: tuple[Any, ...] = field(default=(), repr=False)  # spans of the last step
     predicted: tuple[Any, ...] = field(default=(), repr=False)
@@ -143,87 +148,17 @@ def _profile(config: AccuracyConfig) -> dict[str, Any]:
             "flops": matmul_flops(num_threads=1)}  # fmt: skip
 
 
-def _device(cal: dict[str, Any], speed: float = 1.0) -> Any:
-    from plait.profile import measured_device
-
-    return measured_device(name=f"cpu core × {speed:.3f}", flops=cal["flops"] * speed,
-                           memory_bytes=1 << 40,  # this bench checks time, not memory
-                           memory_bandwidth_Bps=cal["memory_bandwidth_Bps"] * speed)  # fmt: skip
-
-
 def _plans(config: AccuracyConfig, world: int, cal: dict[str, Any]) -> list[PlanRun]:
     from plait.plan import partition_blocks
     from plait.profile import BlockProfile
 
-    costs = [BlockProfile.from_dict(b).to_cost(_device(cal), "fp32") for b in cal["blocks"]]
+    costs = [BlockProfile.from_dict(b).to_cost(device(cal), "fp32") for b in cal["blocks"]]
     runs = []
     for schedule in config.schedules:
         chunks = 2 if schedule == "interleaved" else 1
-        cut = partition_blocks(costs, [_device(cal)] * (world * chunks), dtype="fp32")
+        cut = partition_blocks(costs, [device(cal)] * (world * chunks), dtype="fp32")
         runs += [PlanRun(schedule, world, m, chunks, cut.sizes) for m in config.microbatches]
     return runs
-
-
-def _stage_costs(cal: dict[str, Any], run: PlanRun, schedule: Any) -> list[Any]:
-    """The measured blocks cut into the plan's stages, costed as the runtime runs them: a
-    schedule with BI/BW pays the split backward's halves, except on the first stage (its
-    input needs no gradient: the runtime runs its whole backward as BW); each stage starts
-    with the overheads of posting the messages of its boundaries that cross ranks."""
-    from plait.cost import BlockCost, StageCost
-    from plait.profile import BlockProfile
-    from plait.schedule import Op
-
-    split = any(a.op is Op.BI for program in schedule.ranks for a in program)
-    blocks = [BlockProfile.from_dict(b) for b in cal["blocks"]]
-    device, place, stages, start = _device(cal), schedule.stage_to_rank, [], 0
-    send, recv = cal["message_overheads"]
-    for s, size in enumerate(run.sizes):
-        part = blocks[start : start + size]
-        start += size
-        if split and s == 0:
-            part = [replace(b, backward_input_s=0.0, backward_weight_s=b.backward_s) for b in part]
-        after = s + 1 < len(place) and place[s + 1] != place[s]
-        before = s > 0 and place[s - 1] != place[s]
-        messages = BlockCost.from_seconds("messages", device=device, dtype="fp32",
-                                          forward_s=send * after + recv * before,
-                                          backward_input_s=send * before + recv * after,
-                                          backward_weight_s=0.0)  # fmt: skip
-        costs = [b.to_cost(device, "fp32", split=split) for b in part]
-        stages.append(StageCost((messages, *costs)))
-    return stages
-
-
-def _simulate(c: AccuracyConfig, run: PlanRun, cal: dict[str, Any], speeds: list[float]) -> Any:
-    """Simulate `run` with rank r's device at `speeds[r]` of a core (one node per rank)."""
-    from plait.cluster import Cluster, Link, NodeGroup
-    from plait.sim import SimPlan, build_schedule, simulate
-
-    link = Link(**cal["link"])
-    groups = tuple(NodeGroup(device=_device(cal, v), devices_per_node=1, intra_node=link)
-                   for v in speeds)  # fmt: skip
-    cluster = Cluster(name=f"local-cpu ({run.pp} workers)", groups=groups, inter_node=link)
-    plan = SimPlan(pp=run.pp, schedule=run.schedule, num_microbatches=run.num_microbatches,
-                   micro_batch_size=c.micro_batch_size, num_chunks=run.num_chunks,
-                   dtype="fp32", seq_len=c.seq_len)  # fmt: skip
-    schedule = build_schedule(plan)
-    return simulate(schedule, _stage_costs(cal, run, schedule), cluster, plan)
-
-
-def _predict(config: AccuracyConfig, run: PlanRun, cal: dict[str, Any], cores: int) -> PlanRun:
-    """`run` with its prediction (see the module docstring on oversubscription)."""
-    from plait.trace import core_shares, spans_from_timeline
-
-    speeds = [1.0] * run.pp
-    for _ in range(12 if run.pp > cores else 1):
-        result = _simulate(config, run, cal, speeds)
-        spans = spans_from_timeline(result.timeline)
-        shares = core_shares([s for s in spans if s.kind in _BUSY], cores)
-        target = [shares.get(r, 1.0) for r in range(run.pp)]
-        if max(abs(a - b) for a, b in zip(target, speeds, strict=True)) < 1e-3:
-            break
-        speeds = [(a + b) / 2 for a, b in zip(target, speeds, strict=True)]  # damped
-    return replace(run, predicted_s=result.step_time_s, predicted_bubble=result.bubble_fraction,
-                   speeds=tuple(speeds), predicted=tuple(spans))  # fmt: skip
 
 
 def _calibration(reports: list[dict[str, Any]], index: int) -> dict[str, Any]:
@@ -259,8 +194,8 @@ def _measured(plan: PlanRun, runs: list[dict[str, Any]]) -> PlanRun:
 
 
 def run_bench(config: AccuracyConfig) -> tuple[list[PlanRun], dict[str, Any]]:
-    """Run every plan on real workers and predict each; the plans and, per world size,
-    the calibration the predictions used."""
+    """Run every plan on real workers and predict each; the plans and, per plan, the
+    calibration its prediction used."""
     from plait.train import launch
 
     cores = len(os.sched_getaffinity(0))
@@ -268,11 +203,20 @@ def run_bench(config: AccuracyConfig) -> tuple[list[PlanRun], dict[str, Any]]:
     done, calibrations = [], {}
     for world in config.worlds:
         plans = _plans(config, world, first)
+        if world > cores:  # first a reference plan outside the grid, to measure sharing
+            m = max(config.microbatches) + 2 if 6 in config.microbatches else 6
+            plans.insert(0, PlanRun("1f1b", world, m, 1, plans[0].sizes))
         reports = [r for _, r in sorted(launch(_worker, world, config, plans, cores).items())]
+        efficiency = 1.0
         for i, plan in enumerate(plans):
-            cal = calibrations[plan.name] = _calibration(reports, i)
+            cal = _calibration(reports, i) | {"sharing_efficiency": efficiency}
             measured = _measured(plan, [r["runs"][i] for r in reports])
-            done.append(_predict(config, measured, cal, cores))
+            if world > cores and i == 0:
+                efficiency = fit_efficiency(config, measured, cal, cores)
+                calibrations[f"reference {plan.name}"] = cal | {"sharing_efficiency": efficiency}
+                continue
+            calibrations[plan.name] = cal
+            done.append(predict(config, measured, cal, cores))
     return done, calibrations
 
 
@@ -373,11 +317,11 @@ def run(args: argparse.Namespace) -> int:
                            "plans": [r.row() for r in runs], "calibration": calibration,
                            "config": asdict(config), "load_average": load})  # fmt: skip
     else:
-        rows = [[r.name, r.predicted_s * 1e3, r.measured_s * 1e3, f"{r.error:+.1%}",
-                 " ".join(f"{v:.2f}" for v in r.speeds)] for r in runs]  # fmt: skip
+        rows = [[r.name, f"{r.predicted_s * 1e3:.1f}", f"{r.measured_s * 1e3:.1f}",
+                 f"{r.error:+.1%}", f"{r.predicted_bubble:.0%}"] for r in runs]  # fmt: skip
         common.print_table(
             f"simulator vs runtime on this machine ({cores} cores)",
-            ["plan", "predicted ms", "measured ms", "error", "core share per rank"],
+            ["plan", "predicted ms", "measured ms", "error", "predicted bubble"],
             rows,
             footer=f"median |error| {median:.1%}, max |error| {worst:.1%}; load average "
             f"{load[0]:.1f} before, {load[1]:.1f} after",

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -139,6 +139,12 @@ class Estimator:
     def __init__(self, cluster: Cluster) -> None:
         self.cluster = cluster
         self.device = cluster.device(0)
+        group = cluster.groups[0]
+        if group.processors is not None and group.processors < group.devices_per_node:
+            # devices time-sharing processors: the closed form charges each its mean share
+            # (the simulator that checks the best candidates shares them moment by moment)
+            share = group.sharing_efficiency * group.processors / group.devices_per_node
+            self.device = replace(self.device, efficiency=self.device.efficiency * share)
         self._arrays: dict[tuple[object, ...], _BlockArrays] = {}
         self._splits: dict[tuple[object, ...], list[int]] = {}
         self._profiles: dict[tuple[object, ...], RankProfile] = {}

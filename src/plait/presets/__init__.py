@@ -67,12 +67,13 @@ _KEYS = {
     "cluster": {"name", "inter_node", "nodes"},
     "link": {"latency_s", "bandwidth_Bps"},
     "device": _DEVICE_KEYS | {"memory_bandwidth_Bps"},
-    "node": {"preset", "count", "devices_per_node", "device", "intra_node"},
-}
+    "node": {"preset", "count", "devices_per_node", "device", "intra_node", "processors",
+             "sharing_efficiency"},
+}  # fmt: skip
 _REQUIRED = {
     "link": _KEYS["link"],
     "device": {"name", "peak_flops"},
-    "node": _KEYS["node"] - {"preset"},
+    "node": _KEYS["node"] - {"preset", "processors", "sharing_efficiency"},
 }
 
 
@@ -139,9 +140,11 @@ def _node_group(where: str, data: Any) -> NodeGroup:
     return _build(
         where,
         lambda: NodeGroup(
-            device=device, devices_per_node=per_node, intra_node=intra, num_nodes=count
+            device=device, devices_per_node=per_node, intra_node=intra, num_nodes=count,
+            processors=table.get("processors"),
+            sharing_efficiency=table.get("sharing_efficiency", 1.0),
         ),
-    )
+    )  # fmt: skip
 
 
 def cluster_from_toml(data: Mapping[str, Any], *, default_name: str = "cluster") -> Cluster:
@@ -180,6 +183,9 @@ def cluster_to_toml(cluster: Cluster) -> str:
     for group in cluster.groups:
         lines += ["", "[[nodes]]", f"count = {group.num_nodes}"]
         lines += [f"devices_per_node = {group.devices_per_node}"]
+        if group.processors is not None:
+            lines += [f"processors = {group.processors}"]
+            lines += [f"sharing_efficiency = {_toml(group.sharing_efficiency)}"]
         lines += [f"intra_node = {_toml(_fields(group.intra_node))}", "", "[nodes.device]"]
         lines += [f"{k} = {_toml(v)}" for k, v in _fields(group.device).items()]
     return "\n".join(lines) + "\n"

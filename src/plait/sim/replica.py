@@ -18,7 +18,7 @@ extra all-reduce and gradient clipping's norm are ignored.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from plait.cluster import Cluster, Device, Link, dtype_bytes
 from plait.cost import (
@@ -31,6 +31,7 @@ from plait.cost import (
     optimizer_step_time,
 )
 from plait.schedule import Action, Op, Replay, Schedule, replay
+from plait.schedule.sharing import Sharing, replay_shared, share_jobs
 from plait.sim.plan import SimPlan
 from plait.sim.result import MemoryUse, RankReport, TimelineEvent
 
@@ -92,6 +93,7 @@ class _Replica:
         self.gather = [self._zero3_gather(i) for i in range(len(stages))]
         self.durations = self._durations()
         self.transfers = self._transfers()
+        self.sharing = _sharing(cluster, plan, dp_rank) if cluster.shares_processors else None
 
     def _param_bytes(self, stage: int) -> float:
         return self.stages[stage].num_params * dtype_bytes(self.plan.dtype)
@@ -136,7 +138,10 @@ class _Replica:
         def transfer(rank: int, action: Action) -> float:
             return transfers[action.op][action.stage]
 
-        result = replay(self.s, duration=duration, transfer=transfer)
+        if self.sharing is None:
+            result = replay(self.s, duration=duration, transfer=transfer)
+        else:
+            result = replay_shared(self.s, self.sharing, duration=duration, transfer=transfer)
         if not result.completed:
             stuck = "; ".join(f"rank {b.rank} at {b.action}" for b in result.blocked)
             raise ValueError(
@@ -150,7 +155,21 @@ class _Replica:
             extra += events
             busy += walk.busy
             span = max(span, walk.compute_end)
+        if self.sharing is not None:
+            reports, extra = self._shared_optimizer(reports, extra)
         return ReplicaRun(result, tuple(reports), tuple(extra), span, busy)
+
+    def _shared_optimizer(
+        self, reports: list[RankReport], extra: list[TimelineEvent]
+    ) -> tuple[list[RankReport], list[TimelineEvent]]:
+        """The optimizer steps again, with ranks that share a processor sharing it."""
+        steps = {e.rank: e for e in extra if e.label == "OPT"}
+        ready = [steps[r].start for r in range(self.plan.pp)]
+        assert self.sharing is not None
+        ends = share_jobs(self.sharing, ready, [r.optimizer_s for r in reports])
+        extra = [e for e in extra if e.label != "OPT"]
+        extra += [TimelineEvent(r, "OPT", ready[r], ends[r], "optimizer") for r in steps]
+        return [replace(r, end_s=ends[r.pp_rank]) for r in reports], extra
 
     def _walk(self, rank: int, result: Replay, last_backward: dict[int, float]) -> _Walk:
         """One pass over the rank's events: busy time, activation peak, send time. A hot
@@ -240,13 +259,32 @@ class _Replica:
         )
 
 
+def _sharing(cluster: Cluster, plan: SimPlan, dp_rank: int) -> Sharing:
+    """Processors of the replica's ranks, each loaded by every process that computes in
+    step with a replica rank: that rank's copies in every replica and its tensor peers
+    (replicas are assumed to run alike, which they do on identical devices)."""
+    processors = [cluster.processor(plan.global_rank(r, dp_rank)) for r in range(plan.pp)]
+    ids = sorted(set(processors))
+    load = [[0] * plan.pp for _ in ids]
+    for r in range(plan.pp):
+        for d in range(plan.dp):
+            for t in range(plan.tp):
+                p = cluster.processor(plan.global_rank(r, d, t))
+                if p in ids:
+                    load[ids.index(p)][r] += 1
+    ranks = [plan.global_rank(r, dp_rank) for r in range(plan.pp)]
+    efficiency = min(cluster.sharing_efficiency(g) for g in ranks)
+    return Sharing(tuple(ids.index(p) for p in processors), tuple(map(tuple, load)), efficiency)
+
+
 def signature(cluster: Cluster, plan: SimPlan, dp_rank: int) -> tuple[object, ...]:
     """What determines a replica's timing: its devices and the links it uses."""
     ranks = [plan.global_rank(r, dp_rank) for r in range(plan.pp)]
     devices: list[Device] = [cluster.device(g) for g in ranks]
     links: list[Link] = [cluster.group_link(plan.tp_group(r, dp_rank)) for r in range(plan.pp)]
     links += [cluster.link(ranks[r], ranks[(r + 1) % plan.pp]) for r in range(plan.pp)]
-    return (*devices, *links)
+    shared = _sharing(cluster, plan, dp_rank) if cluster.shares_processors else None
+    return (*devices, *links, shared)
 
 
 def simulate_replica(

@@ -3,12 +3,15 @@
 Rank 0 measures every block on one micro-batch (one thread, like each worker) while the
 others wait, then searches the layouts of the local workers with the planner; the plan
 is broadcast so every worker builds the same engine. Workers that outnumber the cores
-share them, so the local devices are given the speed of a core divided among them.
+time-share them, pinned as `plait.mesh.init_worker` pins them; the simulator shares each
+core among the workers computing on it (with ideal efficiency unless one was measured:
+`fit_sharing_efficiency`).
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -25,6 +28,7 @@ from plait.profile import block_costs, measured_device, profile_model
 __all__ = [
     "auto_plan",
     "core_share",
+    "fit_sharing_efficiency",
     "local_cluster",
     "measure_collectives",
     "measured_spec",
@@ -60,7 +64,13 @@ def measure_collectives(*, repeats: int = 8) -> Link:
 
 def core_share(workers: int) -> float:
     """The share of a core each of `workers` local processes gets."""
-    return min(1.0, (os.cpu_count() or 1) / workers)
+    return min(1.0, _cores() / workers)
+
+
+def _cores() -> int:
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def parallel_plan_from(data: dict[str, Any]) -> ParallelPlan:
@@ -102,12 +112,60 @@ def measured_spec(
                        tp_blocks=sharded, measured_split=split)  # fmt: skip
 
 
-def local_cluster(world: int, link: Link, dtype: str = "fp32") -> Cluster:
-    """The local workers as the planner sees them: each gets its share of the cores."""
-    return measured_cluster(
-        name="local-workers", flops={dtype: _SPEED * core_share(world)}, memory_bytes=2**34,
+def local_cluster(
+    world: int,
+    link: Link,
+    dtype: str = "fp32",
+    *,
+    cores: int | None = None,
+    sharing_efficiency: float = 1.0,
+) -> Cluster:
+    """The local workers as the planner sees them: one core each, or, when they outnumber
+    the `cores` (default: those this process may use), pinned to core i mod cores as
+    `plait.mesh.init_worker` pins them and time-sharing it (`NodeGroup.processors`)."""
+    cores = cores or _cores()
+    cluster = measured_cluster(
+        name="local-workers", flops={dtype: _SPEED}, memory_bytes=2**34,
         devices_per_node=world, intra_node=link,
     )  # fmt: skip
+    if world <= cores:
+        return cluster
+    group = replace(cluster.groups[0], processors=cores, sharing_efficiency=sharing_efficiency)
+    return replace(cluster, groups=(group,))
+
+
+def fit_sharing_efficiency(
+    spec: ModelSpec,
+    cluster: Cluster,
+    plan: dict[str, Any],
+    measured_s: float,
+    *,
+    global_batch: int,
+) -> float:
+    """The `sharing_efficiency` of `cluster`'s node under which the planner predicts the
+    step time `measured_s` measured for `plan` (a plan dict): bisection, as predictions
+    fall while it rises. Workers time-sharing a core lose speed to switching and cache
+    refills that no compute-only measurement shows (see `plait.bench.sim_accuracy`)."""
+    from plait.plan.io import plan_from_dict
+
+    target = plan_from_dict(plan)
+    space = SearchSpace(
+        schedules=(target.schedule,), recompute=(target.recompute,),
+        zero_stages=(target.zero_stage,), chunks=(), micro_batch_sizes=(target.micro_batch_size,),
+        sequence_parallel=(target.sequence_parallel,), dtype=target.dtype,
+    )  # fmt: skip
+    low, high = 0.2, 1.0
+    for _ in range(14):
+        mid = (low + high) / 2
+        group = replace(cluster.groups[0], sharing_efficiency=mid)
+        found = search(spec, replace(cluster, groups=(group,)), global_batch=global_batch,
+                       space=space, top_k=1000, exact_limit=10**6, memory_margin=0.0)  # fmt: skip
+        same = [r for r in found.ranked if (r.plan.dp, r.plan.tp, r.plan.pp) ==
+                (target.dp, target.tp, target.pp)]  # fmt: skip
+        if not same:
+            raise ValueError(f"the planner cannot evaluate the reference plan {plan}")
+        low, high = (mid, high) if same[0].step_time_s > measured_s else (low, mid)
+    return (low + high) / 2
 
 
 def auto_plan(

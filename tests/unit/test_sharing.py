@@ -1,0 +1,176 @@
+"""Ranks time-sharing processors: the replay, the cluster's processors, the simulator, pinning."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from plait.cluster import Cluster, Device, Link, NodeGroup
+from plait.cost import BlockCost
+from plait.mesh import cpu_cores_for
+from plait.schedule import GENERATORS, Op, build, replay
+from plait.schedule.sharing import Sharing, replay_shared, share_jobs
+from plait.sim import SimPlan, build_schedule, simulate
+
+FREE = Link(latency_s=0.0, bandwidth_Bps=1e30)
+
+
+@pytest.mark.parametrize("kind", sorted(GENERATORS))
+@pytest.mark.parametrize(("p", "m"), [(1, 2), (2, 3), (3, 6), (4, 8)])
+def test_own_processors_replay_exactly_as_replay(kind: str, p: int, m: int) -> None:
+    v = 2 if kind == "interleaved" else 1
+    schedule = build(kind, p, m, v)
+    rng = random.Random(f"{kind}{p}{m}")
+    costs: dict[object, float] = {}
+
+    def duration(rank: int, action: object) -> float:
+        return costs.setdefault((rank, action), rng.uniform(0.5, 2.0))
+
+    def transfer(rank: int, action: object) -> float:
+        return costs.setdefault(("send", rank, action), rng.uniform(0.0, 0.5))
+
+    expected = replay(schedule, duration=duration, transfer=transfer)
+    got = replay_shared(schedule, Sharing.of(range(p)), duration=duration, transfer=transfer)
+    assert got.completed and got.peak_inflight == expected.peak_inflight
+    for mine, theirs in zip(got.events, expected.events, strict=True):
+        assert [e.action for e in mine] == [e.action for e in theirs]
+        assert [e.start for e in mine] == pytest.approx([e.start for e in theirs], abs=1e-9)
+        assert [e.end for e in mine] == pytest.approx([e.end for e in theirs], abs=1e-9)
+
+
+Spans = list[list[tuple[str, float, float]]]
+
+
+def compute_spans(kind: str, p: int, m: int, sharing: Sharing) -> Spans:
+    result = replay_shared(build(kind, p, m), sharing)
+    return [
+        [(str(e.action), e.start, e.end) for e in row if e.action.op in (Op.F, Op.B)]
+        for row in result.events
+    ]
+
+
+def test_two_ranks_on_one_processor_share_it_while_both_compute() -> None:
+    rows = compute_spans("gpipe", 2, 2, Sharing.of([0, 0]))
+    # 0F0 runs alone; 0F1 and 1F0 share (2 s for 1 s of work each); 1F1 alone; 1B1
+    # waits for nothing, 1B0 shares with 0B0 ...; the processor never idles: 12 s of work.
+    assert rows[0] == [("0F0", 0, 1), ("0F1", 1, 3), ("0B0", 6, 10), ("0B1", 10, 12)]
+    assert rows[1] == [("1F0", 1, 3), ("1F1", 3, 4), ("1B0", 4, 6), ("1B1", 6, 10)]
+    assert max(end for row in rows for _, _, end in row) == pytest.approx(12.0)
+
+
+def test_efficiency_slows_only_shared_time() -> None:
+    rows = compute_spans("gpipe", 2, 2, Sharing.of([0, 0], efficiency=0.5))
+    assert rows[0][:2] == [("0F0", 0.0, 1.0), ("0F1", 1.0, 5.0)]  # shared at 0.25 each
+    assert rows[1][0] == ("1F0", 1.0, 5.0)
+
+
+def test_lockstep_copies_load_a_processor() -> None:
+    # one rank standing for itself and a copy on the same processor: half speed throughout
+    rows = compute_spans("gpipe", 1, 2, Sharing((0,), ((2,),)))
+    assert rows[0] == [("0F0", 0.0, 2.0), ("0F1", 2.0, 4.0), ("0B0", 4.0, 8.0), ("0B1", 8.0, 12.0)]
+
+
+def test_share_jobs() -> None:
+    sharing = Sharing.of([0, 0, 1])
+    # rank 0 runs alone for 1 s, then shares with rank 1; rank 2 is alone on its processor
+    assert share_jobs(sharing, [0.0, 1.0, 0.0], [2.0, 1.0, 1.0]) == pytest.approx([3.0, 3.0, 1.0])
+    assert share_jobs(sharing, [5.0, 5.0, 5.0], [0.0, 0.0, 0.0]) == [5.0, 5.0, 5.0]
+    with pytest.raises(ValueError, match="one ready time"):
+        share_jobs(sharing, [0.0], [1.0])
+
+
+def test_bad_sharing_is_rejected() -> None:
+    with pytest.raises(ValueError, match="efficiency"):
+        Sharing.of([0, 0], efficiency=0.0)
+    with pytest.raises(ValueError, match="load"):
+        Sharing((0, 0), ((1, 0),))
+    with pytest.raises(ValueError, match="one processor per rank"):
+        replay_shared(build("1f1b", 2, 2), Sharing.of([0, 0, 0]))
+
+
+def shared_cluster(devices: int, processors: int | None, efficiency: float = 1.0) -> Cluster:
+    group = NodeGroup(
+        device=Device(name="unit", peak_flops={"fp32": 1.0}, memory_bytes=1 << 50),
+        devices_per_node=devices,
+        intra_node=FREE,
+        processors=processors,
+        sharing_efficiency=efficiency,
+    )
+    return Cluster(name="shared", groups=(group,), inter_node=FREE)
+
+
+def test_cluster_numbers_processors_per_node() -> None:
+    one = shared_cluster(4, 2)
+    assert [one.processor(r) for r in range(4)] == [0, 1, 0, 1] and one.shares_processors
+    two = one.with_nodes(2)
+    assert [two.processor(r) for r in range(8)] == [0, 1, 0, 1, 4, 5, 4, 5]
+    own = shared_cluster(4, None)
+    assert [own.processor(r) for r in range(4)] == [0, 1, 2, 3] and not own.shares_processors
+    with pytest.raises(ValueError, match="processors=0"):
+        shared_cluster(4, 0)
+    with pytest.raises(ValueError, match="sharing_efficiency"):
+        shared_cluster(4, 2, efficiency=1.5)
+
+
+UNIT = BlockCost(name="unit", forward_flops=1.0, backward_input_flops=1.0,
+                 backward_weight_flops=1.0)  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b", "zb-h1"])
+def test_a_pipeline_on_one_processor_takes_all_its_work(kind: str) -> None:
+    plan = SimPlan(pp=2, num_microbatches=4, schedule=kind, dtype="fp32")
+    alone = simulate(build_schedule(plan), [UNIT] * 2, shared_cluster(2, None), plan)
+    shared = simulate(build_schedule(plan), [UNIT] * 2, shared_cluster(2, 1), plan)
+    assert alone.step_time_s <= (4 + 1) * 3 + 1e-9  # ZB-H1 fills part of the bubble
+    assert shared.step_time_s == pytest.approx(2 * 4 * 3)  # the processor never idles
+
+
+def test_data_parallel_replicas_on_one_processor_load_it() -> None:
+    plan = SimPlan(dp=2, pp=1, num_microbatches=3, schedule="1f1b", dtype="fp32")
+    alone = simulate(build_schedule(plan), [UNIT], shared_cluster(2, None), plan)
+    shared = simulate(build_schedule(plan), [UNIT], shared_cluster(2, 1), plan)
+    slow = simulate(build_schedule(plan), [UNIT], shared_cluster(2, 1, efficiency=0.5), plan)
+    assert alone.step_time_s == pytest.approx(9.0)
+    assert shared.step_time_s == pytest.approx(18.0)
+    assert slow.step_time_s == pytest.approx(36.0)
+
+
+def test_cpu_cores_for() -> None:
+    assert cpu_cores_for(0, 2, [0, 1, 2, 3]) == {0, 1}
+    assert cpu_cores_for(1, 2, [0, 1, 2, 3]) == {2, 3}
+    assert cpu_cores_for(2, 3, [4, 5, 6, 7]) == {6}  # a core left over stays unused
+    assert [cpu_cores_for(r, 4, [0, 1]) for r in range(4)] == [{0}, {1}, {0}, {1}]
+    with pytest.raises(ValueError, match="local rank 4"):
+        cpu_cores_for(4, 4, [0, 1])
+
+
+def test_shared_cluster_round_trips_through_toml() -> None:
+    import tomllib
+
+    from plait.presets import cluster_from_toml, cluster_to_toml
+
+    cluster = shared_cluster(4, 2, efficiency=0.75)
+    back = cluster_from_toml(tomllib.loads(cluster_to_toml(cluster)), default_name="shared")
+    assert back == cluster and [back.processor(r) for r in range(4)] == [0, 1, 0, 1]
+
+
+def test_planner_recovers_a_sharing_efficiency_from_one_measured_plan() -> None:
+    from plait.plan import SearchSpace, gpt_spec, search
+    from plait.plan.io import plan_to_dict
+    from plait.train.autoplan import fit_sharing_efficiency, local_cluster
+
+    model = gpt_spec(num_layers=4, hidden=128, num_heads=4, seq_len=64, vocab_size=256)
+    space = SearchSpace(schedules=("1f1b",), recompute=("none",), zero_stages=(0,), chunks=(),
+                        micro_batch_sizes=(2,), sequence_parallel=(False,),
+                        dtype="fp32")  # fmt: skip
+    link = Link(latency_s=1e-5, bandwidth_Bps=1e9)
+    assert not local_cluster(2, link, cores=2).shares_processors
+    truth = local_cluster(4, link, cores=2, sharing_efficiency=0.7)
+    assert [truth.processor(r) for r in range(4)] == [0, 1, 0, 1]
+    found = search(model, truth, global_batch=16, space=space, top_k=100, exact_limit=10**6)
+    pipeline = next(r for r in found.ranked if r.plan.pp == 4)
+    ideal = local_cluster(4, link, cores=2)
+    fitted = fit_sharing_efficiency(model, ideal, plan_to_dict(pipeline), pipeline.step_time_s,
+                                    global_batch=16)  # fmt: skip
+    assert fitted == pytest.approx(0.7, abs=0.01)
