@@ -103,7 +103,8 @@ def measured_spec(
     device = measured_device(name="local-cpu", flops=_SPEED, dtype=dtype, memory_bytes=2**34)
     full, split = {}, {}
     for x, y in samples:
-        profile = profile_model(model, x, target=y, loss_fn=loss_fn, repeats=3)
+        # measured afresh: a cached profile may have been taken under other load
+        profile = profile_model(model, x, target=y, loss_fn=loss_fn, repeats=5, cache=False)
         full[int(x.shape[0])] = block_costs(profile.blocks, device, dtype)
         split[int(x.shape[0])] = block_costs(profile.blocks, device, dtype, split=True)
     sharded = [i for i, b in enumerate(as_blocks(model)) if hasattr(b, "tp_plan")]
