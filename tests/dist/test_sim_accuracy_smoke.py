@@ -15,7 +15,7 @@ pytestmark = pytest.mark.dist
 def test_sim_accuracy_runs_a_small_grid(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     code = main(
         ["bench", "sim-accuracy", "--worlds", "2", "--schedules", "1f1b", "--microbatches", "2,4",
-         "--steps", "2", "--warmup", "1", "--layers", "2", "--hidden", "32", "--seq-len", "16",
+         "--steps", "2", "--warmup", "1", "--rounds", "2", "--layers", "2", "--hidden", "32", "--seq-len", "16",
          "--micro-batch-size", "2", "--profile-repeats", "2", "--trace-dir", str(tmp_path),
          "--json"]
     )  # fmt: skip

@@ -4,15 +4,17 @@ For each world size the workers are launched once. As many of them as there are 
 (one thread each, as they run) measure gloo P2P by ping-pong (fitted to latency +
 bytes/bandwidth) and the time a thread spends posting a send or receive of an activation
 while ranks compute (`plait.profile.message_overheads`). Every plan then runs with the
-real runtime (`PipelineExecutor` plus an Adam step; warm-up steps, then the median of
-timed steps, each from a barrier to the last rank's end); before the first plan and
-after each, those workers profile every block of a small GPT at once (`plait.profile`)
-and time an Adam step. The parent predicts each plan with `plait.sim.simulate` from the
-blocks measured just before and after it (medians: this follows a shared machine's
-drifting load), cut into the same stages (a partition of a profile taken in the parent),
-each stage charged the overheads of posting the messages of its boundaries that cross
-ranks (simulated sends do not occupy the sender), on a local-cpu cluster built from the
-calibration, and reports the relative error of each.
+real runtime (`PipelineExecutor` plus an Adam step; warm-up steps, then timed steps,
+each from a barrier to the last rank's end), in several rounds over the grid (the median
+of all timed steps: a shared machine's speed drifts by ±20% over minutes, and rounds
+spread that over every plan); before the first run and after each, those workers profile
+every block of a small GPT at once (`plait.profile`) and time an Adam step. The parent
+predicts each plan with `plait.sim.simulate` from the blocks measured just before and
+after its runs (medians: this follows a shared machine's drifting load), cut into the
+same stages (a partition of a profile taken in the parent), each stage charged the
+overheads of posting the messages of its boundaries that cross ranks (simulated sends do
+not occupy the sender), on a local-cpu cluster built from the calibration, and reports
+the relative error of each.
 
 CPU oversubscription: with more workers than cores (4 on 2), `plait.mesh.init_worker`
 pins worker i to core i mod cores, and the simulated node says so
@@ -56,8 +58,9 @@ class AccuracyConfig:
     schedules: tuple[str, ...] = SCHEDULES
     microbatches: tuple[int, ...] = (4, 8)
     worlds: tuple[int, ...] = (2, 4)
-    num_steps: int = 5
+    num_steps: int = 3
     num_warmup: int = 2
+    rounds: int = 3
     num_layers: int = 6
     hidden: int = 128
     num_heads: int = 4
@@ -70,7 +73,8 @@ class AccuracyConfig:
     def __post_init__(self) -> None:
         if not self.schedules or not set(self.schedules) <= set(SCHEDULES):
             raise ValueError(f"schedules {list(self.schedules)}: choose from {list(SCHEDULES)}")
-        counts = (*self.microbatches, self.num_steps, self.profile_repeats, self.num_warmup + 1)
+        counts = (*self.microbatches, self.num_steps, self.profile_repeats, self.num_warmup + 1,
+                  self.rounds)  # fmt: skip
         if not (self.microbatches and self.worlds) or min(counts) < 1 or min(self.worlds) < 2:
             raise ValueError(
                 f"microbatches={list(self.microbatches)}, steps and profile repeats must be "
@@ -161,12 +165,13 @@ def _plans(config: AccuracyConfig, world: int, cal: dict[str, Any]) -> list[Plan
     return runs
 
 
-def _calibration(reports: list[dict[str, Any]], index: int) -> dict[str, Any]:
-    """Plan `index`'s calibration: medians over the workers that measured, of the profiles
-    taken just before and just after the plan ran."""
+def _calibration(reports: list[dict[str, Any]], runs: list[int]) -> dict[str, Any]:
+    """The calibration of a plan measured in `runs` (indices into each worker's runs):
+    medians over the workers that measured, of the profiles taken just before and just
+    after each of those runs."""
     from plait.profile import fit_link
 
-    profiles = [p for r in reports for p in r["profiles"][index : index + 2] if p is not None]
+    profiles = [p for r in reports for k in runs for p in r["profiles"][k : k + 2] if p]
     blocks = [dict(b) for b in profiles[0]["blocks"]]
     for i, block in enumerate(blocks):
         block.update({k: statistics.median(p["blocks"][i][k] for p in profiles) for k in _TIMES})
@@ -180,15 +185,18 @@ def _calibration(reports: list[dict[str, Any]], index: int) -> dict[str, Any]:
     }
 
 
-def _measured(plan: PlanRun, runs: list[dict[str, Any]]) -> PlanRun:
-    """`plan` with its step times (first start to last end) and last step's timeline."""
+def _measured(plan: PlanRun, rounds: list[list[dict[str, Any]]]) -> PlanRun:
+    """`plan` with its step times (first start to last end) over every round (per round,
+    each worker's run) and the last step's timeline."""
     from plait.trace import spans_from_records
 
-    starts = list(zip(*(r["starts"] for r in runs), strict=True))
-    ends = list(zip(*(r["ends"] for r in runs), strict=True))
-    steps = tuple(max(e) - min(s) for s, e in zip(starts, ends, strict=True))
+    steps: tuple[float, ...] = ()
+    for runs in rounds:
+        starts = list(zip(*(r["starts"] for r in runs), strict=True))
+        ends = list(zip(*(r["ends"] for r in runs), strict=True))
+        steps += tuple(max(e) - min(s) for s, e in zip(starts, ends, strict=True))
     offsets = [s - min(starts[-1]) for s in starts[-1]]
-    spans = spans_from_records([r["records"] for r in runs], offsets=offsets)
+    spans = spans_from_records([r["records"] for r in rounds[-1]], offsets=offsets)
     return replace(plan, measured_s=statistics.median(steps), step_times_s=steps,
                    measured=tuple(spans))  # fmt: skip
 
@@ -209,8 +217,9 @@ def run_bench(config: AccuracyConfig) -> tuple[list[PlanRun], dict[str, Any]]:
         reports = [r for _, r in sorted(launch(_worker, world, config, plans, cores).items())]
         efficiency = 1.0
         for i, plan in enumerate(plans):
-            cal = _calibration(reports, i) | {"sharing_efficiency": efficiency}
-            measured = _measured(plan, [r["runs"][i] for r in reports])
+            runs = [k * len(plans) + i for k in range(config.rounds)]
+            cal = _calibration(reports, runs) | {"sharing_efficiency": efficiency}
+            measured = _measured(plan, [[r["runs"][k] for r in reports] for k in runs])
             if world > cores and i == 0:
                 efficiency = fit_efficiency(config, measured, cal, cores)
                 calibrations[f"reference {plan.name}"] = cal | {"sharing_efficiency": efficiency}
@@ -232,7 +241,9 @@ def _worker(config: AccuracyConfig, plans: list[PlanRun], cores: int) -> dict[st
         p2p, size = pingpong(env.rank), config.micro_batch_size * config.seq_len * config.hidden * 4
         overheads = message_overheads(env.rank, min(cores, env.world_size), num_bytes=size)
         profiles, runs = [_profile(config) if env.rank < cores else None], []
-        for plan in plans:  # profile one worker per core at once, before and after each plan
+        # rounds over the plans spread the machine's drifting speed over all of them;
+        # one worker per core profiles before and after each run
+        for plan in [p for _ in range(config.rounds) for p in plans]:
             runs.append(_measure(config, plan, env.rank))
             dist.barrier()
             profiles.append(_profile(config) if env.rank < cores else None)
@@ -287,7 +298,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--schedules", default=",".join(d.schedules), help="comma-separated schedule kinds")
     a("--microbatches", type=_ints, default=d.microbatches, help="micro-batch counts, e.g. 4,8")
     a("--worlds", type=_ints, default=d.worlds, help="worker counts (pipeline ranks), e.g. 2,4")
-    a("--steps", type=int, default=d.num_steps, help="timed steps per plan (median)")
+    a("--steps", type=int, default=d.num_steps, help="timed steps per plan and round")
+    a("--rounds", type=int, default=d.rounds, help="passes over the plans (median of all)")
     a("--warmup", type=int, default=d.num_warmup, help="untimed steps per plan first")
     a("--profile-repeats", type=int, default=d.profile_repeats, help="timed runs per block")
     a("--layers", type=int, default=d.num_layers, help="GPT layers")
@@ -303,7 +315,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     config = AccuracyConfig(schedules=tuple(s for s in args.schedules.split(",") if s),
                             microbatches=args.microbatches, worlds=args.worlds,
-                            num_steps=args.steps, num_warmup=args.warmup,
+                            num_steps=args.steps, num_warmup=args.warmup, rounds=args.rounds,
                             profile_repeats=args.profile_repeats, num_layers=args.layers,
                             hidden=args.hidden, seq_len=args.seq_len,
                             micro_batch_size=args.micro_batch_size)  # fmt: skip
