@@ -3,18 +3,18 @@
 For each world size the workers are launched once. As many of them as there are cores
 (one thread each, as they run) measure gloo P2P by ping-pong (fitted to latency +
 bytes/bandwidth) and the time a thread spends posting a send or receive of an activation
-while ranks compute (`plait.profile.message_overheads`). Every plan then runs with the
-real runtime (`PipelineExecutor` plus an Adam step; warm-up steps, then timed steps,
-each from a barrier to the last rank's end), in several rounds over the grid (the median
-of all timed steps: a shared machine's speed drifts by ±20% over minutes, and rounds
-spread that over every plan); before the first run and after each, those workers profile
-every block of a small GPT at once (`plait.profile`) and time an Adam step. The parent
-predicts each plan with `plait.sim.simulate` from the blocks measured just before and
-after its runs (medians: this follows a shared machine's drifting load), cut into the
-same stages (a partition of a profile taken in the parent), each stage charged the
-overheads of posting the messages of its boundaries that cross ranks (simulated sends do
-not occupy the sender), on a local-cpu cluster built from the calibration, and reports
-the relative error of each.
+while ranks compute (`plait.profile.message_overheads`). Every plan is then built with
+the real runtime (`PipelineExecutor` plus an Adam step), and the plans take turns in
+rounds: at its turn a plan runs warm-up steps (the plans before it took its data out of
+the caches), then timed steps (from a barrier to the last rank's end); after each turn
+those workers profile every block of a small GPT at once (`plait.profile`) and time an
+Adam step. A shared machine's speed drifts by ±20% over seconds: rounds spread that
+drift over every plan, and each plan is predicted with `plait.sim.simulate` from the
+medians of the profiles taken just before and after its turns, cut into the same stages
+(a partition of a profile taken in the parent), each stage charged the overheads of
+posting the messages of its boundaries that cross ranks (simulated sends do not occupy
+the sender), on a local-cpu cluster built from the calibration, and reports the relative
+error of each (median of its timed steps).
 
 CPU oversubscription: with more workers than cores (4 on 2), `plait.mesh.init_worker`
 pins worker i to core i mod cores, and the simulated node says so
@@ -35,6 +35,7 @@ a core in time slices, not continuously.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import time
@@ -59,7 +60,7 @@ class AccuracyConfig:
     microbatches: tuple[int, ...] = (4, 8)
     worlds: tuple[int, ...] = (2, 4)
     num_steps: int = 3
-    num_warmup: int = 2
+    num_warmup: int = 1
     rounds: int = 3
     num_layers: int = 6
     hidden: int = 128
@@ -165,13 +166,13 @@ def _plans(config: AccuracyConfig, world: int, cal: dict[str, Any]) -> list[Plan
     return runs
 
 
-def _calibration(reports: list[dict[str, Any]], runs: list[int]) -> dict[str, Any]:
-    """The calibration of a plan measured in `runs` (indices into each worker's runs):
-    medians over the workers that measured, of the profiles taken just before and just
-    after each of those runs."""
+def _calibration(reports: list[dict[str, Any]], turns: list[int]) -> dict[str, Any]:
+    """The calibration of a plan that ran the given turns (indices into each worker's
+    turns): medians over the workers that measured, of the profiles taken just before
+    and just after each of those turns."""
     from plait.profile import fit_link
 
-    profiles = [p for r in reports for k in runs for p in r["profiles"][k : k + 2] if p]
+    profiles = [p for r in reports for k in turns for p in r["profiles"][k : k + 2] if p]
     blocks = [dict(b) for b in profiles[0]["blocks"]]
     for i, block in enumerate(blocks):
         block.update({k: statistics.median(p["blocks"][i][k] for p in profiles) for k in _TIMES})
@@ -185,18 +186,15 @@ def _calibration(reports: list[dict[str, Any]], runs: list[int]) -> dict[str, An
     }
 
 
-def _measured(plan: PlanRun, rounds: list[list[dict[str, Any]]]) -> PlanRun:
-    """`plan` with its step times (first start to last end) over every round (per round,
-    each worker's run) and the last step's timeline."""
+def _measured(plan: PlanRun, runs: list[dict[str, Any]]) -> PlanRun:
+    """`plan` with its step times (first start to last end) and last step's timeline."""
     from plait.trace import spans_from_records
 
-    steps: tuple[float, ...] = ()
-    for runs in rounds:
-        starts = list(zip(*(r["starts"] for r in runs), strict=True))
-        ends = list(zip(*(r["ends"] for r in runs), strict=True))
-        steps += tuple(max(e) - min(s) for s, e in zip(starts, ends, strict=True))
+    starts = list(zip(*(r["starts"] for r in runs), strict=True))
+    ends = list(zip(*(r["ends"] for r in runs), strict=True))
+    steps = tuple(max(e) - min(s) for s, e in zip(starts, ends, strict=True))
     offsets = [s - min(starts[-1]) for s in starts[-1]]
-    spans = spans_from_records([r["records"] for r in rounds[-1]], offsets=offsets)
+    spans = spans_from_records([r["records"] for r in runs], offsets=offsets)
     return replace(plan, measured_s=statistics.median(steps), step_times_s=steps,
                    measured=tuple(spans))  # fmt: skip
 
@@ -217,9 +215,9 @@ def run_bench(config: AccuracyConfig) -> tuple[list[PlanRun], dict[str, Any]]:
         reports = [r for _, r in sorted(launch(_worker, world, config, plans, cores).items())]
         efficiency = 1.0
         for i, plan in enumerate(plans):
-            runs = [k * len(plans) + i for k in range(config.rounds)]
-            cal = _calibration(reports, runs) | {"sharing_efficiency": efficiency}
-            measured = _measured(plan, [[r["runs"][k] for r in reports] for k in runs])
+            turns = [k * len(plans) + i for k in range(config.rounds)]
+            cal = _calibration(reports, turns) | {"sharing_efficiency": efficiency}
+            measured = _measured(plan, [r["runs"][i] for r in reports])
             if world > cores and i == 0:
                 efficiency = fit_efficiency(config, measured, cal, cores)
                 calibrations[f"reference {plan.name}"] = cal | {"sharing_efficiency": efficiency}
@@ -240,52 +238,70 @@ def _worker(config: AccuracyConfig, plans: list[PlanRun], cores: int) -> dict[st
     try:
         p2p, size = pingpong(env.rank), config.micro_batch_size * config.seq_len * config.hidden * 4
         overheads = message_overheads(env.rank, min(cores, env.world_size), num_bytes=size)
-        profiles, runs = [_profile(config) if env.rank < cores else None], []
-        # rounds over the plans spread the machine's drifting speed over all of them;
-        # one worker per core profiles before and after each run
-        for plan in [p for _ in range(config.rounds) for p in plans]:
-            runs.append(_measure(config, plan, env.rank))
-            dist.barrier()
-            profiles.append(_profile(config) if env.rank < cores else None)
+        runners = [_Runner(config, plan, env.rank) for plan in plans]
+        for runner in runners:  # the first step negotiates shapes and allocates
+            runner.step(timed=False)
+        # the other plans' objects would make every garbage collection slower than a
+        # process training one plan sees
+        gc.freeze()
+        profiles = [_profile(config) if env.rank < cores else None]
+        # rounds over the plans: the machine's drifting speed (±20% over seconds here)
+        # falls on every plan alike. Each plan's turn starts with warm-up steps, as the
+        # plans before it took its data out of the caches; one worker per core profiles
+        # after each turn, so that each turn has a calibration just before and after it
+        for _ in range(config.rounds):
+            for runner in runners:
+                for i in range(config.num_warmup + config.num_steps):
+                    runner.step(timed=i >= config.num_warmup)
+                dist.barrier()
+                profiles.append(_profile(config) if env.rank < cores else None)
+        runs = [runner.timings for runner in runners]
         return {"p2p": p2p, "overheads": overheads, "profiles": profiles, "runs": runs}
     finally:
         dist.destroy_process_group()
 
 
-def _measure(config: AccuracyConfig, plan: PlanRun, rank: int) -> dict[str, Any]:
-    """Run `plan` for warm-up and timed steps; this rank's start and end times
-    (perf_counter: one clock for all local processes) and the last step's records."""
-    import torch
-    import torch.distributed as dist
+class _Runner:
+    """One plan on this rank, with the real runtime; its timed steps' start and end times
+    (perf_counter: one clock for all local processes) and the last one's records."""
 
-    from plait.models import GPT
-    from plait.runtime import ActionRecord, PipelineExecutor, local_stages, split_microbatches
-    from plait.schedule import build
+    def __init__(self, config: AccuracyConfig, plan: PlanRun, rank: int) -> None:
+        import torch
 
-    schedule = build(plan.schedule, plan.pp, plan.num_microbatches, plan.num_chunks)
-    torch.manual_seed(config.seed)
-    stages = local_stages(config.spec().build(), schedule, rank, sizes=plan.sizes)
-    executor = PipelineExecutor(schedule, dict(stages), rank=rank, loss_fn=GPT.loss)
-    optimizer = torch.optim.Adam([p for s in stages.values() for p in s.parameters()], lr=1e-4)
-    m = plan.num_microbatches
-    x, y = _batch(config, m * config.micro_batch_size)
-    inputs = split_microbatches(x, m) if 0 in stages else None
-    targets = split_microbatches(y, m) if schedule.num_stages - 1 in stages else None
-    starts, ends, records = [], [], []
-    for i in range(config.num_warmup + config.num_steps):
-        optimizer.zero_grad(set_to_none=False)
+        from plait.models import GPT
+        from plait.runtime import PipelineExecutor, local_stages, split_microbatches
+        from plait.schedule import build
+
+        schedule = build(plan.schedule, plan.pp, plan.num_microbatches, plan.num_chunks)
+        torch.manual_seed(config.seed)
+        stages = local_stages(config.spec().build(), schedule, rank, sizes=plan.sizes)
+        self.rank = rank
+        self.executor = PipelineExecutor(schedule, dict(stages), rank=rank, loss_fn=GPT.loss)
+        params = [p for s in stages.values() for p in s.parameters()]
+        self.optimizer = torch.optim.Adam(params, lr=1e-4)
+        m = plan.num_microbatches
+        x, y = _batch(config, m * config.micro_batch_size)
+        self.inputs = split_microbatches(x, m) if 0 in stages else None
+        self.targets = split_microbatches(y, m) if schedule.num_stages - 1 in stages else None
+        self.timings: dict[str, list[Any]] = {"starts": [], "ends": [], "records": []}
+
+    def step(self, *, timed: bool) -> None:
+        import torch.distributed as dist
+
+        from plait.runtime import ActionRecord
+
+        self.optimizer.zero_grad(set_to_none=False)
         dist.barrier()
         start = time.perf_counter()
-        result = executor.step(inputs, targets)
+        result = self.executor.step(self.inputs, self.targets)
         step = time.perf_counter()
-        optimizer.step()
+        self.optimizer.step()
         end = time.perf_counter()
-        if i >= config.num_warmup:
-            starts.append(start)
-            ends.append(end)
-            opt = ActionRecord(rank, len(result.records), "OPT", step - start, end - start)
-            records = [*result.records, opt]
-    return {"starts": starts, "ends": ends, "records": records}
+        if timed:
+            self.timings["starts"].append(start)
+            self.timings["ends"].append(end)
+            opt = ActionRecord(self.rank, len(result.records), "OPT", step - start, end - start)
+            self.timings["records"] = [*result.records, opt]
 
 
 def _ints(text: str) -> tuple[int, ...]:  # argparse reports a ValueError as a bad value
@@ -299,8 +315,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--microbatches", type=_ints, default=d.microbatches, help="micro-batch counts, e.g. 4,8")
     a("--worlds", type=_ints, default=d.worlds, help="worker counts (pipeline ranks), e.g. 2,4")
     a("--steps", type=int, default=d.num_steps, help="timed steps per plan and round")
-    a("--rounds", type=int, default=d.rounds, help="passes over the plans (median of all)")
-    a("--warmup", type=int, default=d.num_warmup, help="untimed steps per plan first")
+    a("--rounds", type=int, default=d.rounds, help="turns of every plan (median of all steps)")
+    a("--warmup", type=int, default=d.num_warmup, help="untimed steps at each plan's turn")
     a("--profile-repeats", type=int, default=d.profile_repeats, help="timed runs per block")
     a("--layers", type=int, default=d.num_layers, help="GPT layers")
     a("--hidden", type=int, default=d.hidden, help="GPT hidden size")
