@@ -24,12 +24,13 @@ block). Processes time-sharing a core lose part of its speed to switching and ca
 refills (their CPU time per step rose by 30-50% over the profile here, while two
 processes looping over the same blocks lost only 5%), so the simulated node's
 `sharing_efficiency` is measured: a reference plan outside the grid (1F1B, 6 micro-batches)
-runs first, and the efficiency under which the simulator reproduces it is used for every
-plan of that world size.
+takes its turns with the others, and the efficiency under which the simulator reproduces
+it is used for every plan of that world size.
 
 Limits: other load on a shared machine disturbs measurements (the load average is shown);
-other per-action overheads of the executor are not modelled; the kernel's scheduler shares
-a core in time slices, not continuously.
+the executor's own per-action costs are not modelled (tens of microseconds here, against
+milliseconds of compute); the kernel's scheduler shares a core in time slices, not
+continuously.
 """
 
 from __future__ import annotations
