@@ -134,21 +134,3 @@ def test_png_without_matplotlib_says_how_to_get_it(
     with pytest.raises(RuntimeError, match=r"pip install 'plait\[plot\]'"):
         plot_timeline(predicted(), tmp_path / "x.png")
     assert not (tmp_path / "x.png").exists()
-
-
-def test_core_shares_under_processor_sharing() -> None:
-    from plait.trace import core_shares
-
-    spans = [
-        Span(0, "0F0", 0.0, 4.0, "F"),  # alone for 1 s, then with ranks 1 and 2
-        Span(1, "1F0", 1.0, 4.0, "F"),
-        Span(2, "2F0", 1.0, 4.0, "F"),
-        Span(3, "3F0", 5.0, 6.0, "F"),  # alone
-    ]
-    shares = core_shares(spans, cores=2)
-    assert shares[0] == pytest.approx((1.0 + 3.0 * 2 / 3) / 4.0)
-    assert shares[1] == shares[2] == pytest.approx(2 / 3)
-    assert shares[3] == 1.0
-    assert core_shares(spans, cores=4) == {0: 1.0, 1: 1.0, 2: 1.0, 3: 1.0}
-    with pytest.raises(ValueError, match="cores=0"):
-        core_shares(spans, cores=0)

@@ -5,7 +5,6 @@ from plait.trace.gantt import COLORS, plot_comparison, plot_timeline
 from plait.trace.spans import (
     KINDS,
     Span,
-    core_shares,
     kind_of,
     spans_from_records,
     spans_from_timeline,
@@ -16,7 +15,6 @@ __all__ = [
     "KINDS",
     "Span",
     "chrome_trace",
-    "core_shares",
     "kind_of",
     "plot_comparison",
     "plot_timeline",

@@ -17,7 +17,6 @@ from typing import Protocol
 __all__ = [
     "KINDS",
     "Span",
-    "core_shares",
     "kind_of",
     "spans_from_records",
     "spans_from_timeline",
@@ -98,30 +97,3 @@ def spans_from_records(
                                 "wait"))  # fmt: skip
             out.append(Span(r.rank, r.label, r.start + shift, r.end + shift, kind))
     return out
-
-
-def core_shares(spans: Iterable[Span], cores: int) -> dict[int, float]:
-    """Per rank, the mean share of a core it would get over its spans if the ranks busy at
-    each moment shared `cores` cores equally (processor sharing, Kleinrock 1967): the
-    time average of min(1, cores / busy ranks). Ranks that are busy at once on fewer ranks
-    than cores get 1.0."""
-    if cores < 1:
-        raise ValueError(f"cores={cores} must be >= 1")
-    events = sorted(
-        [(s.start, 1, s.rank) for s in spans if s.end > s.start]
-        + [(s.end, -1, s.rank) for s in spans if s.end > s.start]
-    )  # at equal times ends (-1) come first
-    depth: dict[int, int] = {}
-    got: dict[int, float] = {}
-    held: dict[int, float] = {}
-    last = events[0][0] if events else 0.0
-    for t, step, rank in events:
-        busy = [r for r, d in depth.items() if d > 0]
-        if busy and t > last:
-            share = min(1.0, cores / len(busy))
-            for r in busy:
-                got[r] = got.get(r, 0.0) + share * (t - last)
-                held[r] = held.get(r, 0.0) + (t - last)
-        depth[rank] = depth.get(rank, 0) + step
-        last = t
-    return {r: got[r] / held[r] for r in held}

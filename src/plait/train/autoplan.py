@@ -27,7 +27,6 @@ from plait.profile import block_costs, measured_device, profile_model
 
 __all__ = [
     "auto_plan",
-    "core_share",
     "fit_sharing_efficiency",
     "local_cluster",
     "measure_collectives",
@@ -60,11 +59,6 @@ def measure_collectives(*, repeats: int = 8) -> Link:
     steps = 2 * (n - 1)
     latency = max(y1 - slope * x1, 1e-6) / steps
     return Link(latency_s=latency, bandwidth_Bps=steps / n / slope)
-
-
-def core_share(workers: int) -> float:
-    """The share of a core each of `workers` local processes gets."""
-    return min(1.0, _cores() / workers)
 
 
 def _cores() -> int:
