@@ -10,7 +10,7 @@ from plait.cluster import Cluster, Device, Link, NodeGroup
 from plait.cost import BlockCost
 from plait.mesh import cpu_cores_for
 from plait.schedule import GENERATORS, Op, build, replay
-from plait.schedule.sharing import Sharing, replay_shared, share_jobs
+from plait.schedule.sharing import Sharing, fit_efficiency, replay_shared, share_jobs
 from plait.sim import SimPlan, build_schedule, simulate
 
 FREE = Link(latency_s=0.0, bandwidth_Bps=1e30)
@@ -174,3 +174,8 @@ def test_planner_recovers_a_sharing_efficiency_from_one_measured_plan() -> None:
     fitted = fit_sharing_efficiency(model, ideal, plan_to_dict(pipeline), pipeline.step_time_s,
                                     global_batch=16)  # fmt: skip
     assert fitted == pytest.approx(0.7, abs=0.01)
+
+
+def test_fit_efficiency_solves_a_falling_prediction() -> None:
+    assert fit_efficiency(lambda e: 1.0 / e, 2.0) == pytest.approx(0.5, abs=1e-4)
+    assert fit_efficiency(lambda e: 1.0 / e, 0.5) == pytest.approx(1.0, abs=1e-4)  # bound

@@ -81,9 +81,9 @@ def predict(config: AccuracyConfig, run: PlanRun, cal: dict[str, Any], cores: in
 def fit_efficiency(config: AccuracyConfig, run: PlanRun, cal: dict[str, Any], cores: int) -> float:
     """The sharing efficiency (`NodeGroup.sharing_efficiency`) under which the simulator
     reproduces the measured reference `run` (bisection: predictions fall as it rises)."""
-    low, high = 0.2, 1.0
-    for _ in range(20):
-        mid = (low + high) / 2
-        predicted = predict(config, run, cal | {"sharing_efficiency": mid}, cores).predicted_s
-        low, high = (mid, high) if predicted > run.measured_s else (low, mid)
-    return (low + high) / 2
+    from plait.schedule.sharing import fit_efficiency as solve
+
+    def predicted(efficiency: float) -> float:
+        return predict(config, run, cal | {"sharing_efficiency": efficiency}, cores).predicted_s
+
+    return solve(predicted, run.measured_s)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from plait.schedule.ir import Schedule
@@ -34,7 +34,7 @@ from plait.schedule.replay import (
     unit_duration,
 )
 
-__all__ = ["Sharing", "replay_shared", "share_jobs"]
+__all__ = ["Sharing", "fit_efficiency", "replay_shared", "share_jobs"]
 
 _EPS = 1e-12
 
@@ -216,3 +216,13 @@ def share_jobs(sharing: Sharing, ready: Sequence[float], work: Sequence[float]) 
                 end[r] = until
         now = until
     return end
+
+
+def fit_efficiency(predict: Callable[[float], float], measured_s: float) -> float:
+    """The efficiency in [0.2, 1] under which `predict(efficiency)` (a predicted time, which
+    falls as efficiency rises) equals `measured_s`, by bisection; a bound when none does."""
+    low, high = 0.2, 1.0
+    for _ in range(16):
+        mid = (low + high) / 2
+        low, high = (mid, high) if predict(mid) > measured_s else (low, mid)
+    return (low + high) / 2

@@ -156,20 +156,8 @@ class _Replica:
             busy += walk.busy
             span = max(span, walk.compute_end)
         if self.sharing is not None:
-            reports, extra = self._shared_optimizer(reports, extra)
+            reports, extra = _shared_optimizer(self.sharing, reports, extra)
         return ReplicaRun(result, tuple(reports), tuple(extra), span, busy)
-
-    def _shared_optimizer(
-        self, reports: list[RankReport], extra: list[TimelineEvent]
-    ) -> tuple[list[RankReport], list[TimelineEvent]]:
-        """The optimizer steps again, with ranks that share a processor sharing it."""
-        steps = {e.rank: e for e in extra if e.label == "OPT"}
-        ready = [steps[r].start for r in range(self.plan.pp)]
-        assert self.sharing is not None
-        ends = share_jobs(self.sharing, ready, [r.optimizer_s for r in reports])
-        extra = [e for e in extra if e.label != "OPT"]
-        extra += [TimelineEvent(r, "OPT", ready[r], ends[r], "optimizer") for r in steps]
-        return [replace(r, end_s=ends[r.pp_rank]) for r in reports], extra
 
     def _walk(self, rank: int, result: Replay, last_backward: dict[int, float]) -> _Walk:
         """One pass over the rank's events: busy time, activation peak, send time. A hot
@@ -257,6 +245,18 @@ class _Replica:
             activations=activations,
             transient=transient,
         )
+
+
+def _shared_optimizer(
+    sharing: Sharing, reports: list[RankReport], extra: list[TimelineEvent]
+) -> tuple[list[RankReport], list[TimelineEvent]]:
+    """The optimizer steps again, with ranks that share a processor sharing it."""
+    steps = {e.rank: e for e in extra if e.label == "OPT"}
+    ready = [steps[r.pp_rank].start for r in reports]
+    ends = share_jobs(sharing, ready, [r.optimizer_s for r in reports])
+    extra = [e for e in extra if e.label != "OPT"]
+    extra += [TimelineEvent(r, "OPT", ready[r], ends[r], "optimizer") for r in steps]
+    return [replace(r, end_s=ends[r.pp_rank]) for r in reports], extra
 
 
 def _sharing(cluster: Cluster, plan: SimPlan, dp_rank: int) -> Sharing:

@@ -142,6 +142,7 @@ def fit_sharing_efficiency(
     fall while it rises. Workers time-sharing a core lose speed to switching and cache
     refills that no compute-only measurement shows (see `plait.bench.sim_accuracy`)."""
     from plait.plan.io import plan_from_dict
+    from plait.schedule.sharing import fit_efficiency
 
     target = plan_from_dict(plan)
     space = SearchSpace(
@@ -149,18 +150,18 @@ def fit_sharing_efficiency(
         zero_stages=(target.zero_stage,), chunks=(), micro_batch_sizes=(target.micro_batch_size,),
         sequence_parallel=(target.sequence_parallel,), dtype=target.dtype,
     )  # fmt: skip
-    low, high = 0.2, 1.0
-    for _ in range(14):
-        mid = (low + high) / 2
-        group = replace(cluster.groups[0], sharing_efficiency=mid)
+
+    def predicted(efficiency: float) -> float:
+        group = replace(cluster.groups[0], sharing_efficiency=efficiency)
         found = search(spec, replace(cluster, groups=(group,)), global_batch=global_batch,
                        space=space, top_k=1000, exact_limit=10**6, memory_margin=0.0)  # fmt: skip
         same = [r for r in found.ranked if (r.plan.dp, r.plan.tp, r.plan.pp) ==
                 (target.dp, target.tp, target.pp)]  # fmt: skip
         if not same:
             raise ValueError(f"the planner cannot evaluate the reference plan {plan}")
-        low, high = (mid, high) if same[0].step_time_s > measured_s else (low, mid)
-    return (low + high) / 2
+        return same[0].step_time_s
+
+    return fit_efficiency(predicted, measured_s)
 
 
 def auto_plan(
