@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from plait.schedule import (
-    GENERATORS,
+    KINDS,
     Op,
     Schedule,
     ScheduleError,
@@ -21,25 +21,39 @@ from plait.schedule import (
     interleaved_1f1b,
     one_f_one_b,
     replay,
+    unroll,
     validate,
     zero_bubble_h1,
 )
 
-# (kind, chunks): every generator, interleaving with 2 and with 3 virtual stages per rank
-KINDS = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 3), ("zb-h1", 1)]
-SCHEDULE_KEYS = {"kind", "stages", "microbatches", "chunks", "num_stages", "stage_to_rank", "ranks"}
+# (kind, chunks): every registered kind, interleaving with 2 and with 3 virtual stages
+CASES = [(k, 1) for k in KINDS if not KINDS[k].chunked] + [("interleaved", 2), ("interleaved", 3)]
+SCHEDULE_KEYS = {
+    "kind",
+    "policy",
+    "stages",
+    "microbatches",
+    "chunks",
+    "num_stages",
+    "stage_to_rank",
+    "ranks",
+}
 
 
 def check_round_trip(schedule: Schedule) -> None:
     text = schedule.to_json()
     data = json.loads(text)
     assert set(data) == SCHEDULE_KEYS
-    assert all(set(a) == {"op", "stage", "mb"} for program in data["ranks"] for a in program)
+    for program in data["ranks"]:
+        for a in program:
+            # versions only where the schedule has them: updates, and asynchronous computes
+            has_version = a["op"] == "UPDATE" or (schedule.policy != "sync" and a["op"] in "FB")
+            assert set(a) == {"op", "stage", "mb"} | ({"version"} if has_version else set()), a
     assert Schedule.from_json(text) == schedule
     assert Schedule.from_dict(schedule.to_dict()) == schedule
 
 
-@pytest.mark.parametrize(("kind", "chunks"), KINDS)
+@pytest.mark.parametrize(("kind", "chunks"), CASES)
 @pytest.mark.parametrize("stages", [1, 2, 3, 4])
 def test_every_generator_builds_validates_round_trips_and_replays(
     kind: str, chunks: int, stages: int
@@ -52,21 +66,22 @@ def test_every_generator_builds_validates_round_trips_and_replays(
         result = replay(schedule)
         assert result.completed
         assert result.makespan == report.makespan
-        # each rank ran its whole program, in program order
+        # each rank ran its whole run of one window, in program order
+        run = unroll(schedule).schedule
         for rank, events in enumerate(result.events):
-            assert [e.action for e in events] == list(schedule.ranks[rank])
+            assert [e.action for e in events] == list(run.ranks[rank])
             assert [e.index for e in events] == list(range(len(events)))
 
 
-@pytest.mark.parametrize(("kind", "chunks"), KINDS)
+@pytest.mark.parametrize(("kind", "chunks"), CASES)
 def test_lowering_keeps_the_compute_order(kind: str, chunks: int) -> None:
-    """build() = generator + add_communication: stripping the messages gives the generator's
-    programs back, and the unit-cost timeline is the same with and without messages."""
-    generator = GENERATORS[kind]
+    """build() = generator + reductions + communication: stripping the messages and the
+    reductions gives the generator's programs back, and the unit-cost timeline is the same
+    with and without messages."""
+    generate = KINDS[kind].generate
     for stages, microbatches in [(2, 3), (3, 5), (4, 8)]:
-        args = (stages, microbatches, chunks) if kind == "interleaved" else (stages, microbatches)
-        bare = generator(*args)
-        lowered = build(kind, *args)
+        bare = generate(stages, microbatches, chunks)
+        lowered = build(kind, stages, microbatches, chunks)
         assert compute_only(lowered) == bare
         assert validate(bare).makespan == validate(lowered).makespan
         ops = {a.op for program in lowered.ranks for a in program}
@@ -87,8 +102,9 @@ def test_generators_are_pure_functions_of_integers() -> None:
         (lambda: one_f_one_b(2, 0), "num_microbatches=0"),
         (lambda: interleaved_1f1b(2, 4, 1), "num_chunks=1"),
         (lambda: zero_bubble_h1(-1, 4), "num_stages=-1"),
-        (lambda: build("pipedream", 2, 4), "'pipedream' is unknown"),
-        (lambda: build("1f1b", 2, 4, 2), "chunks=2 applies only to 'interleaved'"),
+        (lambda: build("chimera", 2, 4), "'chimera' is unknown"),
+        (lambda: build("1f1b", 2, 4, 2), r"chunks=2 applies only to \['interleaved'\]"),
+        (lambda: build("interleaved", 2, 4, 1), "chunks=1: interleaved needs >= 2"),
     ],
 )
 def test_bad_arguments_name_the_value_and_the_fix(call: Callable[[], object], message: str) -> None:
@@ -107,7 +123,7 @@ def test_lowering_an_already_lowered_schedule_is_idempotent() -> None:
 
 @settings(max_examples=40, deadline=None)
 @given(
-    kind=st.sampled_from(sorted(GENERATORS)),
+    kind=st.sampled_from(sorted(KINDS)),
     stages=st.integers(1, 6),
     microbatches=st.integers(1, 16),
     chunks=st.integers(2, 4),
@@ -125,3 +141,7 @@ def test_property_any_valid_size_builds_validates_and_round_trips(
     forwards = [a for a in compute if a.op is Op.F]
     assert len(forwards) == schedule.num_stages * microbatches
     assert len(compute) == len(forwards) * (3 if kind == "zb-h1" else 2)
+    # one window: every stage updates once per micro-batch, or once per window
+    updates = [a for program in schedule.ranks for a in program if a.op is Op.UPDATE]
+    per_stage = microbatches if kind in ("pipedream", "pipedream-vs", "spectrain") else 1
+    assert len(updates) == schedule.num_stages * per_stage

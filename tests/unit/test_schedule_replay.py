@@ -45,6 +45,8 @@ def test_messages_take_their_transfer_time() -> None:
         "0RECV_B1": (2.0, 2.0),
         "0B0": (5.0, 7.0),  # waits for 1SEND_B0 to arrive
         "0B1": (8.0, 10.0),
+        "0REDUCE1": (10.0, 10.0),  # data parallelism of 1: nothing to reduce
+        "0UPDATE1v1": (10.0, 10.0),  # unit costs: updates take no time
     }
     assert timeline(result, 1) == {
         "1RECV_F0": (0.0, 0.0),
@@ -55,6 +57,8 @@ def test_messages_take_their_transfer_time() -> None:
         "1F1": (4.5, 5.5),
         "1B1": (5.5, 7.5),
         "1SEND_B1": (7.5, 8.0),
+        "1REDUCE1": (7.5, 7.5),
+        "1UPDATE1v1": (7.5, 7.5),
     }
     assert result.makespan == 10.0
     assert result.busy(0) == result.busy(1) == 6.0
@@ -80,8 +84,12 @@ def test_compute_only_schedules_get_perfectly_placed_messages() -> None:
         a, b = replay(lowered, **kwargs), replay(bare, **kwargs)
         assert a.makespan == b.makespan
         for rank in range(3):
-            computed = {k: v for k, v in timeline(a, rank).items() if "SEND" not in k}
-            assert {k: v for k, v in computed.items() if "RECV" not in k} == timeline(b, rank)
+            computed = {
+                k: v
+                for k, v in timeline(a, rank).items()
+                if not any(op in k for op in ("SEND", "RECV", "REDUCE"))
+            }
+            assert computed == timeline(b, rank)
     # one micro-batch: 3 forwards, 3 backwards and 4 hops on the critical path
     assert replay(one_f_one_b(3, 1), transfer=half).makespan == 3 * 1.0 + 3 * 2.0 + 4 * 0.5
 
@@ -91,13 +99,15 @@ def test_durations_come_from_the_callable() -> None:
         return (2.0 if rank == 1 else 1.0) * unit_duration(rank, action)
 
     result = replay(one_f_one_b(2, 1), duration=by_rank)
-    assert timeline(result, 0) == {"0F0": (0.0, 1.0), "0B0": (7.0, 9.0)}
-    assert timeline(result, 1) == {"1F0": (1.0, 3.0), "1B0": (3.0, 7.0)}
+    assert timeline(result, 0) == {"0F0": (0.0, 1.0), "0B0": (7.0, 9.0), "0UPDATE0v1": (9.0, 9.0)}
+    assert timeline(result, 1) == {"1F0": (1.0, 3.0), "1B0": (3.0, 7.0), "1UPDATE0v1": (7.0, 7.0)}
 
 
 def test_peak_inflight_counts_until_the_weight_gradients() -> None:
     schedule = zero_bubble_h1(2, 2)
-    assert [str(a) for a in schedule.ranks[1]] == ["1F0", "1BI0", "1F1", "1BI1", "1BW0", "1BW1"]
+    assert [str(a) for a in schedule.ranks[1]] == [
+        *("1F0", "1BI0", "1F1", "1BI1", "1BW0", "1BW1", "1UPDATE1v1")
+    ]
     assert replay(schedule).peak_inflight == (2, 2)
 
 
@@ -124,7 +134,7 @@ def test_out_of_range_actions_are_rejected_before_running() -> None:
     with pytest.raises(ValueError, match=r"outside stages 0\.\.1 or micro-batches 0\.\.1"):
         replay(bad)
     past_the_end = schedule.with_programs([[Action(Op.SEND_B, 0, 0)], []])
-    with pytest.raises(ValueError, match="sends past the end of the pipeline"):
+    with pytest.raises(ValueError, match="sends past the end of its pipeline"):
         replay(past_the_end)
 
 

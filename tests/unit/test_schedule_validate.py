@@ -6,7 +6,6 @@ import pytest
 
 from plait.schedule import (
     Action,
-    Op,
     Schedule,
     ScheduleError,
     add_communication,
@@ -16,19 +15,10 @@ from plait.schedule import (
 )
 
 
-def parse(text: str) -> Action:
-    """'0F1' -> Action(F, 0, 1); '1RECV_B0' -> Action(RECV_B, 1, 0)."""
-    for op in sorted(Op, key=lambda o: -len(o.value)):
-        stage, sep, mb = text.partition(op.value)
-        if sep and stage.isdigit() and mb.isdigit():
-            return Action(op, int(stage), int(mb))
-    raise ValueError(text)
-
-
 def schedule_of(*programs: str, base: Schedule | None = None) -> Schedule:
     """Programs as space-separated actions, on the placement of `base` (2-rank 1F1B)."""
     base = base or one_f_one_b(2, 2)
-    return base.with_programs([[parse(a) for a in p.split()] for p in programs])
+    return base.with_programs([[Action.parse(a) for a in p.split()] for p in programs])
 
 
 def rejects(schedule: Schedule, *fragments: str) -> str:
@@ -105,8 +95,8 @@ def test_indices_out_of_range() -> None:
 
 
 LOWERED = [
-    "0F0 0SEND_F0 0RECV_B0 0F1 0SEND_F1 0RECV_B1 0B0 0B1",
-    "1RECV_F0 1F0 1RECV_F1 1B0 1SEND_B0 1F1 1B1 1SEND_B1",
+    "0F0 0SEND_F0 0RECV_B0 0F1 0SEND_F1 0RECV_B1 0B0 0B1 0UPDATE1v1",
+    "1RECV_F0 1F0 1RECV_F1 1B0 1SEND_B0 1F1 1B1 1SEND_B1 1UPDATE1v1",
 ]
 
 

@@ -9,14 +9,14 @@ import pytest
 from plait.cluster import Cluster, Device, Link, NodeGroup
 from plait.cost import BlockCost
 from plait.mesh import cpu_cores_for
-from plait.schedule import GENERATORS, Op, build, replay
+from plait.schedule import KINDS, Op, build, replay
 from plait.schedule.sharing import Sharing, fit_efficiency, replay_shared, share_jobs
 from plait.sim import SimPlan, build_schedule, simulate
 
 FREE = Link(latency_s=0.0, bandwidth_Bps=1e30)
 
 
-@pytest.mark.parametrize("kind", sorted(GENERATORS))
+@pytest.mark.parametrize("kind", sorted(KINDS))
 @pytest.mark.parametrize(("p", "m"), [(1, 2), (2, 3), (3, 6), (4, 8)])
 def test_own_processors_replay_exactly_as_replay(kind: str, p: int, m: int) -> None:
     v = 2 if kind == "interleaved" else 1

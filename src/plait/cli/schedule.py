@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import argparse
 
-from plait.schedule import GENERATORS, build, compute_only, format_grid, format_program, validate
+from plait.schedule import (
+    KINDS,
+    build,
+    compute_only,
+    format_grid,
+    format_program,
+    schedule_kind,
+    unroll,
+    validate,
+)
 
 __all__ = ["add_parser"]
 
@@ -14,39 +23,64 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         "schedule",
         help="print a pipeline schedule (grid or JSON)",
         description="Generate, validate and print a pipeline schedule. The grid has one row "
-        "per rank and one column per time unit under unit costs (forward 1, backward 2).",
+        "per rank and one column per time unit under unit costs (forward 1, backward 2). An "
+        "asynchronous schedule is one window of a stream: the grid shows a run of --windows "
+        "windows with its warm-up and drain, weight versions as v<n>.",
     )
-    p.add_argument("kind", choices=sorted(GENERATORS), help="schedule generator")
+    p.add_argument(
+        "kind",
+        choices=list(KINDS),
+        help="; ".join(f"{k.name}: {k.summary}" for k in KINDS.values()),
+        metavar="KIND",
+    )
     p.add_argument("--stages", type=int, required=True, help="pipeline ranks P")
-    p.add_argument("--microbatches", type=int, required=True, help="micro-batches M per step")
+    p.add_argument("--microbatches", type=int, required=True, help="micro-batches M per window")
     p.add_argument("--chunks", type=int, default=None, help="virtual stages per rank (interleaved)")
-    p.add_argument("--json", action="store_true", help="print the lowered schedule as JSON")
-    p.add_argument("--program", action="store_true", help="print program order with sends/receives")
+    p.add_argument(
+        "--windows",
+        type=int,
+        default=None,
+        help="windows of the run to draw (default: 1 for a synchronous schedule, 3 otherwise)",
+    )
+    p.add_argument("--json", action="store_true", help="print the lowered window as JSON")
+    p.add_argument(
+        "--program",
+        action="store_true",
+        help="print program order with sends, receives, reductions and weight copies",
+    )
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    chunks = args.chunks if args.chunks is not None else (2 if args.kind == "interleaved" else 1)
     for flag, value in (("--stages", args.stages), ("--microbatches", args.microbatches)):
         if value < 1:
             raise ValueError(f"{flag} {value}: use a positive count")
-    if args.kind != "interleaved" and chunks != 1:
-        raise ValueError(f"--chunks {chunks} applies only to 'interleaved': drop --chunks")
-    if args.kind == "interleaved" and chunks < 2:
-        raise ValueError(f"--chunks {chunks}: interleaved needs at least 2; or use 1f1b")
+    kind = schedule_kind(args.kind)
+    try:
+        chunks = kind.chunks(args.chunks)
+    except ValueError as err:
+        raise ValueError(f"--chunks {args.chunks}: {err}") from None
     schedule = build(args.kind, args.stages, args.microbatches, chunks)
     if args.json:
         print(schedule.to_json())
         return 0
+    windows = args.windows if args.windows is not None else (1 if kind.synchronous else 3)
+    if windows < 1:
+        raise ValueError(f"--windows {windows}: draw at least one window")
     report = validate(schedule)
-    if args.program:
-        print(format_program(schedule))
-    else:
-        print(format_grid(compute_only(schedule)))
-    print(
+    run_ = unroll(schedule, windows).schedule
+    print(format_program(run_) if args.program else format_grid(compute_only(run_)))
+    summary = (
         f"\n{schedule.kind}: {schedule.num_ranks} ranks, {schedule.num_stages} stages, "
         f"{schedule.num_microbatches} micro-batches; unit-cost makespan {report.makespan:g}, "
         f"bubble {report.bubble_fraction:.1%}, peak in-flight micro-batches per rank "
         f"{list(report.peak_inflight)}"
     )
+    if not kind.synchronous:
+        summary += (
+            f"\nasynchronous ({kind.policy}): {report.window_time:g} time units per window in "
+            f"the steady state; weight versions alive per rank at most "
+            f"{list(report.peak_weight_versions)}"
+        )
+    print(summary)
     return 0

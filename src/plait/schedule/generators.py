@@ -1,30 +1,21 @@
 """Generators of synchronous pipeline schedules: pure functions of integers.
 
-Each returns a compute-only `Schedule` (forward and backward actions); `build` adds the
-sends and receives with `add_communication` and validates the result, which is what the
-runtime and the simulator consume.
+Each returns a compute-only `Schedule`: one training step as one window, its forward and
+backward actions and, at the end of each rank's program, one UPDATE per stage (every
+stage's optimizer step after the flush). `plait.schedule.registry.build` adds the
+gradient reductions and the sends and receives and validates the result, which is what
+the runtime and the simulator consume.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from plait.schedule.ir import Action, Op, Schedule
-from plait.schedule.passes import add_communication
 from plait.schedule.replay import replay
-from plait.schedule.validate import validate
 
-__all__ = [
-    "GENERATORS",
-    "build",
-    "gpipe",
-    "interleaved_1f1b",
-    "one_f_one_b",
-    "zero_bubble_h1",
-]
+__all__ = ["check_sizes", "gpipe", "interleaved_1f1b", "one_f_one_b", "zero_bubble_h1"]
 
 
-def _check(num_stages: int, num_microbatches: int, num_chunks: int = 1) -> None:
+def check_sizes(num_stages: int, num_microbatches: int, num_chunks: int = 1) -> None:
     if num_stages < 1:
         raise ValueError(f"num_stages={num_stages}: a pipeline needs at least 1 stage")
     if num_microbatches < 1:
@@ -34,12 +25,17 @@ def _check(num_stages: int, num_microbatches: int, num_chunks: int = 1) -> None:
 
 
 def _schedule(kind: str, p: int, m: int, programs: list[list[Action]], v: int = 1) -> Schedule:
+    """The step of `programs`, each rank then updating its stages (in stage order)."""
+    updated = [
+        [*prog, *(Action(Op.UPDATE, c * p + r, m - 1, 1) for c in range(v))]
+        for r, prog in enumerate(programs)
+    ]
     return Schedule(
         kind=kind,
         num_ranks=p,
         num_microbatches=m,
         stage_to_rank=tuple(s % p for s in range(p * v)),
-        ranks=tuple(tuple(prog) for prog in programs),
+        ranks=tuple(tuple(prog) for prog in updated),
         num_chunks=v,
     )
 
@@ -51,7 +47,7 @@ def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
     step takes (m + p - 1)(t_f + t_b), a bubble of (p - 1)/(m + p - 1). Naive model
     parallelism is this schedule with one micro-batch.
     """
-    _check(num_stages, num_microbatches)
+    check_sizes(num_stages, num_microbatches)
     p, m = num_stages, num_microbatches
     programs = [
         [Action(Op.F, r, i) for i in range(m)] + [Action(Op.B, r, i) for i in range(m)]
@@ -66,7 +62,7 @@ def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
     Rank r runs min(p - r - 1, m) warm-up forwards, then one forward and one backward in
     turn, then drains. Same bubble as GPipe, but rank r holds at most p - r micro-batches.
     """
-    _check(num_stages, num_microbatches)
+    check_sizes(num_stages, num_microbatches)
     p, m = num_stages, num_microbatches
     programs = []
     for r in range(p):
@@ -119,7 +115,7 @@ def interleaved_1f1b(num_stages: int, num_microbatches: int, num_chunks: int) ->
     then validates the lowered result in full). The bubble formula holds when p divides m;
     otherwise the step is longer and rank 0 may hold up to v·m micro-batches.
     """
-    _check(num_stages, num_microbatches, num_chunks)
+    check_sizes(num_stages, num_microbatches, num_chunks)
     if num_chunks < 2:
         raise ValueError(f"num_chunks={num_chunks}: interleaving needs >= 2 chunks; use 1f1b")
     p, m, v = num_stages, num_microbatches, num_chunks
@@ -149,7 +145,7 @@ def zero_bubble_h1(num_stages: int, num_microbatches: int) -> Schedule:
     at most min(p, m) micro-batches: the peak of 1F1B's first rank, reached on every rank.
     With unequal costs the order stays the same but is no longer optimal.
     """
-    _check(num_stages, num_microbatches)
+    check_sizes(num_stages, num_microbatches)
     p, m = num_stages, num_microbatches
     state = _ZeroBubbleState(p, m)
     t = 0
@@ -203,37 +199,3 @@ class _ZeroBubbleState:
             self.nbw[r] += 1
             self.remaining -= 1
         self.programs[r].append(Action(op, r, mb))
-
-
-GENERATORS: dict[str, Callable[..., Schedule]] = {
-    "gpipe": gpipe,
-    "1f1b": one_f_one_b,
-    "interleaved": interleaved_1f1b,
-    "zb-h1": zero_bubble_h1,
-}
-
-
-def build(
-    kind: str,
-    num_stages: int,
-    num_microbatches: int,
-    num_chunks: int = 1,
-    *,
-    check: bool = True,
-) -> Schedule:
-    """The validated, communication-lowered schedule of `kind`, ready to run or simulate.
-
-    `check=False` skips the validator (the generators are proved by the test suite over
-    every small grid), for callers such as the planner that build many large schedules."""
-    if kind not in GENERATORS:
-        raise ValueError(f"schedule kind {kind!r} is unknown; choose one of {sorted(GENERATORS)}")
-    if kind == "interleaved":
-        schedule = interleaved_1f1b(num_stages, num_microbatches, num_chunks)
-    else:
-        if num_chunks != 1:
-            raise ValueError(f"chunks={num_chunks} applies only to 'interleaved'; use chunks=1")
-        schedule = GENERATORS[kind](num_stages, num_microbatches)
-    lowered = add_communication(schedule)
-    if check:
-        validate(lowered)
-    return lowered

@@ -1,19 +1,26 @@
 """Lowering passes: functions that take a schedule and return a new one.
 
+`add_reductions` places each stage's data-parallel gradient reduction (`REDUCE`) right
+after the last backward whose gradients the stage's next `UPDATE` applies, so that the
+reduction overlaps whatever the rank does before the update.
+
 `add_communication` turns a compute-only schedule into the program the runtime executes:
-each send right after the compute that produces its data, each receive posted one compute
-action ahead of its consumer (so the transfer overlaps that compute), and the receives on
-every directed channel posted in the order the peer sends (which in-order transports such
-as NCCL require, and the validator checks).
+each send right after the compute that produces its data, each receive posted one action
+ahead of its consumer (so the transfer overlaps that action; never across the start of a
+window), and the receives on every directed channel posted in the order the peer sends
+(which in-order transports such as NCCL require, and the validator checks). A window's
+program repeats, so the channel order is that of the unbounded stream: a message is
+placed by its position in the sender's stream of messages on the channel, and a window
+posts the messages that follow those the previous window posted.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict, deque
+from collections import defaultdict
 
 from plait.schedule.ir import COMM_OPS, Action, Op, Schedule
 
-__all__ = ["add_communication", "compute_only"]
+__all__ = ["add_communication", "add_reductions", "compute_only"]
 
 # Data that crosses a stage boundary: activations flow forward, gradients backward.
 _ACTIVATIONS, _GRADIENTS = 0, 1
@@ -23,86 +30,174 @@ _RECV_OP = (Op.RECV_F, Op.RECV_B)
 
 
 def compute_only(schedule: Schedule) -> Schedule:
-    """Strip every send and receive."""
+    """Strip every send, receive and reduction (what a generator returns)."""
     return schedule.with_programs([[a for a in p if a.op not in COMM_OPS] for p in schedule.ranks])
 
 
+def add_reductions(schedule: Schedule) -> Schedule:
+    """Insert `REDUCE s` after the last backward of stage s before each `UPDATE s` (or just
+    before the update when no backward of s precedes it since the previous one)."""
+    programs = []
+    for program in schedule.ranks:
+        out: list[Action] = [a for a in program if a.op is not Op.REDUCE]
+        last: dict[int, int] = {}  # stage -> position in `out` after its latest backward
+        placed: list[tuple[int, Action]] = []
+        for i, a in enumerate(out):
+            if a.op in (Op.B, Op.BW):
+                last[a.stage] = i + 1
+            elif a.op is Op.UPDATE:
+                at = last.pop(a.stage, i)
+                placed.append((at, Action(Op.REDUCE, a.stage, a.microbatch)))
+        for at, reduce in sorted(placed, key=lambda item: item[0], reverse=True):
+            out.insert(at, reduce)
+        programs.append(out)
+    return schedule.with_programs(programs)
+
+
 class _Links:
-    """Per stage and direction: the rank a stage sends its output to, and the rank its input
-    comes from, or -1 when that neighbour is on the same rank (or absent)."""
+    """Per stage and direction: the rank a stage sends its output to, and the rank its
+    input comes from, or -1 when that neighbour is on the same rank (or absent)."""
 
     def __init__(self, schedule: Schedule) -> None:
-        place, last = schedule.stage_to_rank, schedule.num_stages - 1
+        place = schedule.stage_to_rank
+        _, after_of, before_of = schedule.graph
+
+        def remote(stage: int, other: int) -> int:
+            return place[other] if other >= 0 and place[other] != place[stage] else -1
+
         stages = range(schedule.num_stages)
-        after = [place[s + 1] if s < last and place[s + 1] != place[s] else -1 for s in stages]
-        before = [place[s - 1] if s > 0 and place[s - 1] != place[s] else -1 for s in stages]
+        after = [remote(s, after_of[s]) for s in stages]
+        before = [remote(s, before_of[s]) for s in stages]
         self.send_to = (after, before)  # [direction][stage]
         self.recv_from = (before, after)
-        self.width = schedule.num_microbatches
-        self.num_stages = schedule.num_stages
-
-    def message(self, direction: int, stage: int, microbatch: int) -> int:
-        """The id of the message that receiving `stage` consumes: direction, stage, mb."""
-        return (direction * self.num_stages + stage) * self.width + microbatch
-
-    def receive(self, message: int) -> Action:
-        rest, microbatch = divmod(message, self.width)
-        direction, stage = divmod(rest, self.num_stages)
-        return Action(_RECV_OP[direction], stage, microbatch)
+        self.neighbour = (after_of, before_of)  # [direction][stage]: the receiving stage
 
 
-def _channel_orders(schedule: Schedule, links: _Links) -> dict[tuple[int, int], deque[int]]:
-    """Per (source, destination): the messages in the order the source sends them."""
-    orders: dict[tuple[int, int], deque[int]] = defaultdict(deque)
-    step = (1, -1)  # the receiving stage, per direction
+# A message: (direction, receiving stage, micro-batch relative to the window)
+_Message = tuple[int, int, int]
+
+
+class _Channel:
+    """The messages one rank sends another in one window, in the order it sends them."""
+
+    def __init__(self, width: int) -> None:
+        self.width = width
+        self.sent: list[_Message] = []
+        self.index: dict[tuple[int, int, int], int] = {}  # (dir, stage, mb mod m) -> i
+
+    def add(self, message: _Message) -> None:
+        direction, stage, mb = message
+        self.index[(direction, stage, mb % self.width)] = len(self.sent)
+        self.sent.append(message)
+
+    def position(self, message: _Message) -> int:
+        """Where `message` (as the receiver's window names it) falls in the sender's stream,
+        counted from the sender's messages of the receiver's window."""
+        direction, stage, mb = message
+        i = self.index.get((direction, stage, mb % self.width))
+        if i is None:
+            raise ValueError(
+                f"stage {stage} consumes micro-batch {mb}'s data that no rank sends it: "
+                "validate the compute-only schedule first"
+            )
+        windows = (mb - self.sent[i][2]) // self.width
+        return windows * len(self.sent) + i
+
+    def message(self, position: int) -> _Message:
+        windows, i = divmod(position, len(self.sent))
+        direction, stage, mb = self.sent[i]
+        return direction, stage, mb + windows * self.width
+
+
+def _channels(schedule: Schedule, links: _Links) -> dict[tuple[int, int], _Channel]:
+    """Per (source, destination): the window's messages in the order the source sends them."""
+    channels: dict[tuple[int, int], _Channel] = defaultdict(
+        lambda: _Channel(schedule.num_microbatches)
+    )
     for rank, program in enumerate(schedule.ranks):
         for a in program:
             direction = _DIRECTION.get(a.op)
             if direction is not None:
                 dst = links.send_to[direction][a.stage]
                 if dst >= 0:
-                    receiver = a.stage + step[direction]
-                    orders[(rank, dst)].append(links.message(direction, receiver, a.microbatch))
-    return orders
+                    receiver = links.neighbour[direction][a.stage]
+                    channels[(rank, dst)].add((direction, receiver, a.microbatch))
+    return channels
+
+
+def _consumed(a: Action, rank: int, links: _Links) -> tuple[int, _Message] | None:
+    """(source rank, message) that compute action `a` consumes from another rank, if any."""
+    direction = _DIRECTION.get(a.op)
+    if direction is None:
+        return None
+    src = links.recv_from[direction][a.stage]
+    return None if src < 0 else (src, (direction, a.stage, a.microbatch))
 
 
 def _receives(
-    rank: int, program: tuple[Action, ...], links: _Links, orders: dict[tuple[int, int], deque[int]]
+    rank: int,
+    program: tuple[Action, ...],
+    links: _Links,
+    channels: dict[tuple[int, int], _Channel],
+    width: int,
 ) -> list[list[Action]]:
-    """Per compute action, the receives to post for it: its own input, preceded by every
-    message that the source sends on the same channel before it (so the order matches)."""
-    posted: set[int] = set()
+    """Per action, the receives to post for it: its own input, preceded by every message
+    the source sends on the same channel before it (so the order matches)."""
+    consumed = [_consumed(a, rank, links) for a in program]
+    posted: dict[int, int] = {}  # per source: the stream position posted up to
+    for item in consumed:
+        if item is not None:
+            src, message = item
+            channel = channels[(src, rank)]
+            top = channel.position(message)
+            posted[src] = max(posted.get(src, top), top)
+    # the previous window posted up to its last message: one window's worth before ours
+    posted = {src: top - len(channels[(src, rank)].sent) for src, top in posted.items()}
     posts: list[list[Action]] = []
-    for a in program:
+    for item in consumed:
         batch: list[Action] = []
-        direction = _DIRECTION.get(a.op)
-        src = -1 if direction is None else links.recv_from[direction][a.stage]
-        if src >= 0:
-            assert direction is not None
-            message = links.message(direction, a.stage, a.microbatch)
-            queue = orders[(src, rank)]
-            while message not in posted:
-                if not queue:
+        if item is not None:
+            src, message = item
+            channel = channels[(src, rank)]
+            for position in range(posted[src] + 1, channel.position(message) + 1):
+                direction, stage, mb = channel.message(position)
+                if mb >= width:
                     raise ValueError(
-                        f"{a} on rank {rank} consumes data that rank {src} never produces: "
-                        "validate the compute-only schedule first"
+                        f"rank {rank} would post a receive for micro-batch {mb} of a later "
+                        "window: reorder the window so each rank consumes messages in the "
+                        "order its peer sends them"
                     )
-                posted.add(queue[0])
-                batch.append(links.receive(queue.popleft()))
+                batch.append(Action(_RECV_OP[direction], stage, mb))
+            posted[src] = max(posted[src], channel.position(message))
         posts.append(batch)
     return posts
 
 
+def _one_compute_ahead(
+    program: tuple[Action, ...], posts: list[list[Action]]
+) -> list[list[Action]]:
+    """Move each compute action's receives before the compute action preceding it (the
+    first two compute actions' both go first)."""
+    compute = [i for i, a in enumerate(program) if a.is_compute]
+    shifted: list[list[Action]] = [[] for _ in program]
+    for j, i in enumerate(compute):
+        shifted[compute[max(j - 1, 0)]] += posts[i]
+    return shifted
+
+
 def add_communication(schedule: Schedule, *, prefetch: bool = True) -> Schedule:
-    """Insert SEND/RECV actions into a compute-only schedule (see the module docstring)."""
-    base = compute_only(schedule)
+    """Insert SEND/RECV actions into a compute-only schedule (see the module docstring);
+    reductions already placed are kept."""
+    base = schedule.with_programs(
+        [[a for a in p if a.op not in COMM_OPS or a.op is Op.REDUCE] for p in schedule.ranks]
+    )
     links = _Links(base)
-    orders = _channel_orders(base, links)
+    channels = _channels(base, links)
     programs = []
     for rank, program in enumerate(base.ranks):
-        posts = _receives(rank, program, links, orders)
-        if prefetch and len(posts) > 1:  # post receives one compute action ahead
-            posts = [posts[0] + posts[1], *posts[2:], []]
+        posts = _receives(rank, program, links, channels, base.num_microbatches)
+        if prefetch:
+            posts = _one_compute_ahead(program, posts)
         out: list[Action] = []
         for a, batch in zip(program, posts, strict=True):
             out.extend(batch)

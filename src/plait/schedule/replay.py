@@ -5,13 +5,21 @@ it with unit costs to prove a schedule cannot deadlock; the simulator runs it wi
 durations from the cost model. Semantics, shared with the runtime:
 
 - a rank executes its actions strictly in program order, one compute action at a time;
-- `F s,m` needs the activations of stage s-1 (local, or a posted `RECV_F s,m` whose
-  message has arrived); `B`/`BI s,m` need `F s,m` and the output gradients of stage s+1
-  (the loss on the last stage); `BW s,m` needs `BI s,m`;
+- `F s,m` needs the activations of the stage before s in the stage graph (local, or a
+  posted `RECV_F s,m` whose message has arrived); `B`/`BI s,m` need `F s,m` and the
+  output gradients of the stage after s (the loss on a last stage); `BW s,m` needs
+  `BI s,m`;
 - sends are asynchronous: a `SEND` starts when its data exists (however late it sits in the
   program), occupies the directed channel to the peer (messages on one channel travel one
   after another, in the sender's program order) and never stalls the sender's compute;
-- a `RECV` only posts a receive; the compute that consumes it waits for the arrival.
+- a `RECV` only posts a receive; the compute that consumes it waits for the arrival;
+- a `REDUCE` starts when the rank reaches it, occupies the rank's data-parallel channel
+  (one reduction after another) and never stalls compute; the `UPDATE` of the same stage
+  and micro-batch waits for it to end. `UPDATE`, `STASH`, `PREDICT` and `FREE` take the
+  rank like compute (for their `duration`; 0 under unit costs).
+
+A schedule is replayed as the run of `windows` windows its stream makes
+(`plait.schedule.stream.unroll`); a synchronous schedule's one window is itself.
 
 A schedule without any communication action is also accepted ("compute-only"): cross-rank
 data then arrives `transfer` seconds after it is produced, as if sends and receives were
@@ -22,7 +30,7 @@ adds one, and the backward that frees them (`BW`, or a full `B`) removes it.
 
 Written for speed (64 ranks × 512 micro-batches replay in a fraction of a second): facts
 such as "3F7 has finished" are integers indexing one list of times, and each (rank, op,
-stage) is compiled once into a `_Template` whose facts are offset by the micro-batch.
+stage) is compiled once into a `Template` whose facts are offset by the micro-batch.
 """
 
 from __future__ import annotations
@@ -34,21 +42,29 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import repeat
 from operator import attrgetter
-from typing import NamedTuple
 
-from plait.schedule.ir import COMM_OPS, Action, Op, Schedule
+from plait.schedule.facts import (
+    COMPUTE,
+    FACT_KINDS,
+    REDUCE,
+    SEND,
+    UNIT,
+    Compiler,
+    Template,
+    describe,
+)
+from plait.schedule.ir import COMM_OPS, P2P_OPS, Action, Op, Schedule
+from plait.schedule.stream import unroll
 
 __all__ = ["Blocked", "Event", "Replay", "UnitSummary", "replay", "unit_duration", "unit_summary"]
 
 Duration = Callable[[int, Action], float]
 
-_UNIT = {Op.F: 1.0, Op.B: 2.0, Op.BI: 1.0, Op.BW: 1.0}  # for unit_duration and templates
-
 
 def unit_duration(rank: int, action: Action) -> float:
     """Unit costs: forward 1, full backward 2, each half of a split backward 1, comms 0."""
     del rank
-    return _UNIT.get(action.op, 0.0)
+    return UNIT.get(action.op, 0.0)
 
 
 def _no_transfer(rank: int, action: Action) -> float:
@@ -96,86 +112,6 @@ class Replay:
 
     def busy(self, rank: int) -> float:
         return sum(e.end - e.start for e in self.events[rank] if e.action.op not in COMM_OPS)
-
-
-# Fact kinds. A fact is the integer (kind * num_stages + stage) * width + microbatch; its
-# entry in the times list is None until the fact holds, then the time from which it holds.
-_F, _BI, _POSTED_F, _POSTED_B, _ARRIVE_F, _ARRIVE_B = range(_NUM_KINDS := 6)
-_COMPUTE, _SEND, _RECV = range(3)  # what the interpreter does with an action
-
-
-class _Template(NamedTuple):
-    """One (rank, op, stage) compiled: fact numbers are bases, to which the micro-batch adds."""
-
-    code: int  # _COMPUTE, _SEND or _RECV
-    needs: tuple[int, ...]  # facts that must hold before the action starts, in check order
-    publish: int  # the fact that holds once it ends, or -1 (nothing waits on BW)
-    channel: int  # sends: index of the directed channel (rank, peer); else -1
-    delta: int  # change of in-flight micro-batches on this rank
-    unit: float  # its unit duration (compute) or 0.0
-    # Compute-only schedules: (source rank, send op, source stage) of the remote need (the
-    # last of `needs`), whose data lands `transfer` after it is produced; else None.
-    lag: tuple[int, Op, int] | None
-
-
-class _Compiler:
-    """Turns (rank, op, stage) into `_Template`s, following the module docstring."""
-
-    def __init__(self, schedule: Schedule, lowered: bool) -> None:
-        self.place, self.num_ranks = schedule.stage_to_rank, schedule.num_ranks
-        self.num_stages, self.width = schedule.num_stages, schedule.num_microbatches
-        self.lowered = lowered
-
-    def fact(self, kind: int, stage: int) -> int:
-        return (kind * self.num_stages + stage) * self.width
-
-    def template(self, rank: int, op: Op, stage: int) -> _Template:
-        if op in COMM_OPS:
-            return self._comm(rank, op, stage)
-        needs: tuple[int, ...] = ()
-        lag = None
-        if op is Op.F and stage > 0:
-            needs, lag = self._input(rank, stage, stage - 1, _F, _POSTED_F, _ARRIVE_F)
-        elif op is Op.B or op is Op.BI:
-            needs = (self.fact(_F, stage),)
-            if stage < self.num_stages - 1:
-                grads, lag = self._input(rank, stage, stage + 1, _BI, _POSTED_B, _ARRIVE_B)
-                needs += grads
-        elif op is Op.BW:
-            needs = (self.fact(_BI, stage),)
-        publish = {Op.F: self.fact(_F, stage), Op.B: self.fact(_BI, stage)}.get(op, -1)
-        if op is Op.BI:
-            publish = self.fact(_BI, stage)
-        delta = {Op.F: 1, Op.B: -1, Op.BW: -1}.get(op, 0)
-        return _Template(_COMPUTE, needs, publish, -1, delta, _UNIT.get(op, 0.0), lag)
-
-    def _input(
-        self, rank: int, stage: int, src_stage: int, produced: int, posted: int, arrive: int
-    ) -> tuple[tuple[int, ...], tuple[int, Op, int] | None]:
-        """Facts for data `stage` on `rank` consumes from `src_stage`, and its transfer lag."""
-        src = self.place[src_stage]
-        if src == rank:
-            return (self.fact(produced, src_stage),), None
-        if not self.lowered:
-            send = Op.SEND_F if produced == _F else Op.SEND_B
-            return (self.fact(produced, src_stage),), (src, send, src_stage)
-        return (self.fact(posted, stage), self.fact(arrive, stage)), None
-
-    def _comm(self, rank: int, op: Op, stage: int) -> _Template:
-        if op is Op.RECV_F or op is Op.RECV_B:
-            posted = self.fact(_POSTED_F if op is Op.RECV_F else _POSTED_B, stage)
-            return _Template(_RECV, (), posted, -1, 0, 0.0, None)
-        forward = op is Op.SEND_F
-        dst_stage = stage + 1 if forward else stage - 1
-        if not 0 <= dst_stage < self.num_stages:
-            raise ValueError(
-                f"{stage}{op.value} on rank {rank} sends past the end of the pipeline "
-                f"(stages 0..{self.num_stages - 1}): remove it"
-            )
-        need = self.fact(_F if forward else _BI, stage)
-        arrive = self.fact(_ARRIVE_F if forward else _ARRIVE_B, dst_stage)
-        channel = rank * self.num_ranks + self.place[dst_stage]
-        return _Template(_SEND, (need,), arrive, channel, 0, 0.0, None)
 
 
 def _check_ranges(schedule: Schedule) -> None:
@@ -232,22 +168,22 @@ class _Machine:
         self.s = schedule
         self.duration = duration
         self.transfer = transfer
-        lowered = any(a.op in COMM_OPS for p in schedule.ranks for a in p)
+        lowered = any(a.op in P2P_OPS for p in schedule.ranks for a in p)
         bi = Op.BI  # looking members up on an Enum class is slow
         self.split = {(a.stage, a.microbatch) for p in schedule.ranks for a in p if a.op is bi}
-        self.compiler = _Compiler(schedule, lowered)
+        self.compiler = Compiler(schedule, lowered)
         p, num_stages = schedule.num_ranks, schedule.num_stages
         # templates[rank][stage][op]: a list and a dict, cheaper than a dict keyed by tuples
-        self.templates: list[list[dict[Op, _Template]]] = [
+        self.templates: list[list[dict[Op, Template]]] = [
             [{} for _ in range(num_stages)] for _ in range(p)
         ]
         self.pc = [0] * p
         self.clock = [0.0] * p
         self.starts: list[list[float]] = [[] for _ in range(p)]
         self.ends: list[list[float]] = [[] for _ in range(p)]
-        size = _NUM_KINDS * num_stages * schedule.num_microbatches
+        size = FACT_KINDS * num_stages * schedule.num_microbatches
         self.times: list[float | None] = [None] * size
-        self.channel_free = [0.0] * (p * p)
+        self.channel_free = [0.0] * (p * p + p)  # directed channels, then reductions
         self.waiters: dict[int, list[int]] = {}
         self.waiting: dict[int, int] = {}
         self.inflight = [0] * p
@@ -255,7 +191,7 @@ class _Machine:
         self.busy = [0.0] * p  # compute time per rank
         self.wake: deque[int] = deque(range(p))
 
-    def _template(self, rank: int, a: Action) -> _Template:
+    def _template(self, rank: int, a: Action) -> Template:
         t = self.compiler.template(rank, a.op, a.stage)
         if a.op is Op.B and self.split:
             # A full B frees no activations when a BI split the same (stage, micro-batch);
@@ -295,7 +231,7 @@ class _Machine:
                         ready = when
                 if lag is not None and not no_transfer:
                     ready = self._lagged(t, m)
-                if code == _COMPUTE:
+                if code == COMPUTE:
                     start = clock if clock > ready else ready
                     end = clock = start + (unit_cost if unit else self.duration(rank, a))
                     busy += end - start
@@ -303,10 +239,15 @@ class _Machine:
                         inflight += delta
                         if inflight > peak:
                             peak = inflight
-                elif code == _SEND:
+                elif code == SEND:
                     free = channel_free[channel]
                     start = ready if ready > free else free
                     end = start if no_transfer else start + self.transfer(rank, a)
+                    channel_free[channel] = end
+                elif code == REDUCE:
+                    free = channel_free[channel]
+                    start = clock if clock > free else free
+                    end = start if unit else start + self.duration(rank, a)
                     channel_free[channel] = end
                 else:
                     start = end = clock
@@ -321,7 +262,7 @@ class _Machine:
             self.pc[rank], self.clock[rank] = pc, clock
             self.inflight[rank], self.peak[rank], self.busy[rank] = inflight, peak, busy
 
-    def _lagged(self, t: _Template, m: int) -> float:
+    def _lagged(self, t: Template, m: int) -> float:
         """Compute-only schedules: remote data (the last need) lands `transfer` after it is
         produced, as if the send had been placed right after the producer."""
         assert t.lag is not None
@@ -349,16 +290,7 @@ class _Machine:
         return Replay(events, blocked, tuple(self.peak))
 
     def _describe(self, fact: int) -> str:
-        rest, mb = divmod(fact, self.s.num_microbatches)
-        kind, stage = divmod(rest, self.s.num_stages)
-        return {
-            _F: f"forward {stage}F{mb}",
-            _BI: f"input gradients of {stage}B{mb}",
-            _POSTED_F: f"a posted receive {stage}RECV_F{mb}",
-            _POSTED_B: f"a posted receive {stage}RECV_B{mb}",
-            _ARRIVE_F: f"the activations sent to stage {stage} for micro-batch {mb}",
-            _ARRIVE_B: f"the gradients sent to stage {stage} for micro-batch {mb}",
-        }[kind]
+        return describe(fact, self.s.num_stages, self.s.num_microbatches)
 
 
 def replay(
@@ -366,11 +298,13 @@ def replay(
     *,
     duration: Duration = unit_duration,
     transfer: Duration = _no_transfer,
+    windows: int = 1,
 ) -> Replay:
-    """Execute `schedule` abstractly; `duration(rank, action)` gives compute times and
+    """Execute `windows` windows of `schedule` abstractly; `duration(rank, action)` gives
+    the times of compute actions, updates, weight copies and reductions, and
     `transfer(rank, send_action)` the time a message spends on its channel."""
     with _gc_paused():
-        machine = _Machine(schedule, duration, transfer)
+        machine = _Machine(unroll(schedule, windows).schedule, duration, transfer)
         machine.execute()
         return machine.result()
 
@@ -386,7 +320,8 @@ class UnitSummary:
 
 
 def unit_summary(schedule: Schedule) -> UnitSummary:
-    """`replay(schedule)` reduced to its totals: half the time, as no event is created."""
+    """`replay(schedule)` of a whole run (an unrolled schedule) reduced to its totals: half
+    the time, as no event is created."""
     with _gc_paused():
         machine = _Machine(schedule, unit_duration, _no_transfer)
         machine.execute()

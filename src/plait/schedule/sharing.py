@@ -22,10 +22,9 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from plait.schedule.facts import COMPUTE, REDUCE, SEND
 from plait.schedule.ir import Schedule
 from plait.schedule.replay import (
-    _COMPUTE,
-    _SEND,
     Duration,
     Replay,
     _gc_paused,
@@ -33,6 +32,7 @@ from plait.schedule.replay import (
     _no_transfer,
     unit_duration,
 )
+from plait.schedule.stream import unroll
 
 __all__ = ["Sharing", "fit_efficiency", "replay_shared", "share_jobs"]
 
@@ -120,21 +120,25 @@ class _SharedMachine(_Machine):
             if ready > now + _EPS:  # its data is still on the wire
                 heapq.heappush(self.timers, (ready, rank))
                 return
-            if t.code == _COMPUTE:
+            if t.code == COMPUTE:
                 work = t.unit if self.duration is unit_duration else self.duration(rank, a)
                 self.remaining[rank], self.started[rank] = work, now
                 return
             start = end = now
-            if t.code == _SEND:
+            if t.code == SEND:  # from when its data exists, as in `replay`
+                channel = t.channel
+                start = max(ready, self.channel_free[channel])
+                end = self.channel_free[channel] = start + self.transfer(rank, a)
+            elif t.code == REDUCE:  # from when the rank reaches it
                 channel = t.channel
                 start = max(now, self.channel_free[channel])
-                end = self.channel_free[channel] = start + self.transfer(rank, a)
+                end = self.channel_free[channel] = start + self.duration(rank, a)
             self._finish(rank, start, end)
 
     def _finish(self, rank: int, start: float, end: float) -> None:
         a = self.s.ranks[rank][self.pc[rank]]
         t = self.templates[rank][a.stage].get(a.op) or self._template(rank, a)
-        if t.code == _COMPUTE:
+        if t.code == COMPUTE:
             self.busy[rank] += end - start
             self.inflight[rank] += t.delta
             self.peak[rank] = max(self.peak[rank], self.inflight[rank])
@@ -185,11 +189,14 @@ def replay_shared(
     *,
     duration: Duration = unit_duration,
     transfer: Duration = _no_transfer,
+    windows: int = 1,
 ) -> Replay:
-    """Execute `schedule` abstractly with ranks time-sharing processors as `sharing` says;
-    `duration` is each compute action's work in seconds on a processor of its own."""
+    """Execute `windows` windows of `schedule` abstractly with ranks time-sharing processors
+    as `sharing` says; `duration` is each compute action's work in seconds on a processor
+    of its own."""
     with _gc_paused():
-        machine = _SharedMachine(schedule, duration, transfer, sharing)
+        concrete = unroll(schedule, windows).schedule
+        machine = _SharedMachine(concrete, duration, transfer, sharing)
         machine.execute()
         return machine.result()
 

@@ -1,328 +1,275 @@
 """The validator: proves a schedule correct before anything runs, or shows where it breaks.
 
-Checks, in order: every action sits on the rank that owns its stage; every micro-batch has
-exactly one forward and one backward (full, or split into BI then BW) on every stage; each
-rank orders its own actions legally; in a lowered schedule every cross-rank boundary has
-exactly one send and one receive, and the sends on each directed channel are posted in the
-order the peer posts their receives (so that in-order transports such as NCCL match them);
-finally abstract execution (`replay`) proves the programs cannot deadlock.
+A schedule is a window of an unbounded stream (`plait.schedule.ir`). The validator first
+checks the window itself: every action on the rank that owns its stage, no action on a
+micro-batch of a later window, no derived weight-copy action, and every data dependency
+running from a window to the same or a later one. It then checks concrete runs of 1 to
+2·reach + 2 windows (`plait.schedule.stream.unroll`), which cover every way the warm-up
+and the drain can meet: every micro-batch has exactly one forward and one backward (full,
+or BI then BW) on every stage of its path; each rank orders its own actions legally;
+every cross-rank boundary has exactly one send and one receive, posted on each directed
+channel in the order of the sends (so in-order transports such as NCCL match them); the
+weight versions obey the schedule's policy (`plait.schedule.versions`); and abstract
+execution (`replay`) finishes.
 
-Each check first runs a fast test over integer action ids (a 64-rank, 512-micro-batch
-schedule has 200 000 actions); only when that test fails does the plain, action-by-action
-scan run, to name the first culprit in the error.
+Why that proves any number of windows: the dependencies of the unbounded stream run from
+a window to the same or a later one, so a cycle (a deadlock) would lie within one window,
+and a run of 2·reach + 2 windows holds a whole steady window; a shorter or longer run is
+the stream restricted to fewer micro-batches, whose dependencies are a subset. Versions,
+messages and channel orders repeat with the window, shifted.
+
+The checks of a run's structure live in `plait.schedule.checks`; the version rules in
+`plait.schedule.versions`.
 """
 
 from __future__ import annotations
 
 from collections import Counter, defaultdict
 from dataclasses import dataclass
-from operator import attrgetter
 
-from plait.schedule.grid import format_grid, format_program
-from plait.schedule.ir import COMM_OPS, Op, Schedule
-from plait.schedule.replay import replay, unit_summary
+from plait.schedule.checks import (
+    ScheduleError,
+    check_coverage,
+    check_local_order,
+    check_messages,
+    check_range,
+    fail,
+    first_message,
+    ids,
+    missing,
+)
+from plait.schedule.grid import format_grid
+from plait.schedule.ir import COMPUTE_OPS, WEIGHT_OPS, Action, Op, Schedule
+from plait.schedule.replay import Replay, replay, unit_summary
+from plait.schedule.stream import Unrolled, unroll
+from plait.schedule.versions import VersionError, WeightPlanner
 
 __all__ = ["ScheduleError", "ValidationReport", "validate"]
 
 
-class ScheduleError(ValueError):
-    """A schedule that is not correct; the message ends with the grid, the culprit marked."""
+@dataclass(frozen=True)
+class ValidationReport:
+    """What validation learned under unit costs (forward 1, backward 2).
+
+    For an asynchronous schedule `makespan` and `bubble_fraction` are those of a run of
+    one window (warm-up and drain); `window_time` is the steady-state time per window.
+    """
+
+    peak_inflight: tuple[int, ...]  # per rank: most micro-batches whose activations it holds
+    makespan: float
+    bubble_fraction: float  # idle share of ranks × makespan
+    window_time: float = 0.0
+    peak_weight_versions: tuple[int, ...] = ()  # per rank: most distinct versions alive
+    peak_weight_copies: tuple[int, ...] = ()  # per rank: most copies besides the live ones
+
+
+# ------------------------------------------------------------------ the window
+def _check_window(schedule: Schedule) -> None:
+    """Placement, micro-batch range and derived actions of the window's own program."""
+    place, m = schedule.stage_to_rank, schedule.num_microbatches
+    for rank, program in enumerate(schedule.ranks):
+        for index, a in enumerate(program):
+            if a.stage >= schedule.num_stages:
+                raise fail(schedule, rank, index, f"stage {a.stage} >= {schedule.num_stages}")
+            if place[a.stage] != rank:
+                raise fail(
+                    schedule, rank, index, f"stage {a.stage} is placed on rank {place[a.stage]}"
+                )
+            if a.microbatch >= m:
+                raise fail(
+                    schedule, rank, index, f"micro-batch {a.microbatch} is not in this window "
+                    f"(0..{m - 1}) nor an earlier one: a window runs no later micro-batch",
+                )  # fmt: skip
+            if a.op in WEIGHT_OPS and schedule.reach > 0:
+                raise fail(schedule, rank, index, "weight copies are derived: remove it")
+            if a.op in COMPUTE_OPS and schedule.policy == "sync" and a.version not in (None, 0):
+                raise fail(schedule, rank, index, "a 'sync' window computes on its version 0")
+    counts = Counter(a.stage for p in schedule.ranks for a in p if a.op is Op.UPDATE)
+    if (counts and len(set(counts.values())) > 1) or (counts and len(counts) < schedule.num_stages):
+        per = {s: counts.get(s, 0) for s in range(schedule.num_stages)}
+        raise missing(
+            schedule, 0, f"stages update a different number of times per window ({per}): "
+            "give every stage the same number of UPDATEs",
+        )  # fmt: skip
+    _check_lags(schedule)
+
+
+def _check_lags(schedule: Schedule) -> None:
+    """Each data dependency runs from a window to the same or a later one: the window in
+    which an action runs, relative to its micro-batch's, is at least its producer's."""
+    m = schedule.num_microbatches
+    lag: dict[tuple[Op, int, int], tuple[int, int, int]] = {}
+    for rank, program in enumerate(schedule.ranks):
+        for index, a in enumerate(program):
+            if a.op in COMPUTE_OPS:
+                lag[(a.op, a.stage, a.microbatch % m)] = (-(a.microbatch // m), rank, index)
+    for (op, stage, mb), (mine, rank, index) in lag.items():
+        if op is Op.F:
+            producers = [(Op.F, schedule.prev_stage(stage))]
+        elif op is Op.BW:
+            producers = [(Op.BI, stage)]
+        else:
+            later = schedule.next_stage(stage)
+            producers = [(Op.F, stage), (Op.B, later), (Op.BI, later)]
+        for p_op, p_stage in producers:
+            found = lag.get((p_op, p_stage, mb)) if p_stage is not None else None
+            if found is not None and found[0] > mine:
+                raise fail(
+                    schedule, rank, index, f"runs {found[0] - mine} window(s) before the "
+                    f"{p_stage}{p_op.value} it needs: a window may only use data of its own "
+                    "or earlier windows",
+                )  # fmt: skip
+
+
+# ------------------------------------------------------------------ versions
+def _facts(run: Schedule) -> tuple[dict[int, int], dict[tuple[int, int], int]]:
+    """Facts across ranks the version rules need: the version each micro-batch's forward
+    used on its first stage, and the version each (stage, micro-batch) gradient is applied
+    to (the version before the first UPDATE of the stage after its last backward)."""
+    first: dict[int, int] = {}
+    applied: dict[tuple[int, int], int] = {}
+    for program in run.ranks:
+        waiting: dict[int, list[int]] = defaultdict(list)  # stage -> micro-batches done
+        count: Counter[int] = Counter()
+        for a in program:
+            if a.op is Op.F and a.version is not None and run.is_first(a.stage):
+                first[a.microbatch] = a.version
+            elif a.op in (Op.B, Op.BW):
+                waiting[a.stage].append(a.microbatch)
+            elif a.op is Op.UPDATE:
+                for x in waiting.pop(a.stage, []):
+                    applied[(a.stage, x)] = count[a.stage]
+                count[a.stage] += 1
+    return first, applied
+
+
+def _check_sync(run: Schedule) -> None:
+    """A synchronous run updates a stage only when none of its micro-batches is in flight,
+    and its k-th UPDATE produces version k."""
+    for rank, program in enumerate(run.ranks):
+        inflight: Counter[int] = Counter()
+        count: Counter[int] = Counter()
+        for index, a in enumerate(program):
+            if a.op is Op.F:
+                inflight[a.stage] += 1
+            elif a.op is Op.B or a.op is Op.BW:
+                inflight[a.stage] -= 1
+            elif a.op is Op.UPDATE:
+                count[a.stage] += 1
+                if inflight[a.stage]:
+                    why = (
+                        f"updates stage {a.stage} while {inflight[a.stage]} of its micro-batches "
+                        "are in flight: a synchronous schedule updates after their backwards"
+                    )
+                    raise fail(run, rank, index, why)
+                if a.version is not None and a.version != count[a.stage]:
+                    why = f"is update {count[a.stage]} of stage {a.stage}: it produces that version"
+                    raise fail(run, rank, index, why)
 
 
 @dataclass(frozen=True)
-class ValidationReport:
-    """What validation learned under unit costs."""
-
-    peak_inflight: tuple[int, ...]  # per rank: most micro-batches whose activations it holds
-    makespan: float  # unit costs: forward 1, backward 2
-    bubble_fraction: float  # idle share of ranks × makespan
-
-
-# Action ids: (code * num_stages + stage) * num_microbatches + microbatch, with these codes;
-# compute ops come first, so that an id at or above 4 * stages * micro-batches is a message.
-_CODE = {Op.F: 0, Op.B: 1, Op.BI: 2, Op.BW: 3, Op.SEND_F: 4, Op.RECV_F: 5, Op.SEND_B: 6}
-_CODE[Op.RECV_B] = 7
-_F, _B, _BI, _BW, _SEND_F, _RECV_F, _SEND_B, _RECV_B = range(8)
-_stage_of = attrgetter("stage")
-_microbatch_of = attrgetter("microbatch")
+class _Planned:
+    schedule: Schedule  # the run with its weight copies
+    starts: tuple[tuple[int, ...], ...]  # per rank: where each window (then the drain) begins
+    versions: tuple[int, ...]  # per rank: peak distinct versions alive
+    copies: tuple[int, ...]  # per rank: peak copies alive besides the live weights
 
 
-def _fail(schedule: Schedule, rank: int, index: int, why: str) -> ScheduleError:
-    grid = format_program(schedule, mark=frozenset({(rank, index)}))
-    action = schedule.ranks[rank][index]
-    return ScheduleError(f"{schedule.kind}: rank {rank} action {index} ({action}): {why}\n{grid}")
+def _plan_versions(unrolled: Unrolled) -> _Planned:
+    """Check the run's versions against its policy while planning its weight copies, one
+    window at a time as the runtime does (with the whole rest of the run as look-ahead)."""
+    run = unrolled.schedule
+    if run.policy == "sync":
+        _check_sync(run)
+        ones = tuple(1 for _ in run.ranks)
+        return _Planned(run, unrolled.starts, ones, tuple(0 for _ in run.ranks))
+    first, applied = _facts(run)
+    programs, starts, versions, copies = [], [], [], []
+    for rank, program in enumerate(run.ranks):
+        limit = 2 if run.policy == "2bw" else None
+        planner = WeightPlanner(
+            run.policy, first_version=first, applied=applied, max_versions=limit
+        )
+        marks, planned = unrolled.starts[rank], list[Action]()
+        new_marks = []
+        for w in range(len(marks)):
+            begin = marks[w]
+            end = marks[w + 1] if w + 1 < len(marks) else len(program)
+            new_marks.append(len(planned))
+            try:
+                planned += planner.plan(program[begin:end], program[end:])
+            except VersionError as err:
+                raise fail(run, rank, begin + err.index, err.why) from None
+        planned += planner.free_all()
+        programs.append(planned)
+        starts.append(tuple(new_marks))
+        versions.append(max(planner.peak_versions.values(), default=1))
+        copies.append(planner.peak_copies)
+    return _Planned(run.with_programs(programs), tuple(starts), tuple(versions), tuple(copies))
 
 
-def _missing(
-    schedule: Schedule, rank: int, why: str, near: tuple[tuple[Op, ...], int, int] | None = None
-) -> ScheduleError:
-    """An error for an absent action; `near` = (ops, stage, micro-batch) of an action that
-    is present and is marked instead (the forward whose backward is missing, say)."""
-    mark: frozenset[tuple[int, int]] = frozenset()
-    if near is not None:
-        ops, stage, mb = near
-        for index, a in enumerate(schedule.ranks[rank]):
-            if a.op in ops and a.stage == stage and a.microbatch == mb:
-                mark = frozenset({(rank, index)})
-                why = f"{why} (see [{a}])"
-                break
-    return ScheduleError(
-        f"{schedule.kind}: rank {rank}: {why}\n{format_program(schedule, mark=mark)}"
-    )
+def window_ends(result: Replay, starts: tuple[tuple[int, ...], ...]) -> list[float]:
+    """When each window of a replayed run ends: its last action's end on any rank."""
+    windows = len(starts[0]) - 1
+    ends = [0.0] * windows
+    for rank, events in enumerate(result.events):
+        marks = starts[rank]
+        for w in range(windows):
+            inside = [e.end for e in events[marks[w] : marks[w + 1]]]
+            if inside:
+                ends[w] = max(ends[w], *inside)
+    return ends
 
 
-def _ids(schedule: Schedule) -> list[list[int]]:
-    """Per rank, the integer id of every action (valid once placement is checked)."""
-    width, num_stages = schedule.num_microbatches, schedule.num_stages
-    code = _CODE
-    try:
-        return [
-            [(code[a.op] * num_stages + a.stage) * width + a.microbatch for a in program]
-            for program in schedule.ranks
-        ]
-    except KeyError as err:  # an op added to the IR but not to the validator
-        why = f"op {err.args[0]} is unknown to the validator: give it a code in _CODE"
-        raise ScheduleError(why) from None
-
-
-def _check_placement(schedule: Schedule) -> None:
-    place = schedule.stage_to_rank
-    for rank, program in enumerate(schedule.ranks):
-        owned = {s for s, r in enumerate(place) if r == rank}
-        if not program or (
-            set(map(_stage_of, program)) <= owned
-            and max(map(_microbatch_of, program)) < schedule.num_microbatches
-        ):
-            continue
-        for index, a in enumerate(program):
-            if a.stage >= schedule.num_stages:
-                raise _fail(schedule, rank, index, f"stage {a.stage} >= {schedule.num_stages}")
-            if a.microbatch >= schedule.num_microbatches:
-                raise _fail(schedule, rank, index, f"micro-batch {a.microbatch} out of range")
-            owner = place[a.stage]
-            if owner != rank:
-                raise _fail(schedule, rank, index, f"stage {a.stage} is placed on rank {owner}")
-
-
-def _coverage_ok(schedule: Schedule, ids: list[list[int]]) -> bool:
-    """No compute action repeated; every (stage, micro-batch) has F and B, or F, BI and BW."""
-    size = schedule.num_stages * schedule.num_microbatches
-    by_code: list[list[int]] = [[], [], [], []]  # F, B, BI, BW: stage * width + microbatch
-    for program_ids in ids:
-        for i in program_ids:
-            code, rest = divmod(i, size)
-            if code <= _BW:
-                by_code[code].append(rest)
-    f, b, bi, bw = (set(x) for x in by_code)
-    if sum(map(len, by_code)) != len(f) + len(b) + len(bi) + len(bw):
-        return False  # a repeat
-    return len(f) == size and bi == bw and not (b & bi) and len(b) + len(bi) == size
-
-
-def _check_coverage(schedule: Schedule, ids: list[list[int]]) -> None:
-    if _coverage_ok(schedule, ids):
-        return
-    where: dict[tuple[Op, int, int], list[tuple[int, int]]] = defaultdict(list)
-    for rank, program in enumerate(schedule.ranks):
-        for index, a in enumerate(program):
-            if a.op not in COMM_OPS:
-                where[(a.op, a.stage, a.microbatch)].append((rank, index))
-    for key, places in where.items():
-        if len(places) > 1:
-            raise _fail(schedule, *places[1], f"{key[0].value} repeated for this micro-batch")
-    backward = (Op.B, Op.BI, Op.BW)
-    for s in range(schedule.num_stages):
-        rank = schedule.stage_to_rank[s]
-        for m in range(schedule.num_microbatches):
-            has = {op for op in (Op.F, Op.B, Op.BI, Op.BW) if (op, s, m) in where}
-            if Op.F not in has:
-                raise _missing(schedule, rank, f"forward {s}F{m} is missing", (backward, s, m))
-            if Op.B in has and has & {Op.BI, Op.BW}:
-                raise _fail(schedule, *where[(Op.B, s, m)][0], "both full and split backward")
-            if Op.B not in has and has & {Op.BI, Op.BW} != {Op.BI, Op.BW}:
-                why = f"backward of stage {s} micro-batch {m} is missing"
-                raise _missing(schedule, rank, why, ((Op.F, Op.BI, Op.BW), s, m))
-
-
-_PREREQUISITE: dict[Op, tuple[Op, ...]] = {
-    Op.B: (Op.F,),
-    Op.BI: (Op.F,),
-    Op.BW: (Op.BI,),
-    Op.SEND_F: (Op.F,),
-    Op.SEND_B: (Op.B, Op.BI),
-}
-
-
-def _local_order_ok(schedule: Schedule, ids: list[list[int]]) -> bool:
-    """Each action after its prerequisite on its rank, each receive before its consumer."""
-    size = schedule.num_stages * schedule.num_microbatches
-    for program_ids in ids:
-        done: list[set[int]] = [set() for _ in range(8)]  # per code: (stage, mb) ids seen
-        f, b, bi = done[_F], done[_B], done[_BI]
-        for i in program_ids:
-            code, rest = divmod(i, size)
-            if code in (_B, _BI, _SEND_F):
-                if rest not in f:
-                    return False
-            elif code == _BW:
-                if rest not in bi:
-                    return False
-            elif code == _SEND_B:
-                if rest not in b and rest not in bi:
-                    return False
-            elif code == _RECV_F:
-                if rest in f:
-                    return False
-            elif code == _RECV_B and (rest in b or rest in bi):
-                return False
-            done[code].add(rest)
-    return True
-
-
-def _check_local_order(schedule: Schedule, ids: list[list[int]]) -> None:
-    if _local_order_ok(schedule, ids):
-        return
-    for rank, program in enumerate(schedule.ranks):
-        seen: set[tuple[Op, int, int]] = set()
-        for index, a in enumerate(program):
-            needs = _PREREQUISITE.get(a.op, ())
-            if needs and not any((op, a.stage, a.microbatch) in seen for op in needs):
-                names = " or ".join(f"{a.stage}{op.value}{a.microbatch}" for op in needs)
-                raise _fail(schedule, rank, index, f"comes before {names} on this rank")
-            seen.add((a.op, a.stage, a.microbatch))
-        position = {(a.op, a.stage, a.microbatch): i for i, a in enumerate(program)}
-        for index, a in enumerate(program):
-            if a.op in (Op.RECV_F, Op.RECV_B):
-                consumer = (Op.F,) if a.op is Op.RECV_F else (Op.B, Op.BI)
-                used = [
-                    position[(op, a.stage, a.microbatch)]
-                    for op in consumer
-                    if (op, a.stage, a.microbatch) in position
-                ]
-                if any(u < index for u in used):
-                    raise _fail(schedule, rank, index, "is posted after the action that uses it")
-
-
-def _expected_messages(schedule: Schedule) -> Counter[tuple[Op, int, int]]:
-    expected: Counter[tuple[Op, int, int]] = Counter()
-    place = schedule.stage_to_rank
-    for s in range(schedule.num_stages - 1):
-        if place[s] != place[s + 1]:
-            for m in range(schedule.num_microbatches):
-                expected.update([(Op.SEND_F, s, m), (Op.RECV_F, s + 1, m)])
-                expected.update([(Op.SEND_B, s + 1, m), (Op.RECV_B, s, m)])
-    return expected
-
-
-def _messages_ok(schedule: Schedule, messages: list[int]) -> bool:
-    """Exactly one send and one receive per message across each rank boundary."""
-    place, width = schedule.stage_to_rank, schedule.num_microbatches
-    expected: set[int] = set()
-    for s in range(schedule.num_stages - 1):
-        if place[s] != place[s + 1]:
-            for code, stage in ((_SEND_F, s), (_RECV_F, s + 1), (_SEND_B, s + 1), (_RECV_B, s)):
-                first = (code * schedule.num_stages + stage) * width
-                expected.update(range(first, first + width))
-    return len(messages) == len(expected) and set(messages) == expected
-
-
-def _check_messages(schedule: Schedule, messages: list[list[int]]) -> None:
-    if not _messages_ok(schedule, [i for program in messages for i in program]):
-        expected = _expected_messages(schedule)
-        found: Counter[tuple[Op, int, int]] = Counter()
-        for rank, program in enumerate(schedule.ranks):
-            for index, a in enumerate(program):
-                if a.op in COMM_OPS:
-                    key = (a.op, a.stage, a.microbatch)
-                    found[key] += 1
-                    if found[key] > expected[key]:
-                        why = "is repeated" if expected[key] else "crosses no rank boundary"
-                        raise _fail(schedule, rank, index, why)
-        for key, count in expected.items():
-            if found[key] < count:
-                raise _missing_message(schedule, key)
-    if not _channel_order_ok(schedule, messages):
-        _check_channel_order(schedule)
-
-
-def _missing_message(schedule: Schedule, key: tuple[Op, int, int]) -> ScheduleError:
-    """Name the missing send or receive and mark the compute that produces or consumes it."""
-    op, s, m = key
-    near = (Op.F,) if op in (Op.SEND_F, Op.RECV_F) else (Op.B, Op.BI)
-    return _missing(
-        schedule, schedule.stage_to_rank[s], f"{s}{op.value}{m} is missing", (near, s, m)
-    )
-
-
-def _channel_order_ok(schedule: Schedule, messages: list[list[int]]) -> bool:
-    """Per directed channel, the receives are posted in the order of the sends."""
-    place, width = schedule.stage_to_rank, schedule.num_microbatches
-    size = schedule.num_stages * width
-    # message: receiving stage * width + micro-batch, plus `size` for gradients
-    sends: dict[tuple[int, int], list[int]] = defaultdict(list)
-    recvs: dict[tuple[int, int], list[int]] = defaultdict(list)
-    for rank, program_messages in enumerate(messages):
-        for i in program_messages:
-            code, rest = divmod(i, size)
-            if code == _SEND_F:
-                sends[(rank, place[rest // width + 1])].append(rest + width)
-            elif code == _SEND_B:
-                sends[(rank, place[rest // width - 1])].append(size + rest - width)
-            elif code == _RECV_F:
-                recvs[(place[rest // width - 1], rank)].append(rest)
-            else:
-                recvs[(place[rest // width + 1], rank)].append(size + rest)
-    return sends == recvs
-
-
-def _check_channel_order(schedule: Schedule) -> None:
-    """Sends on a channel must be posted in the order the receiver posts their receives."""
-    place = schedule.stage_to_rank
-    sends: dict[tuple[int, int], list[tuple[str, int, int]]] = defaultdict(list)
-    recvs: dict[tuple[int, int], list[tuple[int, tuple[str, int, int]]]] = defaultdict(list)
-    for rank, program in enumerate(schedule.ranks):
-        for index, a in enumerate(program):
-            if a.op is Op.SEND_F:
-                sends[(rank, place[a.stage + 1])].append(("F", a.stage + 1, a.microbatch))
-            elif a.op is Op.SEND_B:
-                sends[(rank, place[a.stage - 1])].append(("B", a.stage - 1, a.microbatch))
-            elif a.op is Op.RECV_F:
-                recvs[(place[a.stage - 1], rank)].append((index, ("F", a.stage, a.microbatch)))
-            elif a.op is Op.RECV_B:
-                recvs[(place[a.stage + 1], rank)].append((index, ("B", a.stage, a.microbatch)))
-    for (src, dst), posted in recvs.items():
-        for (index, message), sent in zip(posted, sends[(src, dst)], strict=False):
-            if message != sent:
-                data = "activations" if sent[0] == "F" else "gradients"
-                why = (
-                    f"rank {src} sends the {data} for stage {sent[1]} micro-batch {sent[2]} "
-                    f"first on this channel: post the receives from rank {src} in the order "
-                    "of its sends"
-                )
-                raise _fail(schedule, dst, index, why)
-
-
-def validate(schedule: Schedule) -> ValidationReport:
-    """Prove `schedule` correct or raise `ScheduleError` with the grid, culprit marked."""
-    _check_placement(schedule)
-    ids = _ids(schedule)
-    _check_coverage(schedule, ids)
-    _check_local_order(schedule, ids)
-    first_message = _SEND_F * schedule.num_stages * schedule.num_microbatches
-    messages = [[i for i in program_ids if i >= first_message] for program_ids in ids]
+# ------------------------------------------------------------------- driver
+def _check_run(schedule: Schedule, num_windows: int) -> tuple[_Planned, ValidationReport]:
+    unrolled = unroll(schedule, num_windows, plan=False)
+    run = unrolled.schedule
+    check_range(run)
+    numbers = ids(run)
+    check_coverage(run, numbers)
+    check_local_order(run, numbers)
+    lowest = first_message(run)
+    messages = [[i for i in program_ids if i >= lowest] for program_ids in numbers]
     if any(messages):
-        _check_messages(schedule, messages)
-    summary = unit_summary(schedule)
+        check_messages(run, messages)
+    planned = _plan_versions(unrolled)
+    summary = unit_summary(planned.schedule)
     if not summary.completed:
-        result = replay(schedule)  # again, with events, to draw the grid
+        result = replay(planned.schedule)  # again, with events, to draw the grid
         mark = frozenset((b.rank, b.index) for b in result.blocked)
         stuck = "; ".join(
             f"rank {b.rank} at {b.action} waits for {b.waiting_for}" for b in result.blocked
         )
-        raise ScheduleError(
-            f"{schedule.kind}: deadlock: {stuck}\n{format_grid(schedule, result=result, mark=mark)}"
-        )
+        grid = format_grid(planned.schedule, result=result, mark=mark)
+        raise ScheduleError(f"{schedule.kind}: deadlock: {stuck}\n{grid}")
     span = summary.makespan
     busy = sum(summary.busy)
-    bubble = 1.0 - busy / (span * schedule.num_ranks) if span else 0.0
-    return ValidationReport(summary.peak_inflight, span, bubble)
+    bubble = 1.0 - busy / (span * run.num_ranks) if span else 0.0
+    window = span
+    steady = schedule.reach + 1  # the first window the warm-up leaves whole
+    if num_windows > steady:
+        ends = window_ends(replay(planned.schedule), planned.starts)
+        window = (ends[-1] - ends[steady - 1]) / (num_windows - steady)
+    report = ValidationReport(
+        summary.peak_inflight, span, bubble, window, planned.versions, planned.copies
+    )
+    return planned, report
+
+
+def validate(schedule: Schedule) -> ValidationReport:
+    """Prove `schedule` correct or raise `ScheduleError` with the grid, culprit marked."""
+    _check_window(schedule)
+    if schedule.reach == 0 and schedule.policy == "sync":
+        return _check_run(schedule, 1)[1]
+    longest = max(2 * schedule.reach + 2, 3)  # at least one steady window between the ends
+    reports = [_check_run(schedule, k)[1] for k in range(1, longest + 1)]
+    first, last = reports[0], reports[-1]
+    return ValidationReport(
+        tuple(max(r.peak_inflight[i] for r in reports) for i in range(schedule.num_ranks)),
+        first.makespan,
+        first.bubble_fraction,
+        last.window_time,
+        tuple(max(r.peak_weight_versions[i] for r in reports) for i in range(schedule.num_ranks)),
+        tuple(max(r.peak_weight_copies[i] for r in reports) for i in range(schedule.num_ranks)),
+    )

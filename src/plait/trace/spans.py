@@ -25,8 +25,9 @@ __all__ = [
 #: Every kind a span may have, in legend order.
 KINDS: tuple[str, ...] = ("F", "B", "BI", "BW", "comm", "optimizer", "wait")
 
-_ACTION = re.compile(r"^(\d+)([A-Z_]+?)(\d+)(v\d+)?$")
-_COMM = {"SEND_F", "RECV_F", "SEND_B", "RECV_B"}
+_ACTION = re.compile(r"^(\d+)([A-Z_]+?)(-?\d+)(v-?\d+)?$")
+_COMM = {"SEND_F", "RECV_F", "SEND_B", "RECV_B", "REDUCE"}
+_OPTIMIZER = {"UPDATE", "STASH", "PREDICT", "FREE"}  # optimizer steps and weight copies
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,10 +57,13 @@ class _Event(Protocol):
 
 
 def kind_of(label: str) -> str:
-    """The kind of an action label: `2F0` is F, `1SEND_B3` comm, `OPT` optimizer, `0DP` comm."""
+    """The kind of an action label: `2F0` is F, `1SEND_B3` and `0REDUCE3` comm, `0UPDATE3v1`
+    and `OPT` optimizer, `0DP` comm."""
     match = _ACTION.match(label)
     if match:
         op = match.group(2)
+        if op in _OPTIMIZER:
+            return "optimizer"
         return "comm" if op in _COMM else op if op in KINDS else "comm"
     if label.startswith("OPT"):
         return "optimizer"
