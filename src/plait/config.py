@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ModelConfig", "ParallelPlan", "TrainConfig", "load_config"]
+from plait.schedule.registry import KINDS, schedule_kind
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+__all__ = ["ModelConfig", "ParallelPlan", "TrainConfig", "load_config"]
 
 
 def _positive(obj: object, *names: str) -> None:
@@ -68,12 +68,9 @@ class ParallelPlan:
 
     def __post_init__(self) -> None:
         _positive(self, "dp", "tp", "pp", "microbatches", "chunks")
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"schedule={self.schedule!r} is unknown; choose one of {SCHEDULES}")
-        if self.schedule == "interleaved" and self.chunks < 2:
-            raise ValueError("schedule='interleaved' needs chunks >= 2 (virtual stages per rank)")
-        if self.schedule != "interleaved" and self.chunks != 1:
-            raise ValueError(f"chunks={self.chunks} applies only to schedule='interleaved'")
+        if self.schedule not in KINDS:
+            raise ValueError(f"schedule={self.schedule!r} is unknown; choose one of {list(KINDS)}")
+        schedule_kind(self.schedule).chunks(self.chunks)
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"zero={self.zero!r} must be 0, 1, 2 or 3 (ZeRO stage)")
         if self.recompute not in RECOMPUTE:
@@ -82,6 +79,7 @@ class ParallelPlan:
             raise ValueError(f"dtype={self.dtype!r} must be one of {DTYPES}")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("sequence_parallel needs tp > 1: set tp or drop sequence_parallel")
+        self._check_asynchronous()
         if self.partition is not None:
             object.__setattr__(self, "partition", tuple(self.partition))
             if len(self.partition) != self.num_stages or min(self.partition) < 1:
@@ -89,6 +87,11 @@ class ParallelPlan:
                     f"partition={list(self.partition)} must give >= 1 block to each of the "
                     f"{self.num_stages} stages (pp × chunks)"
                 )
+
+    def _check_asynchronous(self) -> None:
+        why = schedule_kind(self.schedule).unsupported(tp=self.tp, zero=self.zero, dtype=self.dtype)
+        if why is not None:
+            raise ValueError(f"schedule={self.schedule!r} (asynchronous) with {why}")
 
     @property
     def world_size(self) -> int:
@@ -114,6 +117,7 @@ class TrainConfig:
     # "auto": profile and plan on the workers; a path: a plan file (`plait plan --out`);
     # None: train under `parallel` as given
     plan: str | None = None
+    allow_staleness: bool = False  # "auto" may choose an asynchronous schedule
     seed: int = 0
     log_every: int = 10
     sample_chars: int = 200

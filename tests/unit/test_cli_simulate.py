@@ -94,7 +94,7 @@ def test_plot_writes_a_png(capsys: pytest.CaptureFixture[str], tmp_path: Path) -
         (["--tp", "3"], "--tp 3 does not divide --heads 4"),
         (["--pp", "0"], "--pp 0 must be >= 1"),
         (["--pp", "8"], "makes 8 stages but the model has 6 blocks"),
-        (["--chunks", "2"], "--chunks 2 applies only to --schedule interleaved"),
+        (["--chunks", "2"], "--chunks 2: chunks=2 applies only to ['interleaved']"),
         (["--zero", "4"], "--zero 4 must be 0, 1, 2 or 3"),
         (["--dtype", "fp7"], "dtype 'fp7' is unknown"),
         (["--heads", "5"], "--hidden 64 is not divisible by --heads 5"),

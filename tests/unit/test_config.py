@@ -30,8 +30,8 @@ def test_toml_and_overrides(tmp_path: Path) -> None:
     ("overrides", "message"),
     [
         ({"nproc": 3}, "nproc=3 workers but dp × tp × pp = 1 × 1 × 2 = 2"),
-        ({"parallel.schedule": "pipedream"}, "schedule='pipedream' is unknown"),
-        ({"parallel.schedule": "interleaved"}, "needs chunks >= 2"),
+        ({"parallel.schedule": "chimera"}, "schedule='chimera' is unknown"),
+        ({"parallel.schedule": "interleaved"}, "chunks=1: interleaved needs >= 2"),
         ({"batch_size": 30}, "batch_size=30 is not divisible by dp × microbatches = 4"),
         ({"model.hidden": 100, "model.heads": 3}, "hidden=100 is not a multiple of heads=3"),
         ({"model.layers": 1, "nproc": 4, "parallel.pp": 4}, "exceed the model.s 3 blocks"),

@@ -10,7 +10,7 @@ from plait.cluster import Cluster, Device, Link, NodeGroup
 from plait.cost import BlockCost
 from plait.mesh import cpu_cores_for
 from plait.schedule import KINDS, Op, build, replay
-from plait.schedule.sharing import Sharing, fit_efficiency, replay_shared, share_jobs
+from plait.schedule.sharing import Sharing, fit_efficiency, replay_shared
 from plait.sim import SimPlan, build_schedule, simulate
 
 FREE = Link(latency_s=0.0, bandwidth_Bps=1e30)
@@ -69,15 +69,6 @@ def test_lockstep_copies_load_a_processor() -> None:
     # one rank standing for itself and a copy on the same processor: half speed throughout
     rows = compute_spans("gpipe", 1, 2, Sharing((0,), ((2,),)))
     assert rows[0] == [("0F0", 0.0, 2.0), ("0F1", 2.0, 4.0), ("0B0", 4.0, 8.0), ("0B1", 8.0, 12.0)]
-
-
-def test_share_jobs() -> None:
-    sharing = Sharing.of([0, 0, 1])
-    # rank 0 runs alone for 1 s, then shares with rank 1; rank 2 is alone on its processor
-    assert share_jobs(sharing, [0.0, 1.0, 0.0], [2.0, 1.0, 1.0]) == pytest.approx([3.0, 3.0, 1.0])
-    assert share_jobs(sharing, [5.0, 5.0, 5.0], [0.0, 0.0, 0.0]) == [5.0, 5.0, 5.0]
-    with pytest.raises(ValueError, match="one ready time"):
-        share_jobs(sharing, [0.0], [1.0])
 
 
 def test_bad_sharing_is_rejected() -> None:

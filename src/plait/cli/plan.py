@@ -28,6 +28,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     a("--global-batch", type=int, required=True, dest="global_batch", help="samples per step")
     a("--top", type=int, default=5, help="plans to show (default 5)")
     a("--dtype", default="bf16", help="training dtype (default bf16)")
+    a(
+        "--allow-staleness",
+        action="store_true",
+        dest="allow_staleness",
+        help="also search asynchronous schedules (pipedream, 2bw, spectrain, ...), whose "
+        "updates use stale weights: faster steps, possibly more steps to the same loss",
+    )
     a("--json", action="store_true", help="print one JSON object")
     a("--out", help="write the best plan as JSON (for `plait train --plan`)")
     p.set_defaults(func=run)
@@ -54,13 +61,8 @@ def run(args: argparse.Namespace) -> int:
         dtype=args.dtype,
     )
     t0 = time.perf_counter()
-    space = (
-        None
-        if cluster.is_homogeneous
-        else SearchSpace(dtype=args.dtype, rank_orders=("tp-dp-pp", "tp-pp-dp"))
-    )
-    if cluster.is_homogeneous:
-        space = SearchSpace(dtype=args.dtype)
+    orders = ("tp-dp-pp",) if cluster.is_homogeneous else ("tp-dp-pp", "tp-pp-dp")
+    space = SearchSpace(dtype=args.dtype, rank_orders=orders, allow_staleness=args.allow_staleness)
     found = search(
         model,
         cluster,
@@ -131,7 +133,7 @@ def _table(found: Any, describe: Any) -> None:
         table.add_column(col, justify="right")
     for i, r in enumerate(found.top, 1):
         p = r.plan
-        sched = p.schedule + (f"×{p.num_chunks}" if p.schedule == "interleaved" else "")
+        sched = p.schedule + (f"×{p.num_chunks}" if p.num_chunks > 1 else "")
         table.add_row(
             str(i), f"{p.dp}×{p.tp}{'+sp' if p.sequence_parallel else ''}×{p.pp}", sched,
             f"{p.num_microbatches}×{p.micro_batch_size}", p.recompute, str(p.zero_stage),

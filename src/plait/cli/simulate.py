@@ -23,7 +23,7 @@ from plait.cluster import Cluster, load_cluster, normalize_dtype
 from plait.cost import RECOMPUTE_MODES, BlockCost, StageCost
 from plait.plan import Partition, partition, partition_blocks
 from plait.profile import GPTSpec
-from plait.schedule import GENERATORS, Schedule, validate
+from plait.schedule import KINDS, Schedule, schedule_kind, validate
 from plait.sim import MemoryOverflow, RankReport, SimPlan, SimResult, build_schedule, simulate
 
 __all__ = ["Prediction", "add_parser", "overflow_lines", "predict", "scaled_cluster", "to_dict"]
@@ -48,7 +48,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     a("--dp", type=int, default=1, help="data-parallel degree")
     a("--tp", type=int, default=1, help="tensor-parallel degree")
     a("--pp", type=int, default=1, help="pipeline-parallel degree")
-    a("--schedule", choices=sorted(GENERATORS), default="1f1b", help="pipeline schedule")
+    a("--schedule", choices=list(KINDS), default="1f1b", help="pipeline schedule")
     a("--microbatches", type=int, default=1, help="micro-batches per step and replica")
     a("--chunks", type=int, default=None, help="virtual stages per rank (interleaved: 2)")
     a("--recompute", choices=RECOMPUTE_MODES, default="none", help="activation recomputation")
@@ -155,9 +155,10 @@ def _check(args: argparse.Namespace, spec: GPTSpec) -> None:
         )
     if args.chunks is not None and args.chunks < 1:
         raise ValueError(f"--chunks {args.chunks} must be >= 1")
-    if args.chunks not in (None, 1) and args.schedule != "interleaved":
-        raise ValueError(f"--chunks {args.chunks} applies only to --schedule interleaved")
-    stages = args.pp * (args.chunks or (2 if args.schedule == "interleaved" else 1))
+    try:
+        stages = args.pp * schedule_kind(args.schedule).chunks(args.chunks)
+    except ValueError as err:
+        raise ValueError(f"--chunks {args.chunks}: {err}") from None
     if stages > spec.num_layers + 2:
         raise ValueError(
             f"--pp {args.pp} with {stages // args.pp} chunk(s) makes {stages} stages but the "
@@ -167,7 +168,7 @@ def _check(args: argparse.Namespace, spec: GPTSpec) -> None:
 
 
 def _plan(args: argparse.Namespace, spec: GPTSpec, dtype: str) -> SimPlan:
-    chunks = args.chunks or (2 if args.schedule == "interleaved" else 1)
+    chunks = schedule_kind(args.schedule).chunks(args.chunks)
     return SimPlan(
         dp=args.dp,
         tp=args.tp,

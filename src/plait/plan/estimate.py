@@ -1,14 +1,16 @@
 """Closed-form estimates of a plan's step time and memory, to rank candidates before the
 simulator replays the most promising ones exactly.
 
-The step is estimated as a pipeline that is filled once and then paced by its slowest
-rank: (m - 1)·T_max + ΣT_r (Huang et al. 2019's (m + p - 1)·T for equal stages), the fill
-divided by v for interleaving and shortened by the weight-gradient passes that zero-bubble
-schedules move into it; plus the point-to-point latency of filling and draining, the
-exposed gradient reduction of the first stage and the optimizer step. Memory follows each
-schedule's in-flight micro-batches on each rank (GPipe m, 1F1B p - r, ZB-H1 p,
-interleaved Megatron's warm-up + 1 chunks). The estimates are only used to order the
-search; every reported number comes from the simulator.
+A synchronous step is estimated as a pipeline that is filled once and then paced by its
+slowest rank: (m - 1)·T_max + ΣT_r (Huang et al. 2019's (m + p - 1)·T for equal stages),
+the fill divided by v for interleaving and shortened by the weight-gradient passes that
+zero-bubble schedules move into it; plus the point-to-point latency of filling and
+draining, the exposed gradient reduction of the first stage and the optimizer step. An
+asynchronous window never fills nor drains: it is paced by its slowest rank, m·T_max, plus
+that rank's updates (each waits for its reduction, then steps the optimizer) and weight
+copies. Memory follows each schedule's in-flight micro-batches on each rank and its weight
+copies (the registry's closed forms, `plait.schedule.registry`). The estimates are only
+used to order the search; every reported number comes from the simulator.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from plait.cost import (
     model_state_bytes,
     optimizer_step_time,
 )
+from plait.schedule import schedule_kind
 from plait.sim import SimPlan
 
 __all__ = ["Estimate", "Estimator", "RankProfile", "balanced_sizes", "estimate", "inflight"]
@@ -52,14 +55,7 @@ class Estimate:
 
 def inflight(kind: str, p: int, m: int, v: int, rank: int) -> float:
     """Micro-batches (in whole-stage units) whose activations `rank` holds at its peak."""
-    if kind == "gpipe":
-        return float(m)
-    if kind == "zb-h1":
-        return float(min(p, m))
-    if kind == "interleaved":
-        chunks = min(m * v, (p - rank - 1) * 2 + (v - 1) * min(p, m) + 1)
-        return chunks / v
-    return float(min(p - rank, m))
+    return schedule_kind(kind).inflight(p, m, v, rank)
 
 
 def balanced_sizes(work: Sequence[float], k: int) -> list[int]:
@@ -243,6 +239,7 @@ def _rank_sums(arrays: _BlockArrays, sizes: list[int], p: int) -> RankProfile:
 
 def estimate(plan: SimPlan, profile: RankProfile, est: Estimator) -> Estimate:
     """Estimated step time and per-rank memory of `plan` on the cluster's first device kind."""
+    kind = schedule_kind(plan.schedule)
     p, v, m = plan.pp, plan.num_chunks, plan.num_microbatches
     pbytes = dtype_bytes(plan.dtype)
     work = profile.forward_s + profile.backward_input_s + profile.backward_weight_s
@@ -255,29 +252,45 @@ def estimate(plan: SimPlan, profile: RankProfile, est: Estimator) -> Estimate:
             ]
         )
         work = work + 2 * per_stage.reshape(v, p).sum(axis=0)
-    overlapped = m >= p  # fewer micro-batches than ranks: no chunk or W pass can fill in
-    fill = float(work.sum()) / (v if overlapped else 1)
-    if plan.schedule == "zb-h1" and overlapped:
-        fill -= float(profile.backward_weight_s.sum()) / p * (p - 1)
     p2p = 2 * (p - 1) * v * est.link(plan, "pp").time(profile.activation_bytes) if p > 1 else 0.0
-    pipeline = (m - 1) * float(work.max()) + max(fill, 0.0) + p2p
-    dp_sync = dp_sync_time(
-        float(profile.params[0]) * pbytes, zero_stage=plan.zero_stage, dp=plan.dp,
-        link=est.link(plan, "dp"),
-    )  # fmt: skip
-    opt = optimizer_step_time(
-        float(profile.params.max()),
+    syncs = np.array([_dp_sync(plan, n * pbytes, est) for n in profile.params])
+    opts = np.array([_optimizer(plan, n, est) for n in profile.params])
+    copies = np.array([kind.copies(p, m, r) for r in range(p)], dtype=float)
+    if kind.synchronous:
+        overlapped = m >= p  # fewer micro-batches than ranks: no chunk or W pass can fill in
+        fill = float(work.sum()) / (v if overlapped else 1)
+        if kind.split_backward and overlapped:
+            fill -= float(profile.backward_weight_s.sum()) / p * (p - 1)
+        pipeline = (m - 1) * float(work.max()) + max(fill, 0.0) + p2p
+        step = pipeline + float(syncs[0]) + float(opts.max())
+    else:  # every update waits for its reduction; each copy passes over the weights twice
+        updates = m if kind.per_microbatch else 1
+        stash = (
+            2 * profile.params * pbytes / est.device.memory_bandwidth_Bps * np.minimum(copies, 1)
+        )
+        step = float((m * work + updates * (syncs + opts + stash)).max()) + p2p / (p or 1)
+    counts = np.array([kind.inflight(p, m, v, r) for r in range(p)])
+    memory = (
+        profile.params * est.state_per_param(plan)
+        + counts * profile.saved
+        + profile.transient
+        + copies * profile.params * pbytes
+    )
+    return Estimate(step, tuple(memory.tolist()), float(est.device.memory_bytes), profile.sizes)
+
+
+def _dp_sync(plan: SimPlan, num_bytes: float, est: Estimator) -> float:
+    return dp_sync_time(
+        num_bytes, zero_stage=plan.zero_stage, dp=plan.dp, link=est.link(plan, "dp")
+    )
+
+
+def _optimizer(plan: SimPlan, num_params: float, est: Estimator) -> float:
+    return optimizer_step_time(
+        num_params,
         est.device,
         dtype=plan.dtype,
         zero_stage=plan.zero_stage,
         dp=plan.dp,
         optimizer=plan.optimizer,
-    )
-    counts = np.array([inflight(plan.schedule, p, m, v, r) for r in range(p)])
-    memory = profile.params * est.state_per_param(plan) + counts * profile.saved + profile.transient
-    return Estimate(
-        pipeline + dp_sync + opt,
-        tuple(memory.tolist()),
-        float(est.device.memory_bytes),
-        profile.sizes,
     )

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from plait.plan.search import PlanSearch, RankedPlan, describe
+from plait.schedule import schedule_kind
 
-__all__ = ["explain", "time_breakdown"]
+__all__ = ["explain", "staleness", "time_breakdown"]
 
 _GIB = 2.0**30
 
@@ -49,12 +50,35 @@ def _options(a: RankedPlan, b: RankedPlan) -> list[str]:
     return out
 
 
+def staleness(search: PlanSearch) -> str:
+    """What an asynchronous best plan costs in staleness, against the best synchronous one;
+    empty when the best plan is synchronous."""
+    a = search.best
+    kind = schedule_kind(a.plan.schedule)
+    if kind.synchronous:
+        return ""
+    text = (
+        f"It trains asynchronously ({kind.summary}): {kind.staleness}, so each update "
+        "uses stale weights and training may need more updates to reach the same loss."
+    )
+    sync = next((r for r in search.ranked if schedule_kind(r.plan.schedule).synchronous), None)
+    if sync is not None:
+        text += (
+            f" The best synchronous plan, {describe(sync.plan)}, takes "
+            f"{sync.step_time_s:.3g} s per step: the asynchronous one pays off if it needs "
+            f"fewer than {sync.step_time_s / a.step_time_s:.2f}× the synchronous updates."
+        )
+    return text
+
+
 def explain(search: PlanSearch) -> str:
-    """Why the best plan beats the runner-up: what it gains, what it pays."""
+    """Why the best plan beats the runner-up: what it gains, what it pays; for an
+    asynchronous best plan, what its staleness costs."""
     a = search.best
     runner = next((r for r in search.ranked[1:] if _layout(r) != _layout(a)), None)
+    stale = staleness(search)
     if runner is None:
-        return f"only one layout fits: {describe(a.plan)}"
+        return " ".join(x for x in (f"only one layout fits: {describe(a.plan)}", stale) if x)
     b = runner
     margin = b.step_time_s - a.step_time_s
     lines = [
@@ -85,6 +109,8 @@ def explain(search: PlanSearch) -> str:
             "Variants of the same layout run as fast (the one with less sharding and "
             "recomputation is preferred): " + "; ".join(describe(r.plan) for r in ties) + "."
         )
+    if stale:
+        lines.append(stale)
     return " ".join(lines)
 
 

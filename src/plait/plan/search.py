@@ -97,7 +97,7 @@ class PlanSearch:
 
 
 def describe(plan: SimPlan) -> str:
-    sched = plan.schedule + (f"x{plan.num_chunks}" if plan.schedule == "interleaved" else "")
+    sched = plan.schedule + (f"x{plan.num_chunks}" if plan.num_chunks > 1 else "")
     sp = "+sp" if plan.sequence_parallel else ""
     order = "" if plan.rank_order == "tp-dp-pp" else f" order={plan.rank_order}"
     return (

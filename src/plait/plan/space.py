@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, replace
 from itertools import product
 
 from plait.cost import BlockCost, Collective, transformer_block_costs
+from plait.schedule import KINDS, kind_names, schedule_kind
 from plait.sim import SimPlan
 
 __all__ = ["ModelSpec", "SearchSpace", "candidates", "degrees", "gpt_spec", "scaled_spec"]
@@ -47,7 +48,7 @@ class ModelSpec:
             plan.micro_batch_size,
             plan.tp,
             plan.sequence_parallel,
-            split=plan.schedule == "zb-h1",
+            split=schedule_kind(plan.schedule).split_backward,
         )
 
 
@@ -168,9 +169,15 @@ def _at(points: list[tuple[int, BlockCost]], b: int, tp: int) -> BlockCost:
 
 @dataclass(frozen=True, kw_only=True)
 class SearchSpace:
-    """Which options the search tries."""
+    """Which options the search tries.
 
-    schedules: tuple[str, ...] = ("1f1b", "gpipe", "interleaved", "zb-h1")
+    `schedules` defaults to every synchronous kind of the registry; asynchronous kinds
+    (whose updates use stale weights, which changes what training converges to) are
+    searched only with `allow_staleness`, and then all of them by default.
+    """
+
+    schedules: tuple[str, ...] = ()
+    allow_staleness: bool = False
     chunks: tuple[int, ...] = (2, 4)
     recompute: tuple[str, ...] = ("none", "selective", "full")
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
@@ -183,10 +190,18 @@ class SearchSpace:
     rank_orders: tuple[str, ...] = ("tp-dp-pp",)
 
     def __post_init__(self) -> None:
-        known = {"1f1b", "gpipe", "interleaved", "zb-h1"}
-        bad = [s for s in self.schedules if s not in known]
-        if bad or not self.schedules:
-            raise ValueError(f"schedules={self.schedules}: choose from {sorted(known)}")
+        if not self.schedules:
+            default = kind_names(synchronous=None if self.allow_staleness else True)
+            object.__setattr__(self, "schedules", default)
+        bad = [s for s in self.schedules if s not in KINDS]
+        if bad:
+            raise ValueError(f"schedules={self.schedules}: choose from {list(KINDS)}")
+        stale = [s for s in self.schedules if not KINDS[s].synchronous]
+        if stale and not self.allow_staleness:
+            raise ValueError(
+                f"schedules {stale} update on stale weights, which changes what training "
+                "converges to: set allow_staleness=True (--allow-staleness) to search them"
+            )
         if not self.micro_batch_sizes or min(self.micro_batch_sizes) < 1:
             raise ValueError(f"micro_batch_sizes={self.micro_batch_sizes} must be >= 1")
 
@@ -236,6 +251,8 @@ def candidates(
             space.rank_orders if dp > 1 and pp > 1 else space.rank_orders[:1],
         )
         for b, (kind, chunks), recompute, zero, sp, order in options:
+            if KINDS[kind].unsupported(tp=tp, zero=zero, dtype=space.dtype) is not None:
+                continue
             yield SimPlan(
                 dp=dp,
                 tp=tp,
@@ -259,7 +276,7 @@ def _schedules(space: SearchSpace, pp: int, num_blocks: int) -> list[tuple[str, 
         return [("1f1b", 1)]
     out = []
     for kind in space.schedules:
-        if kind == "interleaved":
+        if KINDS[kind].chunked:
             out += [(kind, v) for v in space.chunks if v >= 2 and pp * v <= num_blocks]
         else:
             out.append((kind, 1))

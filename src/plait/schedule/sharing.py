@@ -34,7 +34,7 @@ from plait.schedule.replay import (
 )
 from plait.schedule.stream import unroll
 
-__all__ = ["Sharing", "fit_efficiency", "replay_shared", "share_jobs"]
+__all__ = ["Sharing", "fit_efficiency", "replay_shared"]
 
 _EPS = 1e-12
 
@@ -199,30 +199,6 @@ def replay_shared(
         machine = _SharedMachine(concrete, duration, transfer, sharing)
         machine.execute()
         return machine.result()
-
-
-def share_jobs(sharing: Sharing, ready: Sequence[float], work: Sequence[float]) -> list[float]:
-    """When each rank's one job ends, rank r's of `work[r]` seconds starting at `ready[r]`,
-    its processor shared as in `replay_shared` (an optimizer step after the pipeline)."""
-    n = len(sharing.processor)
-    if len(ready) != n or len(work) != n:
-        raise ValueError(f"give one ready time and one work per rank ({n})")
-    end = [float(t) for t in ready]
-    left = {r: float(w) for r, w in enumerate(work) if w > 0}
-    now = min(ready, default=0.0)
-    while left:
-        running = [r for r in left if ready[r] <= now + _EPS]
-        load = [sum(row[r] for r in running) for row in sharing.load]
-        speed = {r: sharing.speed(load[sharing.processor[r]]) for r in running}
-        until = min([now + left[r] / v for r, v in speed.items()]
-                    + [ready[r] for r in left if ready[r] > now + _EPS])  # fmt: skip
-        for r, v in speed.items():
-            left[r] -= v * (until - now)
-            if left[r] <= _EPS * max(1.0, until):
-                del left[r]
-                end[r] = until
-        now = until
-    return end
 
 
 def fit_efficiency(predict: Callable[[float], float], measured_s: float) -> float:

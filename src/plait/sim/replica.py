@@ -1,13 +1,19 @@
-"""Replay any schedule on the cost model: durations, transfers, gradient sync, optimizer.
+"""Replay any schedule on the cost model: durations, transfers, reductions, updates, copies.
 
 Every action's time comes from the cost model, never from the schedule's kind: a compute
 action costs its stage's FLOPs on the rank's device (`StageCost.times`, recomputation and
 tensor-parallel collectives included), a send costs latency + bytes/bandwidth on the link
-between the two ranks, and `plait.schedule.replay` does the rest (program order, data
-dependencies, one message at a time per channel). After the pipeline, each stage's
-gradients are reduced over its data-parallel group as soon as its last backward ends (on
-one communication channel per rank, overlapping later backwards, as DDP's bucketed
-reduction does at stage granularity), then the rank runs its optimizer step.
+between the two ranks, a `REDUCE` the stage's gradient reduction over its data-parallel
+group (on the rank's reduction channel, overlapping whatever follows, as DDP's bucketed
+reduction does at stage granularity), an `UPDATE` the stage's optimizer step, and a weight
+copy (`STASH`, `PREDICT`) a pass over the stage's parameters at memory bandwidth;
+`plait.schedule.replay` does the rest (program order, data dependencies, one message at a
+time per channel). A synchronous schedule is replayed as one window; an asynchronous one
+as a run long enough to reach its steady state, whose window period is the step time.
+
+Memory per rank is the model state, the activations of the micro-batches in flight at the
+peak, the weight copies alive at their peak (asynchronous schedules: see
+`plait.schedule.asynchronous` for each kind's count), and the transient working set.
 
 Limits: one data-parallel replica is replayed per distinct hardware signature (replicas
 on identical devices and links behave identically); ZeRO-3 gathers a stage's weights
@@ -18,7 +24,7 @@ extra all-reduce and gradient clipping's norm are ignored.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from plait.cluster import Cluster, Device, Link, dtype_bytes
 from plait.cost import (
@@ -30,37 +36,41 @@ from plait.cost import (
     model_state_bytes,
     optimizer_step_time,
 )
-from plait.schedule import Action, Op, Replay, Schedule, replay
-from plait.schedule.sharing import Sharing, replay_shared, share_jobs
+from plait.schedule import Action, Op, Replay, Schedule, Unrolled, replay, unroll, window_ends
+from plait.schedule.sharing import Sharing, replay_shared
 from plait.sim.plan import SimPlan
-from plait.sim.result import MemoryUse, RankReport, TimelineEvent
+from plait.sim.result import MemoryUse, RankReport
 
 __all__ = ["ReplicaRun", "signature", "simulate_replica"]
 
 
 @dataclass
 class _Walk:
-    """What one pass over a rank's events learns."""
+    """What one pass over a rank's events learns: peaks over the whole run, and the seconds
+    per window of each kind of work, averaged over the steady windows."""
 
-    busy: float = 0.0
-    compute_end: float = 0.0
-    activation_peak: float = 0.0
+    busy: float = 0.0  # forward and backward work
     p2p: float = 0.0
+    reduce: float = 0.0
+    update: float = 0.0  # optimizer steps and weight copies
+    compute_end: float = 0.0
+    end: float = 0.0
+    activation_peak: float = 0.0
+    copies_peak: float = 0.0
 
 
 @dataclass(frozen=True)
 class ReplicaRun:
-    """One data-parallel replica's simulated step."""
+    """One data-parallel replica's simulated run; times are per window (per step)."""
 
     replay: Replay
     ranks: tuple[RankReport, ...]
-    extra_events: tuple[TimelineEvent, ...]
-    pipeline_time_s: float
-    busy_s: float
+    pipeline_time_s: float  # the pipelined compute of one window (steady state)
+    busy_s: float  # forward and backward work of one window, summed over the ranks
+    step_time_s: float
 
-    @property
-    def step_time_s(self) -> float:
-        return max(r.end_s for r in self.ranks)
+
+_WEIGHTS = (Op.UPDATE, Op.STASH, Op.PREDICT, Op.FREE)
 
 
 class _Replica:
@@ -94,6 +104,9 @@ class _Replica:
         self.durations = self._durations()
         self.transfers = self._transfers()
         self.sharing = _sharing(cluster, plan, dp_rank) if cluster.shares_processors else None
+        # one window, or a run whose middle windows are in the steady state
+        steady = schedule.reach == 0 and schedule.policy == "sync"
+        self.num_windows = 1 if steady else schedule.reach + 4
 
     def _param_bytes(self, stage: int) -> float:
         return self.stages[stage].num_params * dtype_bytes(self.plan.dtype)
@@ -106,20 +119,40 @@ class _Replica:
         return collective_time(gather, self.plan.dp, link)
 
     def _durations(self) -> dict[Op, list[float]]:
-        t, g = self.times, self.gather
+        t, g, place, plan = self.times, self.gather, self.s.stage_to_rank, self.plan
+        n = len(self.stages)
+        bandwidth = [self.devices[place[i]].memory_bandwidth_Bps for i in range(n)]
+        update = [
+            optimizer_step_time(
+                self.stages[i].num_params,
+                self.devices[place[i]],
+                dtype=plan.dtype,
+                zero_stage=plan.zero_stage,
+                dp=plan.dp,
+                optimizer=plan.optimizer,
+            )
+            for i in range(n)
+        ]
         return {
             Op.F: [x.forward_s + y for x, y in zip(t, g, strict=True)],
             Op.B: [x.backward_s + y for x, y in zip(t, g, strict=True)],
             Op.BI: [x.backward_input_s + y for x, y in zip(t, g, strict=True)],
             Op.BW: [x.backward_weight_s for x in t],
+            Op.REDUCE: [self.dp_sync_time(i) for i in range(n)],
+            Op.UPDATE: update,
+            # a copy reads and writes the weights; a prediction also reads the direction
+            Op.STASH: [2 * self._param_bytes(i) / bandwidth[i] for i in range(n)],
+            Op.PREDICT: [3 * self._param_bytes(i) / bandwidth[i] for i in range(n)],
+            Op.FREE: [0.0] * n,
         }
 
     def _transfers(self) -> dict[Op, list[float]]:
         place, n = self.s.stage_to_rank, len(self.stages)
         forward, backward = [0.0] * n, [0.0] * n
-        for i in range(n - 1):
-            link = self.cluster.link(self.ranks[place[i]], self.ranks[place[i + 1]])
-            forward[i] = backward[i + 1] = link.time(self.stages[i].activation_bytes)
+        for i, j in enumerate(self.s.graph[1]):
+            if j >= 0:
+                link = self.cluster.link(self.ranks[place[i]], self.ranks[place[j]])
+                forward[i] = backward[j] = link.time(self.stages[i].activation_bytes)
         return {Op.SEND_F: forward, Op.SEND_B: backward}
 
     def dp_sync_time(self, stage: int) -> float:
@@ -138,94 +171,102 @@ class _Replica:
         def transfer(rank: int, action: Action) -> float:
             return transfers[action.op][action.stage]
 
+        unrolled = unroll(self.s, self.num_windows)
         if self.sharing is None:
-            result = replay(self.s, duration=duration, transfer=transfer)
+            result = replay(unrolled.schedule, duration=duration, transfer=transfer)
         else:
-            result = replay_shared(self.s, self.sharing, duration=duration, transfer=transfer)
+            result = replay_shared(
+                unrolled.schedule, self.sharing, duration=duration, transfer=transfer
+            )
         if not result.completed:
             stuck = "; ".join(f"rank {b.rank} at {b.action}" for b in result.blocked)
             raise ValueError(
                 f"schedule {self.s.kind} deadlocks under the cost model: {stuck}; "
                 "validate it with plait.schedule.validate"
             )
-        reports, extra, busy, span = [], [], 0.0, 0.0
-        for rank in range(self.plan.pp):
-            report, events, walk = self._rank(rank, result)
-            reports.append(report)
-            extra += events
-            busy += walk.busy
-            span = max(span, walk.compute_end)
-        if self.sharing is not None:
-            reports, extra = _shared_optimizer(self.sharing, reports, extra)
-        return ReplicaRun(result, tuple(reports), tuple(extra), span, busy)
+        first, span = self._steady(result, unrolled)
+        walks = [self._walk(rank, result, unrolled, first) for rank in range(self.plan.pp)]
+        if span is None:  # one window: from the start to the last compute, then the update
+            span = max(w.compute_end for w in walks)
+            step = max(w.end for w in walks)
+        else:
+            step = span
+        reports = tuple(self._rank(rank, walks[rank], step) for rank in range(self.plan.pp))
+        busy = sum(w.busy for w in walks)
+        return ReplicaRun(result, reports, span, busy, step)
 
-    def _walk(self, rank: int, result: Replay, last_backward: dict[int, float]) -> _Walk:
-        """One pass over the rank's events: busy time, activation peak, send time. A hot
-        loop (200 000 events for 64 × 512), hence the locals."""
+    def _steady(self, result: Replay, unrolled: Unrolled) -> tuple[int, float | None]:
+        """(the first window counted as steady, the steady window period or None for a run
+        of one window)."""
+        if unrolled.num_windows == 1:
+            return 0, None
+        ends = window_ends(result, unrolled.starts)
+        first = self.s.reach + 1
+        return first, (ends[-1] - ends[first - 1]) / (len(ends) - first)
+
+    def _walk(self, rank: int, result: Replay, unrolled: Unrolled, first: int) -> _Walk:
+        """One pass over the rank's events: peaks over the whole run, and per-window work
+        over the steady windows. A hot loop (200 000 events for 64 × 512), hence locals."""
         saved = [st.saved_bytes(self.plan.recompute) for st in self.stages]
-        busy = p2p = held = peak = end = 0.0
-        f, b, bi, bw = Op.F, Op.B, Op.BI, Op.BW
-        for e in result.events[rank]:
+        copy = [self._param_bytes(i) for i in range(len(self.stages))]
+        f, b, bw, bi = Op.F, Op.B, Op.BW, Op.BI
+        marks = unrolled.starts[rank]
+        lo, hi = marks[first], marks[unrolled.num_windows]
+        walk = _Walk()
+        held = copies = 0.0
+        for index, e in enumerate(result.events[rank]):
             action = e.action
-            op = action.op
+            op, counted = action.op, lo <= index < hi
             if op is f:
                 held += saved[action.stage]
-                if held > peak:
-                    peak = held
+                walk.activation_peak = max(walk.activation_peak, held)
             elif op is b or op is bw:
                 held -= saved[action.stage]
-                last_backward[action.stage] = e.end
-            elif op is not bi:
-                p2p += e.end - e.start
+            elif op is Op.STASH or op is Op.PREDICT:
+                copies += copy[action.stage]
+                walk.copies_peak = max(walk.copies_peak, copies)
+            elif op is Op.FREE:
+                copies -= copy[action.stage]
+            walk.end = max(walk.end, e.end)
+            if not counted:
                 continue
-            end = e.end
-            busy += end - e.start
-        return _Walk(busy=busy, compute_end=end, activation_peak=peak, p2p=p2p)
+            took = e.end - e.start
+            if op is f or op is b or op is bw or op is bi:
+                walk.busy += took
+                walk.compute_end = e.end
+            elif op in _WEIGHTS:
+                walk.update += took
+            elif op is Op.REDUCE:
+                walk.reduce += took
+            elif op is Op.SEND_F or op is Op.SEND_B:
+                walk.p2p += took
+        windows = max(1, unrolled.num_windows - first)
+        for name in ("busy", "p2p", "reduce", "update"):
+            setattr(walk, name, getattr(walk, name) / windows)
+        return walk
 
-    def _rank(self, rank: int, result: Replay) -> tuple[RankReport, list[TimelineEvent], _Walk]:
-        last_backward: dict[int, float] = {}
-        walk = self._walk(rank, result, last_backward)
-        events, channel = [], 0.0
-        for stage in sorted(last_backward, key=last_backward.__getitem__):
-            sync = self.dp_sync_time(stage)
-            if sync > 0:
-                start = max(channel, last_backward[stage])
-                channel = start + sync
-                events.append(TimelineEvent(rank, f"{stage}DP", start, channel, "comm"))
+    def _rank(self, rank: int, walk: _Walk, step: float) -> RankReport:
         mine = self.s.stages_of(rank)
-        params = sum(self.stages[i].num_params for i in mine)
-        device, plan = self.devices[rank], self.plan
-        optimizer = optimizer_step_time(
-            params,
-            device,
-            dtype=plan.dtype,
-            zero_stage=plan.zero_stage,
-            dp=plan.dp,
-            optimizer=plan.optimizer,
-        )
-        start = max(walk.compute_end, channel)
-        events.append(TimelineEvent(rank, "OPT", start, start + optimizer, "optimizer"))
         m = self.s.num_microbatches
         tp_comm = m * sum(
             self.times[i].comm_forward_s + self.times[i].comm_backward_s + 2 * self.gather[i]
             for i in mine
         )
-        report = RankReport(
+        return RankReport(
             pp_rank=rank,
             global_rank=self.ranks[rank],
-            device=device.name,
+            device=self.devices[rank].name,
             compute_s=walk.busy - tp_comm,
             tp_comm_s=tp_comm,
             p2p_s=walk.p2p,
-            dp_comm_s=sum(self.dp_sync_time(i) for i in mine),
-            optimizer_s=optimizer,
-            end_s=start + optimizer,
-            memory=self._memory(rank, mine, walk.activation_peak),
-            capacity_bytes=float(device.memory_bytes),
+            dp_comm_s=walk.reduce,
+            optimizer_s=walk.update,
+            end_s=walk.end if self.num_windows == 1 else step,
+            memory=self._memory(rank, mine, walk),
+            capacity_bytes=float(self.devices[rank].memory_bytes),
         )
-        return report, events, walk
 
-    def _memory(self, rank: int, mine: list[int], activations: float) -> MemoryUse:
+    def _memory(self, rank: int, mine: list[int], walk: _Walk) -> MemoryUse:
         plan = self.plan
         params = sum(self.stages[i].num_params for i in mine)
         state = model_state_bytes(
@@ -242,21 +283,10 @@ class _Replica:
             params=state.params,
             grads=state.grads,
             optimizer=state.optimizer,
-            activations=activations,
+            activations=walk.activation_peak,
             transient=transient,
+            weight_copies=walk.copies_peak,
         )
-
-
-def _shared_optimizer(
-    sharing: Sharing, reports: list[RankReport], extra: list[TimelineEvent]
-) -> tuple[list[RankReport], list[TimelineEvent]]:
-    """The optimizer steps again, with ranks that share a processor sharing it."""
-    steps = {e.rank: e for e in extra if e.label == "OPT"}
-    ready = [steps[r.pp_rank].start for r in reports]
-    ends = share_jobs(sharing, ready, [r.optimizer_s for r in reports])
-    extra = [e for e in extra if e.label != "OPT"]
-    extra += [TimelineEvent(r, "OPT", ready[r], ends[r], "optimizer") for r in steps]
-    return [replace(r, end_s=ends[r.pp_rank]) for r in reports], extra
 
 
 def _sharing(cluster: Cluster, plan: SimPlan, dp_rank: int) -> Sharing:

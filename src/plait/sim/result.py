@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from plait.schedule import COMM_OPS, Op, Replay
+from plait.schedule import COMM_OPS, WEIGHT_OPS, Op, Replay
 from plait.sim.plan import SimPlan
 
 __all__ = ["MemoryOverflow", "MemoryUse", "RankReport", "SimResult", "TimelineEvent"]
@@ -19,7 +19,8 @@ _GIB = float(1 << 30)
 
 @dataclass(frozen=True, slots=True)
 class TimelineEvent:
-    """One span on a pipeline rank: `kind` is "compute", "comm" or "optimizer"."""
+    """One span on a pipeline rank: `kind` is "compute", "comm" or "optimizer" (updates
+    and weight copies)."""
 
     rank: int
     label: str
@@ -30,18 +31,27 @@ class TimelineEvent:
 
 @dataclass(frozen=True)
 class MemoryUse:
-    """Peak bytes of one rank: model state, activations of in-flight micro-batches, and the
-    transient working set (activations rebuilt by recomputation, ZeRO-3 gathered weights)."""
+    """Peak bytes of one rank: model state, activations of in-flight micro-batches, the
+    transient working set (activations rebuilt by recomputation, ZeRO-3 gathered weights)
+    and the weight copies an asynchronous schedule keeps (stashed or predicted versions)."""
 
     params: float
     grads: float
     optimizer: float
     activations: float
     transient: float
+    weight_copies: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.params + self.grads + self.optimizer + self.activations + self.transient
+        return (
+            self.params
+            + self.grads
+            + self.optimizer
+            + self.activations
+            + self.transient
+            + self.weight_copies
+        )
 
 
 @dataclass(frozen=True)
@@ -108,7 +118,6 @@ class SimResult:
     mfu: float
     comm_share: float
     replay: Replay = field(repr=False, compare=False)
-    extra_events: tuple[TimelineEvent, ...] = field(repr=False, compare=False)
 
     @property
     def fits(self) -> bool:
@@ -128,22 +137,22 @@ class SimResult:
 
     @cached_property
     def timeline(self) -> tuple[tuple[TimelineEvent, ...], ...]:
-        """Per pipeline rank, in time order: compute, sends, gradient reduction, optimizer.
+        """Per pipeline rank, in time order: compute, sends, gradient reductions, optimizer
+        steps and weight copies (for an asynchronous schedule, of the whole replayed run).
         Built on first use (it has one entry per action)."""
         per_rank: list[list[TimelineEvent]] = []
         for rank, events in enumerate(self.replay.events):
             row = [
-                TimelineEvent(
-                    rank,
-                    str(e.action),
-                    e.start,
-                    e.end,
-                    "comm" if e.action.op in COMM_OPS else "compute",
-                )
+                TimelineEvent(rank, str(e.action), e.start, e.end, _kind(e.action.op))
                 for e in events
                 if e.action.op not in (Op.RECV_F, Op.RECV_B)
             ]
-            row += [e for e in self.extra_events if e.rank == rank]
             row.sort(key=lambda e: (e.start, e.end))
             per_rank.append(row)
         return tuple(tuple(row) for row in per_rank)
+
+
+def _kind(op: Op) -> str:
+    if op in COMM_OPS:
+        return "comm"
+    return "optimizer" if op in WEIGHT_OPS or op is Op.UPDATE else "compute"

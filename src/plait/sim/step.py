@@ -70,7 +70,8 @@ def simulate(
     (virtual) stage s, on the first dp·tp·pp ranks of `cluster`.
 
     Replicas on identical hardware are replayed once. The step ends when the slowest
-    replica's last optimizer step ends; memory is checked on every global rank.
+    replica's last optimizer step ends (for an asynchronous schedule: the slowest
+    replica's window period in the steady state); memory is checked on every global rank.
     """
     stage_list = [StageCost.of(s) for s in stages]
     _check(schedule, len(stage_list), cluster, plan)
@@ -82,7 +83,7 @@ def simulate(
             cache[key] = simulate_replica(schedule, stage_list, cluster, plan, dp_rank)
         runs.append(cache[key])
     worst = max(cache.values(), key=lambda run: run.step_time_s)
-    step = worst.step_time_s
+    step = worst.step_time_s  # a synchronous step, or an asynchronous window in steady state
     m = plan.num_microbatches
     model_flops = sum(st.model_flops for st in stage_list) * m * plan.tp * plan.dp
     peak = sum(cluster.device(g).peak(plan.dtype) for g in range(plan.num_devices))
@@ -100,5 +101,4 @@ def simulate(
         mfu=model_flops / (step * peak) if step > 0 else 0.0,
         comm_share=sum(r.comm_s for r in worst.ranks) / (plan.pp * step) if step > 0 else 0.0,
         replay=worst.replay,
-        extra_events=worst.extra_events,
     )

@@ -24,6 +24,7 @@ from plait.config import ParallelPlan
 from plait.plan import ModelSpec, SearchSpace, scaled_spec, search
 from plait.plan.io import plan_to_dict
 from plait.profile import block_costs, measured_device, profile_model
+from plait.schedule import KINDS
 
 __all__ = [
     "auto_plan",
@@ -146,7 +147,8 @@ def fit_sharing_efficiency(
 
     target = plan_from_dict(plan)
     space = SearchSpace(
-        schedules=(target.schedule,), recompute=(target.recompute,),
+        schedules=(target.schedule,), allow_staleness=not KINDS[target.schedule].synchronous,
+        recompute=(target.recompute,),
         zero_stages=(target.zero_stage,), chunks=(), micro_batch_sizes=(target.micro_batch_size,),
         sequence_parallel=(target.sequence_parallel,), dtype=target.dtype,
     )  # fmt: skip
@@ -173,9 +175,11 @@ def auto_plan(
     seq_len: int,
     global_batch: int,
     dtype: str = "fp32",
+    allow_staleness: bool = False,
 ) -> dict[str, Any]:
     """The plan every worker trains under (call on every worker; a collective). `samples`
-    are micro-batches of one or two sizes, to learn how block costs grow with the size."""
+    are micro-batches of one or two sizes, to learn how block costs grow with the size;
+    `allow_staleness` lets the planner choose an asynchronous schedule."""
     world = dist.get_world_size()
     link = measure_collectives()
     box: list[Any] = [None]
@@ -184,8 +188,8 @@ def auto_plan(
             spec = measured_spec(model, samples, loss_fn, num_heads=num_heads,
                                  seq_len=seq_len, dtype=dtype)  # fmt: skip
             cluster = local_cluster(world, link, dtype)
-            found = search(spec, cluster, global_batch=global_batch,
-                           space=SearchSpace(dtype=dtype))  # fmt: skip
+            space = SearchSpace(dtype=dtype, allow_staleness=allow_staleness)
+            found = search(spec, cluster, global_batch=global_batch, space=space)
             box[0] = plan_to_dict(found.best, cluster=cluster.name)
     dist.broadcast_object_list(box, src=0)
     return dict(box[0])
