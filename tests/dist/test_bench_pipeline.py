@@ -47,7 +47,7 @@ def test_bench_runs_both_runtimes_to_the_same_loss(capsys: pytest.CaptureFixture
         ({"schedule": "1f1b", "num_stages": 4, "num_microbatches": 2}, "at least 4 micro-batches"),
         (INTERLEAVED_9_ON_4, "not a multiple of 2 rounds"),
         ({"batch_size": 12}, "batch_size=12 is not divisible"),
-        ({"schedule": "gpipe", "num_chunks": 2}, "applies only to 'interleaved'"),
+        ({"schedule": "gpipe", "num_chunks": 2}, r"applies only to \['interleaved'\]"),
     ],
 )
 def test_bad_input_is_refused_before_workers_start(fields: dict[str, Any], fragment: str) -> None:

@@ -345,9 +345,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _config_from_args(args: argparse.Namespace) -> PipelineBenchConfig:
-    chunks = (
-        args.chunks if args.chunks is not None else (2 if args.schedule == "interleaved" else 1)
-    )
+    from plait.schedule import schedule_kind
+
+    chunks = schedule_kind(args.schedule).chunks(args.chunks)
     return PipelineBenchConfig(
         schedule=args.schedule,
         num_stages=args.stages,

@@ -49,7 +49,7 @@ from plait.bench.accuracy_model import device, fit_efficiency, predict
 
 __all__ = ["AccuracyConfig", "PlanRun", "add_arguments", "run", "run_bench"]
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")  # the default grid
 _TIMES = ("forward_s", "backward_s", "backward_input_s", "backward_weight_s")
 
 
@@ -73,8 +73,11 @@ class AccuracyConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if not self.schedules or not set(self.schedules) <= set(SCHEDULES):
-            raise ValueError(f"schedules {list(self.schedules)}: choose from {list(SCHEDULES)}")
+        from plait.schedule import kind_names
+
+        known = kind_names(synchronous=True)  # one window is one step to time
+        if not self.schedules or not set(self.schedules) <= set(known):
+            raise ValueError(f"schedules {list(self.schedules)}: choose from {list(known)}")
         counts = (*self.microbatches, self.num_steps, self.profile_repeats, self.num_warmup + 1,
                   self.rounds)  # fmt: skip
         if not (self.microbatches and self.worlds) or min(counts) < 1 or min(self.worlds) < 2:
@@ -82,7 +85,10 @@ class AccuracyConfig:
                 f"microbatches={list(self.microbatches)}, steps and profile repeats must be "
                 f">= 1, warm-up >= 0, worlds={list(self.worlds)} >= 2"
             )
-        stages = max(self.worlds) * (2 if "interleaved" in self.schedules else 1)
+        from plait.schedule import schedule_kind
+
+        chunks = max(schedule_kind(k).default_chunks for k in self.schedules)
+        stages = max(self.worlds) * chunks
         if self.num_layers + 2 < stages:
             raise ValueError(
                 f"layers={self.num_layers}: {stages} pipeline stages need {stages} blocks; "
@@ -157,11 +163,12 @@ def _profile(config: AccuracyConfig) -> dict[str, Any]:
 def _plans(config: AccuracyConfig, world: int, cal: dict[str, Any]) -> list[PlanRun]:
     from plait.plan import partition_blocks
     from plait.profile import BlockProfile
+    from plait.schedule import schedule_kind
 
     costs = [BlockProfile.from_dict(b).to_cost(device(cal), "fp32") for b in cal["blocks"]]
     runs = []
     for schedule in config.schedules:
-        chunks = 2 if schedule == "interleaved" else 1
+        chunks = schedule_kind(schedule).default_chunks
         cut = partition_blocks(costs, [device(cal)] * (world * chunks), dtype="fp32")
         runs += [PlanRun(schedule, world, m, chunks, cut.sizes) for m in config.microbatches]
     return runs
@@ -277,9 +284,15 @@ class _Runner:
         torch.manual_seed(config.seed)
         stages = local_stages(config.spec().build(), schedule, rank, sizes=plan.sizes)
         self.rank = rank
-        self.executor = PipelineExecutor(schedule, dict(stages), rank=rank, loss_fn=GPT.loss)
-        params = [p for s in stages.values() for p in s.parameters()]
-        self.optimizer = torch.optim.Adam(params, lr=1e-4)
+        # one optimizer per stage, stepped by the program's UPDATE actions (as the engine does)
+        self.optimizers = {s: torch.optim.Adam(m.parameters(), lr=1e-4) for s, m in stages.items()}
+        self.executor = PipelineExecutor(
+            schedule,
+            dict(stages),
+            rank=rank,
+            loss_fn=GPT.loss,
+            updater=lambda stage, version: self.optimizers[stage].step(),
+        )
         m = plan.num_microbatches
         x, y = _batch(config, m * config.micro_batch_size)
         self.inputs = split_microbatches(x, m) if 0 in stages else None
@@ -289,20 +302,16 @@ class _Runner:
     def step(self, *, timed: bool) -> None:
         import torch.distributed as dist
 
-        from plait.runtime import ActionRecord
-
-        self.optimizer.zero_grad(set_to_none=False)
+        for optimizer in self.optimizers.values():
+            optimizer.zero_grad(set_to_none=False)
         dist.barrier()
         start = time.perf_counter()
-        result = self.executor.step(self.inputs, self.targets)
-        step = time.perf_counter()
-        self.optimizer.step()
+        result = self.executor.step(self.inputs, self.targets)  # its UPDATEs step the optimizers
         end = time.perf_counter()
         if timed:
             self.timings["starts"].append(start)
             self.timings["ends"].append(end)
-            opt = ActionRecord(self.rank, len(result.records), "OPT", step - start, end - start)
-            self.timings["records"] = [*result.records, opt]
+            self.timings["records"] = list(result.records)
 
 
 def _ints(text: str) -> tuple[int, ...]:  # argparse reports a ValueError as a bad value

@@ -8,6 +8,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from plait.schedule.registry import KINDS
+
 __all__ = ["add_parser"]
 
 
@@ -30,7 +32,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--tp", type=int, dest="parallel.tp", help="tensor-parallel degree")
     p.add_argument("--pp", type=int, dest="parallel.pp", help="pipeline degree")
     p.add_argument(
-        "--schedule", dest="parallel.schedule", choices=["gpipe", "1f1b", "interleaved", "zb-h1"]
+        "--schedule",
+        dest="parallel.schedule",
+        choices=list(KINDS),
+        metavar="KIND",
+        help="pipeline schedule: " + "; ".join(f"{k.name} ({k.summary})" for k in KINDS.values()),
     )
     p.add_argument("--microbatches", type=int, dest="parallel.microbatches")
     p.add_argument("--chunks", type=int, dest="parallel.chunks", help="virtual stages per rank")
@@ -51,6 +57,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         "--plan",
         help="'auto' (default when no layout is given): profile, plan and train; or a plan "
         "file from `plait plan --out`",
+    )
+    p.add_argument(
+        "--allow-staleness",
+        action="store_const",
+        const=True,
+        dest="allow_staleness",
+        help="let --plan auto choose an asynchronous schedule (updates on stale weights)",
     )
     p.add_argument("--layers", type=int, dest="model.layers")
     p.add_argument("--hidden", type=int, dest="model.hidden")
@@ -147,11 +160,15 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _report(summary: dict[str, Any], run_dir: Path) -> None:
-    from plait.schedule import Schedule, compute_only, format_grid
+    from plait.schedule import Schedule, compute_only, format_grid, unroll
 
     schedule = Schedule.from_dict(summary["schedule"])
-    print("\nschedule each step ran (unit costs; rows are pipeline ranks):")
-    print(format_grid(compute_only(schedule)))
+    if schedule.policy == "sync":
+        print("\nschedule each step ran (unit costs; rows are pipeline ranks):")
+        print(format_grid(compute_only(schedule)))
+    else:
+        print("\nthe asynchronous stream, 3 windows with warm-up and drain (unit costs):")
+        print(format_grid(compute_only(unroll(schedule, 3).schedule)))
     print(f"\nsample:\n{summary['sample']}\n")
     plan = summary["plan"]
     layout = ", ".join(f"{k}={v}" for k, v in plan.items() if k != "partition")
@@ -164,5 +181,5 @@ def _report(summary: dict[str, Any], run_dir: Path) -> None:
     )
     print(
         f"run folder: {run_dir} (config.json, plan.json, schedule.json, metrics.jsonl, "
-        "timeline.json, summary.json)"
+        "updates.jsonl, timeline.json, summary.json)"
     )

@@ -3,11 +3,13 @@
 Why not DDP: DDP reduces inside `loss.backward()` of a module it wraps, but a pipeline
 stage runs one backward per micro-batch through `torch.autograd.backward` on its outputs
 (and, with zero-bubble schedules, the weight gradients in a separate pass). The executor
-knows which backward action of a stage is the last one of the step; only during that one
-does this reducer listen: a post-accumulate-grad hook counts each parameter in, and a
-bucket (parameters in reverse registration order, about `bucket_bytes` each, as in DDP,
-Li et al. VLDB 2020) is all-reduced asynchronously the moment it is complete, while the
-backward goes on. `finish` waits for the buckets and writes the averages back.
+knows which backward action of a stage completes the gradients of its next update; only
+during that one does this reducer listen: a post-accumulate-grad hook counts each
+parameter in, and a bucket (parameters in reverse registration order, about `bucket_bytes`
+each, as in DDP, Li et al. VLDB 2020) is all-reduced asynchronously the moment it is
+complete, while the backward goes on. The stage's REDUCE launches what is left (buckets
+whose gradients were computed on a weight copy, which hooks on the live parameters never
+see); `finish` waits for the buckets and writes the averages back.
 
 Tensor-parallel parameters (DTensor) are reduced through their local shards: data
 parallel replicas of one shard live on the dp axis, so averaging shards is averaging the
@@ -94,8 +96,7 @@ class GradReducer:
         self.group = group
         self.world = dist.get_world_size(group)
         self.stages: dict[int, _StageBuckets] = {}
-        self._launched: list[_Bucket] = []
-        self._hooks = []
+        self._launched: dict[int, list[_Bucket]] = {}
         for stage, params in stage_params.items():
             trainable = [p for p in params if p.requires_grad]
             buckets = _make_buckets(list(reversed(trainable)), bucket_bytes)
@@ -104,18 +105,18 @@ class GradReducer:
                 bucket.attach()
                 for p in bucket.params:
                     state.bucket_of[id(p)] = bucket
-                    hook = p.register_post_accumulate_grad_hook(self._hook(state))  # type: ignore[no-untyped-call]
-                    self._hooks.append(hook)
+                    p.register_post_accumulate_grad_hook(self._hook(stage, state))  # type: ignore[no-untyped-call]
             self.stages[stage] = state
+            self._launched[stage] = []
 
-    def _hook(self, state: _StageBuckets) -> Any:
+    def _hook(self, stage: int, state: _StageBuckets) -> Any:
         def on_grad(p: torch.Tensor) -> None:
             if not state.armed:
                 return
             bucket = state.bucket_of[id(p)]
             bucket.ready += 1
             if bucket.ready == len(bucket.params):
-                self._launch(bucket)
+                self._launch(stage, bucket)
 
         return on_grad
 
@@ -127,26 +128,31 @@ class GradReducer:
                 bucket.ready = 0
 
     def after_backward(self, stage: int, *, last: bool) -> None:
-        if not last:
-            return
-        state = self.stages[stage]
-        state.armed = False
-        for bucket in state.buckets:  # parameters that got no gradient this step
-            if bucket.work is None and bucket.flat is None:
-                self._launch(bucket)
+        if last:
+            self.stages[stage].armed = False
 
-    def zero_grad(self) -> None:
-        """Zero every gradient (in place where it is a view of a bucket)."""
-        for state in self.stages.values():
-            for bucket in state.buckets:
+    def reduce(self, stage: int) -> None:
+        """Launch every bucket of `stage` not launched during its last backward (their
+        parameters got no gradient then, or computed on a weight copy)."""
+        for bucket in self.stages[stage].buckets:
+            if bucket.work is None and bucket.flat is None:
+                self._launch(stage, bucket)
+
+    def zero_grad(self, stage: int | None = None) -> None:
+        """Zero the gradients (in place where they are views of a bucket)."""
+        for s in self._chosen(stage):
+            for bucket in self.stages[s].buckets:
                 bucket.zero()
 
-    def _launch(self, bucket: _Bucket) -> None:
+    def _chosen(self, stage: int | None) -> list[int]:
+        return list(self.stages) if stage is None else [stage]
+
+    def _launch(self, stage: int, bucket: _Bucket) -> None:
         if bucket.attached():
             assert bucket.storage is not None
             bucket.flat = bucket.storage.div_(self.world)
             bucket.work = dist.all_reduce(bucket.flat, group=self.group, async_op=True)
-            self._launched.append(bucket)
+            self._launched[stage].append(bucket)
             return
         grads = []
         for p in bucket.params:
@@ -154,26 +160,28 @@ class GradReducer:
             grads.append(torch.zeros_like(_local(p)) if g is None else _local(g))
         bucket.flat = torch.cat([g.reshape(-1) for g in grads]).div_(self.world)
         bucket.work = dist.all_reduce(bucket.flat, group=self.group, async_op=True)
-        self._launched.append(bucket)
+        self._launched[stage].append(bucket)
 
-    def finish(self) -> None:
-        for bucket in self._launched:
-            bucket.work.wait()
-            assert bucket.flat is not None
-            if bucket.flat is bucket.storage:  # the gradients are the buffer's slices
+    def finish(self, stage: int | None = None) -> None:
+        for s in self._chosen(stage):
+            self.reduce(s)
+            for bucket in self._launched[s]:
+                bucket.work.wait()
+                assert bucket.flat is not None
+                if bucket.flat is bucket.storage:  # the gradients are the buffer's slices
+                    bucket.flat, bucket.work = None, None
+                    continue
+                offset = 0
+                for p in bucket.params:
+                    n = _local(p).numel()
+                    chunk = bucket.flat[offset : offset + n].view_as(_local(p))
+                    if p.grad is None:
+                        p.grad = _wrap_like(p, chunk.clone())
+                    else:
+                        _local(p.grad).copy_(chunk)
+                    offset += n
                 bucket.flat, bucket.work = None, None
-                continue
-            offset = 0
-            for p in bucket.params:
-                n = _local(p).numel()
-                chunk = bucket.flat[offset : offset + n].view_as(_local(p))
-                if p.grad is None:
-                    p.grad = _wrap_like(p, chunk.clone())
-                else:
-                    _local(p.grad).copy_(chunk)
-                offset += n
-            bucket.flat, bucket.work = None, None
-        self._launched.clear()
+            self._launched[s].clear()
 
 
 def _wrap_like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:

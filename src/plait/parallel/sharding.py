@@ -59,10 +59,14 @@ class FSDPGradSync:
                 group.post_backward()
         state._root_post_backward_final_callback()
 
-    def zero_grad(self) -> None:
-        for module in self.stages.values():
-            assert isinstance(module, nn.Module)
-            module.zero_grad(set_to_none=True)
+    def reduce(self, stage: int) -> None:
+        """The reduce-scatter ran in `after_backward` of the stage's last backward."""
 
-    def finish(self) -> None:
+    def zero_grad(self, stage: int | None = None) -> None:
+        for s, module in self.stages.items():
+            if stage is None or s == stage:
+                assert isinstance(module, nn.Module)
+                module.zero_grad(set_to_none=True)
+
+    def finish(self, stage: int | None = None) -> None:
         """Reductions finish inside `after_backward`'s final callback."""

@@ -39,6 +39,7 @@ class Saved:
     full_in_weight_pass: bool = False
     # which output leaves carry a gradient (the peer sends one for every floating leaf)
     output_requires: list[bool] = field(default_factory=list)
+    module: nn.Module | None = None  # the stage module (or weight copy) the forward ran on
 
 
 def _input_grads(saved: Saved) -> list[torch.Tensor | None]:

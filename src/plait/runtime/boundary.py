@@ -6,12 +6,18 @@ cached, so that every later message is a bare tensor transfer into a preallocate
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch import nn
 from torch.utils import _pytree as pytree
 
-__all__ = ["BoundaryMeta", "flatten", "unflatten"]
+from plait.schedule import Schedule
+
+__all__ = ["BoundaryMeta", "flatten", "negotiate", "unflatten"]
 
 
 @dataclass(frozen=True)
@@ -64,3 +70,56 @@ def flatten(value: object) -> list[torch.Tensor]:
 
 def unflatten(meta: BoundaryMeta, leaves: list[torch.Tensor]) -> object:
     return pytree.tree_unflatten(leaves, pytree.treespec_loads(meta.spec))
+
+
+def negotiate(
+    schedule: Schedule,
+    stages: Mapping[int, nn.Module],
+    rank: int,
+    sample: object,
+    *,
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+) -> dict[int, BoundaryMeta]:
+    """The meta of every input boundary of this rank's stages (stage -> meta), learnt by
+    probing: stages are probed along each pipeline in order with one forward each under
+    no_grad, in eval mode and with the RNG state restored, so the probe changes nothing. A
+    rank learns the input of its stage from the previous stage's rank; a first stage takes
+    `sample` (a micro-batch; needed only on ranks that hold a first stage). A collective
+    over the pipeline group."""
+    meta: dict[int, BoundaryMeta] = {}
+    if schedule.num_stages == 1:  # no boundary to describe
+        return meta
+    place, local = schedule.stage_to_rank, dict[int, object]()
+    objects = device if device.type == "cuda" else None
+    for pipeline in schedule.graph[0]:
+        for s in (s for s in pipeline if s in stages):
+            before, after = schedule.prev_stage(s), schedule.next_stage(s)
+            if before is None:
+                value: object = sample
+            elif place[before] == rank:
+                value = local[before]
+            else:
+                box: list[Any] = [None]
+                dist.recv_object_list(box, group=group, group_src=place[before], device=objects)
+                meta[s] = box[0]
+                value = unflatten(box[0], [t.zero_() for t in box[0].empty(device)])
+            local[s] = out = _probe(stages[s], value, device)
+            if after is None:
+                continue
+            meta[after] = BoundaryMeta.of(out)  # the boundary between s and after
+            if place[after] != rank:
+                dist.send_object_list([meta[after]], group=group, group_dst=place[after],
+                                      device=objects)  # fmt: skip
+    return meta
+
+
+def _probe(module: nn.Module, value: object, device: torch.device) -> object:
+    was_training = module.training
+    devices = [device] if device.type == "cuda" else []
+    try:
+        module.eval()
+        with torch.no_grad(), torch.random.fork_rng(devices=devices):
+            return module(value)
+    finally:
+        module.train(was_training)

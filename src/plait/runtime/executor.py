@@ -1,18 +1,22 @@
-"""The executor: runs one rank's program of a `Schedule` on torch.distributed.
+"""The executor: runs one rank's stream of a `Schedule` on torch.distributed, window by window.
 
-One loop, no schedule-specific branch: each action kind has one handler. Sends are
-asynchronous (`isend`; their handles are waited at the end of the step), receives are
-posted where the program places them (the lowering pass puts them one compute action
-ahead of their consumer) and waited only by the compute that consumes them. Boundary
-shapes are negotiated once per input shape and cached. Each micro-batch has its own
-autograd graph; the loss of micro-batch i is scaled by its share of the batch so that the
-accumulated gradients equal those of one full-batch step. Every action is stamped with
-wall-clock times and labelled for the profiler (`PP:2F0`).
+One loop, no schedule-specific branch: each action kind has one handler. `step` runs the
+next window (its micro-batches given by the caller), `drain` what remains of micro-batches
+already begun; state (saved activations, posted receives, weight copies) persists across
+windows, so a window may finish micro-batches an earlier one began. Sends are
+asynchronous (`isend`); a window waits for the sends of windows old enough that their
+peer has received them. Receives are posted where the program places them and waited only
+by the compute that consumes them. Boundary shapes are negotiated once per input shape.
+Each micro-batch has its own autograd graph; its loss is scaled by its share of the update
+it belongs to, so the accumulated gradients equal those of one pass over the update's
+micro-batches. `REDUCE` and `UPDATE` call the data-parallel reducer and the caller's
+updater; `STASH`, `PREDICT` and `FREE` manage weight copies (`plait.runtime.weights`).
+Every action is stamped with wall-clock times and labelled for the profiler (`PP:2F0`).
 
 torch.distributed.pipelining has an executor too; plait keeps its own because it runs
 plait's IR (which the simulator replays as well), carries tuples and dicts across
-boundaries whose entries may skip stages, and executes BI/BW as two real passes for any
-schedule the validator accepts.
+boundaries whose entries may skip stages, executes BI/BW as two real passes for any
+schedule the validator accepts, and runs asynchronous schedules whose windows overlap.
 """
 
 from __future__ import annotations
@@ -37,17 +41,20 @@ from plait.runtime.backward import (
     backward_weight,
     split_is_exact,
 )
-from plait.runtime.boundary import BoundaryMeta, flatten, unflatten
-from plait.schedule import Action, Op, Schedule
+from plait.runtime.boundary import BoundaryMeta, flatten, negotiate, unflatten
+from plait.runtime.transport import Transport
+from plait.runtime.weights import Predictor, WeightStore
+from plait.schedule import Action, Op, RankStream, Schedule
 
-__all__ = ["ActionRecord", "PipelineExecutor", "StepResult"]
+__all__ = ["ActionRecord", "PipelineExecutor", "StepResult", "Updater"]
 
 LossFn = Callable[[Any, Any], torch.Tensor]
+Updater = Callable[[int, int], None]  # (stage, version it produces): the optimizer step
 
 
 @dataclass(frozen=True, slots=True)
 class ActionRecord:
-    """When one action ran on this rank (seconds from the start of the step)."""
+    """When one action ran on this rank (seconds from the start of the window)."""
 
     rank: int
     index: int
@@ -59,28 +66,44 @@ class ActionRecord:
 
 @dataclass
 class StepResult:
-    """One step's outcome on this rank."""
+    """One window's outcome on this rank."""
 
-    loss: torch.Tensor | None  # the full-batch loss, on the rank of the last stage
-    losses: list[torch.Tensor] = field(default_factory=list)  # scaled per micro-batch losses
+    loss: torch.Tensor | None  # mean loss of the micro-batches it finished (a last stage)
+    losses: list[torch.Tensor] = field(default_factory=list)  # theirs, in order of finishing
+    microbatches: list[int] = field(default_factory=list)  # their global ids
+    updates: int = 0  # optimizer steps per stage (UPDATE actions of its first stage)
     records: list[ActionRecord] = field(default_factory=list)
     step_time: float = 0.0
 
 
 @dataclass
-class _Pending:
-    """A posted receive: its buffers and the handles to wait on."""
+class _Stream:
+    """What outlives a window: data waiting for its consumer, activations waiting for their
+    backward (messages in flight live in the `Transport`)."""
 
-    buffers: list[torch.Tensor]
-    works: list[Any]
+    inputs: dict[int, Any] = field(default_factory=dict)
+    targets: dict[int, Any] = field(default_factory=dict)
+    saved: dict[tuple[int, int], Saved] = field(default_factory=dict)
+    local: dict[tuple[Op, int, int], Any] = field(default_factory=dict)
+    outgoing: dict[tuple[Op, int, int], list[torch.Tensor]] = field(default_factory=dict)
+
+
+@dataclass
+class _Window:
+    t0: float
+    loss_scale: float
+    result: StepResult
+    last_backward: set[int]  # program indices whose backward completes a stage's update
 
 
 class PipelineExecutor:
-    """Executes this rank's program of `schedule` for its `stages` (global stage -> module).
+    """Executes this rank's stream of `schedule` for its `stages` (global stage -> module).
 
     `group` is the pipeline process group; schedule rank r is group rank r. The loss
-    function takes (output of the last stage, targets of the micro-batch) and returns the
-    micro-batch's mean loss.
+    function takes (output of a last stage, targets of the micro-batch) and returns the
+    micro-batch's mean loss. `updater(stage, version)` runs the optimizer step of an
+    UPDATE; without one (synchronous schedules only) the caller steps after the window.
+    `predictor` fills predicted weights for schedules that predict them.
     """
 
     def __init__(
@@ -94,6 +117,8 @@ class PipelineExecutor:
         device: torch.device | str = "cpu",
         grad_sync: GradSync | None = None,
         forward_context: Callable[[], AbstractContextManager[Any]] | None = None,
+        updater: Updater | None = None,
+        predictor: Predictor | None = None,
     ) -> None:
         mine = set(schedule.stages_of(rank))
         if set(stages) != mine:
@@ -101,24 +126,34 @@ class PipelineExecutor:
                 f"rank {rank} runs stages {sorted(mine)} of the schedule but was given modules "
                 f"for stages {sorted(stages)}"
             )
+        if updater is None and schedule.policy != "sync":
+            raise ValueError(
+                f"schedule {schedule.kind!r} updates weights inside its program "
+                f"(policy {schedule.policy!r}): pass updater= (plait.parallelize does)"
+            )
         self.schedule = schedule
         self.stages = stages
         self.rank = rank
         self.loss_fn = loss_fn
         self.group = group
         self.device = torch.device(device)
-        self.program = schedule.ranks[rank]
-        self.last_stage = schedule.num_stages - 1
+        self.grad_sync = grad_sync
+        self.updater = updater
+        self.forward_context = forward_context or contextlib.nullcontext
+        self.weights = WeightStore(stages, predictor=predictor)
+        self.stream = RankStream(schedule, rank)
+        self.transport = Transport(schedule, rank, group)
+        self.needs_inputs = any(schedule.is_first(s) for s in mine)
+        self.needs_targets = any(schedule.is_last(s) for s in mine)
+        u, m = schedule.updates_per_window, schedule.num_microbatches
+        self.share = u / m if u else 1.0 / m  # of an update's micro-batches, one's weight
         self._meta: dict[int, BoundaryMeta] = {}  # stage -> meta of its input boundary
         self._meta_key: object = None
         self._negotiated = False
         self._exact_split: dict[int, bool] = {}
-        self.grad_sync = grad_sync
-        self.forward_context = forward_context or contextlib.nullcontext
-        # the action after which a stage's weight gradients are complete for the step
-        self._last_weight_action = {
-            a.stage: i for i, a in enumerate(self.program) if a.op in (Op.B, Op.BW)
-        }
+        self._state = _Stream()
+        self._first_stage = min(mine)
+        self.windows = 0
 
     # ------------------------------------------------------------------ public
     def step(
@@ -128,114 +163,121 @@ class PipelineExecutor:
         *,
         loss_scale: float = 1.0,
     ) -> StepResult:
-        """Run one step. `inputs` (micro-batches for stage 0) are needed only on the rank of
-        stage 0, `targets` only on the rank of the last stage; elsewhere pass None.
-        Backward runs on the loss times `loss_scale` (fp16 loss scaling); the reported
-        loss is unscaled."""
+        """Run the next window. `inputs` (its micro-batches for the first stages) are needed
+        only on ranks that hold a first stage, `targets` only on ranks that hold a last
+        stage; elsewhere pass None. Backward runs on the loss times `loss_scale` (fp16 loss
+        scaling); the reported losses are unscaled."""
         m = self.schedule.num_microbatches
-        if 0 in self.stages and (inputs is None or len(inputs) != m):
-            raise ValueError(f"rank {self.rank} holds stage 0 and needs {m} input micro-batches")
-        if self.last_stage in self.stages and (targets is None or len(targets) != m):
-            raise ValueError(f"rank {self.rank} holds the last stage and needs {m} targets")
+        if self.needs_inputs and (inputs is None or len(inputs) != m):
+            raise ValueError(
+                f"rank {self.rank} holds a first stage and needs {m} input micro-batches"
+            )
+        if self.needs_targets and (targets is None or len(targets) != m):
+            raise ValueError(f"rank {self.rank} holds a last stage and needs {m} targets")
         self._negotiate(inputs)
-        state = _StepState(inputs, targets, time.perf_counter(), loss_scale)
+        base = self.windows * m
+        for j in range(m):
+            if inputs is not None and self.needs_inputs:
+                self._state.inputs[base + j] = inputs[j]
+            if targets is not None and self.needs_targets:
+                self._state.targets[base + j] = targets[j]
+        result = self._run(self.stream.window(), loss_scale)
+        self.windows += 1
+        self.transport.settle(self.windows - 1 - self.schedule.reach)
+        return result
+
+    def drain(self, *, loss_scale: float = 1.0) -> StepResult:
+        """Finish the micro-batches begun by earlier windows (an asynchronous pipeline's
+        drain; nothing for a synchronous one). The stream ends here."""
+        result = self._run(self.stream.drain(), loss_scale)
+        self.transport.settle(self.windows)
+        return result
+
+    # ------------------------------------------------------------- the window
+    def _run(self, program: Sequence[Action], loss_scale: float) -> StepResult:
+        window = _Window(
+            time.perf_counter(), loss_scale, StepResult(None), _last_backwards(program)
+        )
         # labels cost ~15 µs an action even with no profiler listening: add them only
         # when one is (torch.profiler sets this flag)
         labelled = torch.autograd.profiler._is_profiler_enabled
-        for index, action in enumerate(self.program):
+        for index, action in enumerate(program):
             if labelled:
                 with record_function(f"PP:{action}"):
-                    self._run(state, index, action)
+                    self._do(window, index, action)
             else:
-                self._run(state, index, action)
-        for work in state.send_works:
-            work.wait()
-        result = StepResult(loss=None, losses=state.losses, records=state.records)
-        if state.losses:
-            result.loss = torch.stack(state.losses).sum()
-        result.step_time = time.perf_counter() - state.t0
+                self._do(window, index, action)
+        result = window.result
+        if result.losses:
+            result.loss = torch.stack(result.losses).mean()
+        result.step_time = time.perf_counter() - window.t0
         return result
 
     # ------------------------------------------------------------- negotiation
     def _negotiate(self, inputs: Sequence[Any] | None) -> None:
-        """Learn every boundary's structure and shapes once per input shape.
-
-        Stages are probed in increasing order with one forward each under no_grad, in
-        eval mode and with the RNG state restored, so the probe changes nothing. A rank
-        learns the input shape of micro-batch 0 from the previous stage's rank.
-        """
+        """Learn every boundary's structure and shapes once per input shape."""
         key = BoundaryMeta.of(inputs[0]) if inputs is not None else None
         if self._negotiated and (key is None or key == self._meta_key):
             return
         self._negotiated, self._meta_key = True, key
-        if self.schedule.num_stages == 1:  # no boundary to describe
-            return
-        place = self.schedule.stage_to_rank
-        local: dict[int, object] = {}
-        for s in sorted(self.stages):
-            if s == 0:
-                assert inputs is not None
-                value: object = inputs[0]
-            elif place[s - 1] == self.rank:
-                value = local[s - 1]
-            else:
-                box: list[Any] = [None]
-                dist.recv_object_list(
-                    box, group=self.group, group_src=place[s - 1], device=self._object_device()
-                )
-                self._meta[s] = box[0]
-                value = unflatten(box[0], [t.zero_() for t in box[0].empty(self.device)])
-            local[s] = out = self._probe(s, value)
-            if s == self.last_stage:
-                continue
-            # self._meta[s + 1] is the boundary between s and s + 1, known to both sides
-            self._meta[s + 1] = BoundaryMeta.of(out)
-            if place[s + 1] != self.rank:
-                dist.send_object_list(
-                    [self._meta[s + 1]],
-                    group=self.group,
-                    group_dst=place[s + 1],
-                    device=self._object_device(),
-                )
-
-    def _object_device(self) -> torch.device | None:
-        return self.device if self.device.type == "cuda" else None
-
-    def _probe(self, stage: int, value: object) -> object:
-        module = self.stages[stage]
-        was_training = module.training
-        devices = [self.device] if self.device.type == "cuda" else []
-        try:
-            module.eval()
-            with torch.no_grad(), torch.random.fork_rng(devices=devices):
-                return module(value)
-        finally:
-            module.train(was_training)
+        sample = inputs[0] if inputs is not None else None
+        self._meta = negotiate(
+            self.schedule, self.stages, self.rank, sample, group=self.group, device=self.device
+        )
 
     # --------------------------------------------------------------- handlers
-    def _run(self, state: _StepState, index: int, a: Action) -> None:
+    def _do(self, window: _Window, index: int, a: Action) -> None:
         start = time.perf_counter()
         wait = 0.0
-        if a.op is Op.F:
-            wait = self._forward(state, a)
-        elif a.op in (Op.B, Op.BI):
-            last = self._last_weight_action.get(a.stage) == index
+        op = a.op
+        if op is Op.F:
+            wait = self._forward(window, a)
+        elif op is Op.B or op is Op.BI:
+            last = index in window.last_backward
             self._sync(True, a.stage, last)
-            wait = self._backward(state, a)
+            wait = self._backward(a)
             self._sync(False, a.stage, last)
-        elif a.op is Op.BW:
-            last = self._last_weight_action[a.stage] == index
+        elif op is Op.BW:
+            last = index in window.last_backward
             self._sync(True, a.stage, last)
-            backward_weight(state.saved.pop((a.stage, a.microbatch)), self.stages[a.stage])
+            saved = self._state.saved.pop((a.stage, a.microbatch))
+            assert saved.module is not None
+            backward_weight(saved, saved.module)
+            self.weights.accumulate(a.stage, saved.module)
             self._sync(False, a.stage, last)
-        elif a.op in (Op.SEND_F, Op.SEND_B):
-            self._send(state, a)
+        elif op is Op.SEND_F or op is Op.SEND_B:
+            self.transport.send(
+                a, self._state.outgoing.pop((a.op, a.stage, a.microbatch)), self.windows
+            )
+        elif op is Op.RECV_F or op is Op.RECV_B:
+            self.transport.post(a, self._buffers(a))
         else:
-            self._post_receive(state, a)
+            self._weights_action(window, a)
         end = time.perf_counter()
-        state.records.append(
-            ActionRecord(self.rank, index, str(a), start + wait - state.t0, end - state.t0, wait)
+        window.result.records.append(
+            ActionRecord(self.rank, index, str(a), start + wait - window.t0, end - window.t0, wait)
         )
+
+    def _weights_action(self, window: _Window, a: Action) -> None:
+        """REDUCE, UPDATE and the weight copies."""
+        stage, version = a.stage, a.version
+        if a.op is Op.REDUCE:
+            if self.grad_sync is not None:
+                self.grad_sync.reduce(stage)
+            return
+        assert version is not None, f"{a} carries no version"
+        if a.op is Op.UPDATE:
+            if a.stage == self._first_stage:
+                window.result.updates += 1
+            if self.updater is not None:
+                self.updater(stage, version)
+            self.weights.updated(stage, version)
+        elif a.op is Op.STASH:
+            self.weights.stash(stage, version)
+        elif a.op is Op.PREDICT:
+            self.weights.predict(stage, version)
+        else:
+            self.weights.free(stage, version)
 
     def _sync(self, before: bool, stage: int, last: bool) -> None:
         if self.grad_sync is None:
@@ -245,83 +287,81 @@ class PipelineExecutor:
         else:
             self.grad_sync.after_backward(stage, last=last)
 
-    def _take(
-        self, state: _StepState, key: tuple[Op, int, int]
-    ) -> tuple[list[torch.Tensor], float]:
-        """The data of a posted receive, waiting for it; returns (tensors, seconds waited)."""
-        pending = state.received.pop(key)
-        t = time.perf_counter()
-        for work in pending.works:
-            work.wait()
-        return pending.buffers, time.perf_counter() - t
-
-    def _forward(self, state: _StepState, a: Action) -> float:
+    def _forward(self, window: _Window, a: Action) -> float:
         s, m = a.stage, a.microbatch
+        state, schedule = self._state, self.schedule
+        before, after = schedule.prev_stage(s), schedule.next_stage(s)
         wait = 0.0
-        if s == 0:
-            value = state.inputs[m]  # type: ignore[index]
-        elif self.schedule.stage_to_rank[s - 1] == self.rank:
+        if before is None:
+            value = state.inputs.pop(m)
+        elif schedule.stage_to_rank[before] == self.rank:
             value = state.local.pop((Op.F, s, m))
         else:
-            leaves, wait = self._take(state, (Op.RECV_F, s, m))
+            leaves, wait = self.transport.take((Op.RECV_F, s, m))
             value = unflatten(self._meta[s], leaves)
+        first = before is None
         leaves = [
-            t.detach().requires_grad_(t.is_floating_point()) if s > 0 else t for t in flatten(value)
+            t if first else t.detach().requires_grad_(t.is_floating_point()) for t in flatten(value)
         ]
-        if s > 0:
+        if not first:
             value = unflatten(self._meta[s], leaves)
+        module = self.weights.module(s, a.version)
         with self.forward_context():
-            out = self.stages[s](value)
-            if s == self.last_stage:
-                share = 1.0 / self.schedule.num_microbatches
-                loss = self.loss_fn(out, state.targets[m]).float() * share  # type: ignore[index]
-        if s == self.last_stage:
-            state.losses.append(loss.detach())
-            scaled = loss * state.loss_scale if state.loss_scale != 1.0 else loss
-            state.saved[(s, m)] = Saved(leaves if s > 0 else [], [scaled])
+            out = module(value)
+            if after is None:
+                raw = self.loss_fn(out, state.targets.pop(m)).float()
+                loss = raw * self.share
+        inputs = [] if first else leaves
+        if after is None:
+            window.result.losses.append(raw.detach())
+            window.result.microbatches.append(m)
+            scaled = loss * window.loss_scale if window.loss_scale != 1.0 else loss
+            state.saved[(s, m)] = Saved(inputs, [scaled], module=module)
             return wait
         out_leaves = flatten(out)
-        grad_leaves = [t for t in out_leaves if t.requires_grad]
         state.saved[(s, m)] = Saved(
-            leaves if s > 0 else [],
-            grad_leaves,
+            inputs,
+            [t for t in out_leaves if t.requires_grad],
             output_requires=[t.requires_grad for t in out_leaves],
+            module=module,
         )
         detached = [t.detach() for t in out_leaves]
-        if self.schedule.stage_to_rank[s + 1] == self.rank:
-            state.local[(Op.F, s + 1, m)] = unflatten(self._meta[s + 1], detached)
+        if schedule.stage_to_rank[after] == self.rank:
+            state.local[(Op.F, after, m)] = unflatten(self._meta[after], detached)
         else:
             state.outgoing[(Op.SEND_F, s, m)] = detached
         return wait
 
-    def _output_grads(
-        self, state: _StepState, a: Action
-    ) -> tuple[list[torch.Tensor] | None, float]:
+    def _output_grads(self, a: Action) -> tuple[list[torch.Tensor] | None, float]:
         s, m = a.stage, a.microbatch
-        if s == self.last_stage:
+        after = self.schedule.next_stage(s)
+        if after is None:
             return None, 0.0
-        if self.schedule.stage_to_rank[s + 1] == self.rank:
-            grads, wait = state.local.pop((Op.B, s, m)), 0.0
+        if self.schedule.stage_to_rank[after] == self.rank:
+            grads, wait = self._state.local.pop((Op.B, s, m)), 0.0
         else:
-            grads, wait = self._take(state, (Op.RECV_B, s, m))
+            grads, wait = self.transport.take((Op.RECV_B, s, m))
         # gradients arrive for every floating output; keep those of outputs that need one
-        floating = self._meta[s + 1].grad_indices()
-        requires = state.saved[(s, m)].output_requires
+        floating = self._meta[after].grad_indices()
+        requires = self._state.saved[(s, m)].output_requires
         return [g for g, i in zip(grads, floating, strict=True) if requires[i]], wait
 
-    def _backward(self, state: _StepState, a: Action) -> float:
+    def _backward(self, a: Action) -> float:
         s, m = a.stage, a.microbatch
-        output_grads, wait = self._output_grads(state, a)
-        saved = state.saved[(s, m)]
-        module = self.stages[s]
+        output_grads, wait = self._output_grads(a)
+        saved = self._state.saved[(s, m)]
+        module = saved.module
+        assert module is not None
         if a.op is Op.B:
             input_grads = backward_full(saved, output_grads)
-            del state.saved[(s, m)]
+            del self._state.saved[(s, m)]
+            self.weights.accumulate(s, module)
         else:
             if s not in self._exact_split:
                 self._exact_split[s] = split_is_exact(saved, module)
             input_grads = backward_input(saved, output_grads, module, exact=self._exact_split[s])
-        if s == 0:
+        before = self.schedule.prev_stage(s)
+        if before is None:
             return wait
         meta = self._meta[s]
         grads = [
@@ -332,42 +372,29 @@ class PipelineExecutor:
                 (input_grads[i] for i in meta.grad_indices()), meta.grad_indices(), strict=True
             )
         ]
-        if self.schedule.stage_to_rank[s - 1] == self.rank:
-            state.local[(Op.B, s - 1, m)] = grads
+        if self.schedule.stage_to_rank[before] == self.rank:
+            self._state.local[(Op.B, before, m)] = grads
         else:
-            state.outgoing[(Op.SEND_B, s, m)] = grads
+            self._state.outgoing[(Op.SEND_B, s, m)] = grads
         return wait
 
-    def _peer(self, a: Action) -> int:
-        neighbour = a.stage + 1 if a.op in (Op.SEND_F, Op.RECV_B) else a.stage - 1
-        return self.schedule.stage_to_rank[neighbour]
-
-    def _send(self, state: _StepState, a: Action) -> None:
-        tensors = state.outgoing.pop((a.op, a.stage, a.microbatch))
-        peer = self._peer(a)
-        for t in tensors:
-            state.send_works.append(dist.isend(t.contiguous(), group=self.group, group_dst=peer))
-
-    def _post_receive(self, state: _StepState, a: Action) -> None:
+    def _buffers(self, a: Action) -> list[torch.Tensor]:
+        """Buffers to receive the message a RECV_F or RECV_B posts."""
         if a.op is Op.RECV_F:
-            buffers = self._meta[a.stage].empty(self.device)
-        else:
-            buffers = self._meta[a.stage + 1].empty_grads(self.device)
-        peer = self._peer(a)
-        works = [dist.irecv(b, group=self.group, group_src=peer) for b in buffers]
-        state.received[(a.op, a.stage, a.microbatch)] = _Pending(buffers, works)
+            return self._meta[a.stage].empty(self.device)
+        after = self.schedule.next_stage(a.stage)
+        assert after is not None
+        return self._meta[after].empty_grads(self.device)
 
 
-@dataclass
-class _StepState:
-    inputs: Sequence[Any] | None
-    targets: Sequence[Any] | None
-    t0: float
-    loss_scale: float
-    saved: dict[tuple[int, int], Saved] = field(default_factory=dict)
-    local: dict[tuple[Op, int, int], Any] = field(default_factory=dict)
-    outgoing: dict[tuple[Op, int, int], list[torch.Tensor]] = field(default_factory=dict)
-    received: dict[tuple[Op, int, int], _Pending] = field(default_factory=dict)
-    send_works: list[Any] = field(default_factory=list)
-    losses: list[torch.Tensor] = field(default_factory=list)
-    records: list[ActionRecord] = field(default_factory=list)
+def _last_backwards(program: Sequence[Action]) -> set[int]:
+    """Indices of the backward (B or BW) after which a stage's gradients for its next
+    REDUCE are complete: the data-parallel reducer listens during that one."""
+    latest: dict[int, int] = {}
+    out: set[int] = set()
+    for i, a in enumerate(program):
+        if a.op is Op.B or a.op is Op.BW:
+            latest[a.stage] = i
+        elif a.op is Op.REDUCE and a.stage in latest:
+            out.add(latest.pop(a.stage))
+    return out

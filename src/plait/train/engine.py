@@ -1,18 +1,27 @@
-"""`parallelize`: one model, one plan, and an engine whose `step(batch)` trains under it.
+"""`parallelize`: one model, one plan, and an engine that trains under it window by window.
 
 The order of construction follows torchtitan's: cut the model into this rank's pipeline
 stages, shard them for tensor parallelism, wrap blocks for recomputation, shard them
-for ZeRO-2/3, then build the optimizer over what remains local. The engine owns nothing
-the layers below do not already offer; it wires them together for one step:
+for ZeRO-2/3, then build one optimizer per stage over what remains local. The engine owns
+nothing the layers below do not already offer; it wires them together. Each window (one
+`step`) runs the rank's program, which holds the optimizer steps (`UPDATE`) itself:
 
-    zero grads -> pipeline program (forward/backward per micro-batch, gradient reduction
-    overlapped with each stage's last backward) -> fp16 unscale and global inf check ->
-    global gradient-norm clipping -> optimizer step -> loss averaged over data parallel.
+    per micro-batch forward/backward -> each stage's gradient reduction launched during
+    its last backward (REDUCE) -> at the UPDATE of a stage: wait for its reduction, fp16
+    unscale and inf check, gradient-norm clipping, the stage's optimizer step
+
+For a synchronous schedule the inf check and the clipping are global (all stages of the
+model, all workers), done once per window at the first UPDATE every rank reaches after
+all its backwards, and the gradients stay in `.grad` until the next step, as in a plain
+training loop. An asynchronous schedule updates each stage on its own, from different
+micro-batches than the other stages at the same moment: there is no global gradient to
+clip, so each stage clips its own gradient's norm, and fp16 loss scaling (which needs a
+global inf check per update) is refused; bf16 needs none.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.utils import _pytree as pytree
 
 from plait.config import ParallelPlan
 from plait.mesh import ParallelDims
@@ -32,6 +42,7 @@ from plait.parallel import (
 )
 from plait.parallel.sync import GradSync
 from plait.runtime import PipelineExecutor, StepResult, local_stages, split_microbatches
+from plait.runtime.predict import optimizer_predictor
 from plait.schedule import Schedule, build
 from plait.train.precision import LossScaler, autocast_context
 from plait.train.recompute import apply_recompute
@@ -44,12 +55,15 @@ LossFn = Callable[[Any, Any], torch.Tensor]
 
 @dataclass(frozen=True)
 class StepReport:
-    """One training step, as every rank sees it."""
+    """One window (one training step), as every rank sees it."""
 
-    loss: float  # mean loss over the global batch
+    loss: float  # mean loss of the micro-batches it finished (NaN if none, as in a drain)
     skipped: bool  # fp16 found an inf/NaN gradient somewhere and skipped the update
-    grad_norm: float | None
+    grad_norm: float | None  # the global norm clipped to (synchronous schedules)
     result: StepResult  # this rank's executor record (timeline, its micro-batch losses)
+    losses: tuple[float, ...] = ()  # per finished micro-batch, in order of global id
+    microbatches: tuple[int, ...] = ()  # their global ids
+    updates: int = 1  # optimizer steps this rank's (first) stage took
 
 
 class Engine:
@@ -62,20 +76,88 @@ class Engine:
         mesh: DeviceMesh,
         schedule: Schedule,
         stages: dict[int, nn.Module],
-        executor: PipelineExecutor,
-        optimizer: torch.optim.Optimizer,
+        optimizers: dict[int, torch.optim.Optimizer],
         grad_sync: GradSync | None,
+        loss_fn: LossFn,
         device: torch.device,
         grad_clip: float | None,
     ) -> None:
         self.plan, self.mesh, self.schedule = plan, mesh, schedule
-        self.stages, self.executor, self.optimizer = stages, executor, optimizer
+        self.stages, self.optimizers = stages, optimizers
         self.grad_sync, self.device, self.grad_clip = grad_sync, device, grad_clip
         self.params = [p for s in stages.values() for p in s.parameters() if p.requires_grad]
         self.scaler = LossScaler() if plan.dtype == "fp16" else None
         self.dp_index = mesh.get_local_rank("dp")
-        self.needs_inputs = 0 in stages
-        self.needs_targets = schedule.num_stages - 1 in stages
+        self.synchronous = schedule.policy == "sync"
+        self.executor = PipelineExecutor(
+            schedule,
+            stages,
+            rank=mesh.get_local_rank("pp"),
+            loss_fn=loss_fn,
+            group=mesh.get_group("pp"),
+            device=device,
+            grad_sync=grad_sync,
+            forward_context=autocast_context(plan.dtype, device),
+            updater=self._update,
+            predictor=optimizer_predictor(optimizers) if schedule.policy == "predict" else None,
+        )
+        self._prepared: int | None = None  # the version whose global checks ran
+        self._skipped = False
+        self._norm: float | None = None
+
+    # ------------------------------------------------------------------ steps
+    def step(self, batch: tuple[Any, Any]) -> StepReport:
+        """One window on the global `batch` = (inputs, targets); every rank may pass the
+        same batch; each dp rank trains on its own slice of dim 0, in m micro-batches."""
+        inputs, targets = batch
+        m = self.plan.microbatches
+        micro_in = (
+            split_microbatches(_to(self._shard(inputs), self.device), m)
+            if self.executor.needs_inputs
+            else None
+        )
+        micro_tg = (
+            split_microbatches(_to(self._shard(targets), self.device), m)
+            if self.executor.needs_targets
+            else None
+        )
+        return self._window(micro_in, micro_tg)
+
+    def drain(self) -> StepReport:
+        """Finish every micro-batch begun (an asynchronous pipeline's drain; a synchronous
+        one has nothing left). Call once, after the last step."""
+        self._skipped, self._norm = False, None
+        result = self.executor.drain()
+        return self._report(result)
+
+    def run(self, microbatches: Iterable[tuple[Any, Any]]) -> Iterator[StepReport]:
+        """Train on a stream of global micro-batches (inputs, targets), each of dp × the
+        micro-batch size (dp rank r takes slice r): a window per m of them, warm-up, steady
+        state and drain. Yields a report per window, then the drain's."""
+        m, window, count = self.plan.microbatches, [], 0
+        for count, (inputs, targets) in enumerate(microbatches, start=1):  # noqa: B007
+            window.append(
+                (_to(self._shard(inputs), self.device), _to(self._shard(targets), self.device))
+            )
+            if len(window) == m:
+                ins = [x for x, _ in window] if self.executor.needs_inputs else None
+                tgs = [y for _, y in window] if self.executor.needs_targets else None
+                yield self._window(ins, tgs)
+                window = []
+        if window:
+            raise ValueError(
+                f"the stream ended {len(window)} micro-batches into a window of {m} "
+                f"(after {count}): give a multiple of microbatches={m}"
+            )
+        yield self.drain()
+
+    def _window(self, micro_in: list[Any] | None, micro_tg: list[Any] | None) -> StepReport:
+        if self.synchronous:  # the last step's gradients stayed readable until now
+            self._zero_grad()
+        self._skipped, self._norm = False, None
+        scale = self.scaler.scale if self.scaler is not None else 1.0
+        result = self.executor.step(micro_in, micro_tg, loss_scale=scale)
+        return self._report(result)
 
     def _shard(self, value: Any) -> Any:
         """This dp rank's slice of a global batch (dim 0)."""
@@ -83,58 +165,84 @@ class Engine:
             return value
         return split_microbatches(value, self.plan.dp)[self.dp_index]
 
-    def step(self, batch: tuple[Any, Any]) -> StepReport:
-        """One optimizer step on the global `batch` = (inputs, targets); every rank may pass
-        the same batch; each dp rank trains on its own slice of dim 0."""
-        inputs, targets = batch
-        m = self.plan.microbatches
-        micro_in = (
-            split_microbatches(_to(self._shard(inputs), self.device), m)
-            if self.needs_inputs
-            else None
-        )
-        micro_tg = (
-            split_microbatches(_to(self._shard(targets), self.device), m)
-            if self.needs_targets
-            else None
-        )
-        self.optimizer.zero_grad(set_to_none=True)
+    # ---------------------------------------------------------------- updates
+    def _update(self, stage: int, version: int) -> None:
+        """The optimizer step of `stage` (an UPDATE action), producing `version`."""
+        if self.synchronous:
+            if self._prepared != version:  # the first update this window: global checks
+                self._prepared = version
+                self._skipped, self._norm = self._check_all()
+        else:
+            self._norm = self._clip_stage(stage)
+        if not self._skipped:
+            self.optimizers[stage].step()
+        if not self.synchronous:  # the stage's next backward comes before the window ends
+            self._zero_grad(stage)
+
+    def _zero_grad(self, stage: int | None = None) -> None:
+        for s, optimizer in self.optimizers.items():
+            if stage is None or s == stage:
+                optimizer.zero_grad(set_to_none=True)
         if self.grad_sync is not None:  # after the optimizer: keeps bucket views alive
-            self.grad_sync.zero_grad()
-        scale = self.scaler.scale if self.scaler is not None else 1.0
-        result = self.executor.step(micro_in, micro_tg, loss_scale=scale)
+            self.grad_sync.zero_grad(stage)
+
+    def _check_all(self) -> tuple[bool, float | None]:
+        """Wait for every reduction, unscale and check fp16 gradients everywhere, clip the
+        global norm: (skip the step, the norm)."""
         if self.grad_sync is not None:
             self.grad_sync.finish()
         skipped = False
         if self.scaler is not None:
             skipped = self.scaler.unscale_and_check(self.params)
             self.scaler.update(skipped)
-        norm = None
-        if not skipped:
-            if self.grad_clip is not None:
-                norm = float(clip_grad_norm(self.params, self.grad_clip, pp_group=self._pp_group))
-            self.optimizer.step()
-        return StepReport(self._global_loss(result), skipped, norm, result)
+        if skipped or self.grad_clip is None:
+            return skipped, None
+        return False, float(clip_grad_norm(self.params, self.grad_clip, pp_group=self._pp_group))
 
+    def _clip_stage(self, stage: int) -> float | None:
+        if self.grad_sync is not None:
+            self.grad_sync.finish(stage)
+        if self.grad_clip is None:
+            return None
+        params = [p for p in self.stages[stage].parameters() if p.requires_grad]
+        return float(clip_grad_norm(params, self.grad_clip, pp_group=None))
+
+    # ---------------------------------------------------------------- reports
     @property
     def _pp_group(self) -> dist.ProcessGroup:
         return self.mesh.get_group("pp")
 
-    def _global_loss(self, result: StepResult) -> float:
-        """The full-batch loss on every rank: summed over pp (only the last stage has it),
-        averaged over dp."""
-        local = result.loss.detach().float() if result.loss is not None else None
-        value = torch.zeros((), device=self.device) if local is None else local.to(self.device)
-        value = value / self.plan.dp
-        dist.all_reduce(value, group=self.mesh.get_group("pp"))
+    def _report(self, result: StepResult) -> StepReport:
+        ids, losses = self._global_losses(result)
+        loss = sum(losses) / len(losses) if losses else float("nan")
+        norm = self._norm if self.synchronous else None
+        return StepReport(loss, self._skipped, norm, result, losses, ids, result.updates)
+
+    def _global_losses(self, result: StepResult) -> tuple[tuple[int, ...], tuple[float, ...]]:
+        """Every finished micro-batch's global id and loss, on every rank: only the ranks of
+        last stages have them; summed over pp, averaged over dp. Micro-batches are placed by their
+        id in the window's span (the reach of a schedule bounds how far back they go)."""
+        m, reach = self.plan.microbatches, self.schedule.reach
+        first = (self.executor.windows - 1 - reach) * m
+        span = (reach + 1) * m
+        values = torch.zeros(2 * span, device=self.device)
+        for x, loss in zip(result.microbatches, result.losses, strict=True):
+            values[x - first] = loss.to(self.device) / self.plan.dp
+            values[span + x - first] = 1.0
+        dist.all_reduce(values, group=self._pp_group)
         if self.plan.dp > 1:
-            dist.all_reduce(value, group=self.mesh.get_group("dp"))
-        return float(value)
+            dist.all_reduce(values, group=self.mesh.get_group("dp"))
+        found = [
+            (first + i, v)
+            for i, (v, c) in enumerate(
+                zip(values[:span].tolist(), values[span:].tolist(), strict=True)
+            )
+            if c
+        ]
+        return tuple(x for x, _ in found), tuple(float(v) for _, v in found)
 
 
 def _to(value: Any, device: torch.device) -> Any:
-    from torch.utils import _pytree as pytree
-
     return pytree.tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, value)
 
 
@@ -164,8 +272,8 @@ def parallelize(
 
     Every rank passes the same model, initialised identically (same seed); the engine
     keeps only this rank's stages, sharded as the plan says. `optimizer_factory(params)`
-    builds the optimizer over the local parameters (with ZeRO-1 it is wrapped in torch's
-    ZeroRedundancyOptimizer so each dp rank keeps 1/dp of the optimizer state).
+    builds an optimizer over one stage's local parameters (with ZeRO-1 it is wrapped in
+    torch's ZeroRedundancyOptimizer so each dp rank keeps 1/dp of the optimizer state).
     """
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     mesh = mesh or ParallelDims(dp=plan.dp, tp=plan.tp, pp=plan.pp).build_mesh(device.type)
@@ -186,26 +294,18 @@ def parallelize(
     elif plan.dp > 1:
         per_stage = {s: list(m.parameters()) for s, m in stages.items()}
         grad_sync = GradReducer(per_stage, mesh.get_group("dp"))
-    params = [p for m in stages.values() for p in m.parameters() if p.requires_grad]
-    optimizer = _optimizer(optimizer_factory, params, plan, mesh)
-    executor = PipelineExecutor(
-        schedule,
-        stages,
-        rank=pp_rank,
-        loss_fn=loss_fn,
-        group=mesh.get_group("pp"),
-        device=device,
-        grad_sync=grad_sync,
-        forward_context=autocast_context(plan.dtype, device),
-    )
+    optimizers = {
+        s: _optimizer(optimizer_factory, [p for p in m.parameters() if p.requires_grad], plan, mesh)
+        for s, m in stages.items()
+    }
     return Engine(
         plan=plan,
         mesh=mesh,
         schedule=schedule,
         stages=stages,
-        executor=executor,
-        optimizer=optimizer,
+        optimizers=optimizers,
         grad_sync=grad_sync,
+        loss_fn=loss_fn,
         device=device,
         grad_clip=grad_clip,
     )

@@ -64,7 +64,9 @@ def train_worker(cfg_data: dict[str, Any], run_dir: str) -> dict[str, Any] | Non
         device=device,
         grad_clip=cfg.grad_clip,
     )
-    log = _Logger(Path(run_dir), cfg) if env.rank == 0 else None
+    window = engine.schedule
+    group = window.num_microbatches // max(1, window.updates_per_window)
+    log = _Logger(Path(run_dir), cfg, group) if env.rank == 0 else None
     times: list[float] = []
     report: StepReport | None = None
     for step in range(cfg.max_steps):
@@ -75,6 +77,9 @@ def train_worker(cfg_data: dict[str, Any], run_dir: str) -> dict[str, Any] | Non
         if log is not None:
             log.step(step, report, times[-1])
     assert report is not None
+    drained = engine.drain()  # an asynchronous pipeline's last backwards and updates
+    if log is not None:
+        log.updates(cfg.max_steps, drained)
     records = _gather(_records(report.result))
     memory = max(_gather(_peak_memory_bytes()))
     sample = _sample(engine, model, corpus, cfg, env.rank)
@@ -98,6 +103,7 @@ def _planned(cfg: TrainConfig, model: GPT, corpus: Any, run_dir: Path, rank: int
         seq_len=cfg.model.seq_len,
         global_batch=cfg.batch_size,
         dtype=cfg.parallel.dtype,
+        allow_staleness=cfg.allow_staleness,
     )
     if rank == 0:
         (run_dir / "plan.json").write_text(json.dumps(chosen, indent=2))
@@ -159,13 +165,17 @@ def _peak_memory_bytes() -> int:
 class _Logger:
     """Metrics (one JSON line per step), progress on the terminal, and the run summary."""
 
-    def __init__(self, run_dir: Path, cfg: TrainConfig) -> None:
+    def __init__(self, run_dir: Path, cfg: TrainConfig, group: int) -> None:
         from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
         self.run_dir = run_dir
         self.cfg = cfg
         self.tokens = cfg.batch_size * cfg.model.seq_len
         self.metrics = (run_dir / "metrics.jsonl").open("w")
+        self.update_log = (run_dir / "updates.jsonl").open("w")
+        self.num_updates = 0
+        self.pending: dict[int, list[float]] = {}  # update -> losses of its micro-batches
+        self.group = group  # micro-batches per update
         self.losses: list[float] = []
         self.skipped = 0
         self.progress = Progress(
@@ -193,9 +203,23 @@ class _Logger:
             "grad_norm": report.grad_norm,
         }
         self.metrics.write(json.dumps(row) + "\n")
+        self.updates(step, report)
         if step % self.cfg.log_every == 0 or step == self.cfg.max_steps - 1:
             self.metrics.flush()
+            self.update_log.flush()
         self.progress.update(self.task, advance=1, loss=loss, tps=self.tokens / seconds)
+
+    def updates(self, step: int, report: StepReport) -> None:
+        """One line per optimizer update (an asynchronous schedule makes one per micro-batch,
+        or one per batch), once the losses of all the micro-batches whose gradients it
+        applies are in: their mean."""
+        for x, loss in zip(report.microbatches, report.losses, strict=True):
+            self.pending.setdefault(x // self.group, []).append(loss)
+        for update in sorted(u for u, losses in self.pending.items() if len(losses) == self.group):
+            losses = self.pending.pop(update)
+            row = {"update": update, "step": step, "loss": sum(losses) / len(losses)}
+            self.update_log.write(json.dumps(row) + "\n")
+            self.num_updates += 1
 
     def finish(
         self,
@@ -207,6 +231,7 @@ class _Logger:
     ) -> dict[str, Any]:
         self.progress.stop()
         self.metrics.close()
+        self.update_log.close()
         steady = times[len(times) // 5 :] or times
         step_time = statistics.median(steady)
         summary = {
@@ -221,6 +246,7 @@ class _Logger:
             "bubble_fraction": _measured_bubble(records),
             "peak_memory_bytes": memory,
             "skipped_steps": self.skipped,
+            "updates": self.num_updates,
             "sample": sample,
         }
         (self.run_dir / "timeline.json").write_text(json.dumps(records))
@@ -233,12 +259,12 @@ class _Logger:
 
 def _measured_bubble(records: list[list[dict[str, Any]]]) -> float:
     """Idle share of the last step: 1 - compute time / (ranks × step span)."""
-    compute = ("F", "B", "BI", "BW")
+    from plait.schedule import Action
+
     busy = span = 0.0
     for rank_records in records:
         for r in rank_records:
-            op = r["label"].strip("0123456789v")
-            if op in compute:
+            if Action.parse(r["label"]).is_compute:
                 busy += r["end"] - r["start"]
         if rank_records:
             span = max(span, max(r["end"] for r in rank_records))

@@ -1,0 +1,232 @@
+"""Asynchronous pipelines match a single-process emulator of their weight-version rules.
+
+The emulator is plain PyTorch written here from the papers' update rules (no plait
+runtime code): it keeps every stage's weights after each of its updates, computes each
+micro-batch on the composite model the rule dictates (stage s on its own version, or on
+weights predicted from an old version), accumulates the gradients of an update unit, and
+steps a torch optimizer per stage on the latest weights. The distributed run must give
+the same per-micro-batch losses and, after the drain, the same weights, to 1e-5 in fp32,
+over at least 3·p updates per stage.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from plait.config import ParallelPlan
+from plait.models import GPT, GPTConfig, SkipMLP
+from plait.train.engine import parallelize
+
+from .harness import run_world
+
+pytestmark = pytest.mark.dist
+
+TOL = {"rtol": 1e-5, "atol": 1e-5}
+LR = {"sgd": 0.05, "adamw": 2e-3}
+
+
+# ------------------------------------------------------------------ models, data
+def _model(name: str) -> tuple[torch.nn.Module, Callable[..., torch.Tensor]]:
+    torch.manual_seed(0)
+    if name == "gpt":
+        cfg = GPTConfig(vocab_size=19, seq_len=6, num_layers=6, hidden=16, num_heads=2)
+        return GPT(cfg), GPT.loss
+    return SkipMLP(dim=6, hidden=10, classes=4, num_blocks=8), SkipMLP.loss
+
+
+def _microbatch(name: str, k: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Global micro-batch k (every rank builds the same)."""
+    g = torch.Generator().manual_seed(1000 + k)
+    if name == "gpt":
+        ids = torch.randint(0, 19, (size, 7), generator=g)
+        return ids[:, :-1], ids[:, 1:]
+    return torch.randn(size, 6, generator=g), torch.randint(0, 4, (size,), generator=g)
+
+
+def _optimizer(name: str, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=LR[name], momentum=0.9)
+    # eps well above rounding noise: attention's key bias gets a gradient that is zero up
+    # to rounding (softmax ignores a shift), which Adam would otherwise blow up to full
+    # steps that differ with the order of summation (one process vs an all-reduce)
+    return torch.optim.AdamW(params, lr=LR[name], weight_decay=0.01, eps=1e-4)
+
+
+# ---------------------------------------------------------------- the emulator
+def _split(num_blocks: int, p: int) -> list[list[int]]:
+    """Block indices per stage: equal parts, earlier stages take the remainder."""
+    base, extra = divmod(num_blocks, p)
+    out, start = [], 0
+    for s in range(p):
+        n = base + (1 if s < extra else 0)
+        out.append(list(range(start, start + n)))
+        start += n
+    return out
+
+
+def _direction(opt: torch.optim.Optimizer, param: torch.Tensor) -> torch.Tensor:
+    """The optimizer's last update direction for `param`, learning rate factored out."""
+    state = opt.state.get(param, {})
+    if isinstance(opt, torch.optim.SGD):
+        return state["momentum_buffer"].clone() if state else torch.zeros_like(param)
+    if not state:
+        return torch.zeros_like(param)
+    beta1, beta2 = opt.param_groups[0]["betas"]
+    step = float(state["step"])
+    m_hat = state["exp_avg"] / (1 - beta1**step)
+    v_hat = state["exp_avg_sq"] / (1 - beta2**step)
+    return m_hat / (v_hat.sqrt() + opt.param_groups[0]["eps"])
+
+
+class Emulator:
+    """Every stage's weights after each of its updates; one optimizer per stage."""
+
+    def __init__(self, model: torch.nn.Module, p: int, opt_name: str) -> None:
+        self.live = copy.deepcopy(model)
+        self.scratch = copy.deepcopy(model)
+        blocks = list(self.live.layers)
+        self.stage_params = [
+            [q for b in idx for q in blocks[b].parameters()] for idx in _split(len(blocks), p)
+        ]
+        scratch_blocks = list(self.scratch.layers)
+        self.scratch_params = [
+            [q for b in idx for q in scratch_blocks[b].parameters()]
+            for idx in _split(len(blocks), p)
+        ]
+        self.opts = [_optimizer(opt_name, ps) for ps in self.stage_params]
+        self.hist = [{0: [q.detach().clone() for q in ps]} for ps in self.stage_params]
+        self.dirs = [{0: [torch.zeros_like(q) for q in ps]} for ps in self.stage_params]
+        self.updates = [0] * p
+
+    def weights(self, s: int, version: int, distance: int = 0) -> list[torch.Tensor]:
+        lr = self.opts[s].param_groups[0]["lr"]
+        return [
+            w - distance * lr * d
+            for w, d in zip(self.hist[s][version], self.dirs[s][version], strict=True)
+        ]
+
+    def grad(self, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable, weights, share: float):
+        """Loss of one micro-batch on the composite weights; adds share × its gradient to
+        the live weights' .grad."""
+        with torch.no_grad():
+            for ps, ws in zip(self.scratch_params, weights, strict=True):
+                for q, w in zip(ps, ws, strict=True):
+                    q.copy_(w)
+        self.scratch.zero_grad(set_to_none=True)
+        loss = loss_fn(self.scratch(x), y)
+        (loss * share).backward()
+        for ps, mine in zip(self.stage_params, self.scratch_params, strict=True):
+            for q, g in zip(ps, mine, strict=True):
+                q.grad = g.grad.clone() if q.grad is None else q.grad + g.grad
+        return float(loss.detach())
+
+    def step(self, s: int) -> None:
+        self.opts[s].step()
+        self.opts[s].zero_grad(set_to_none=True)
+        self.updates[s] += 1
+        v = self.updates[s]
+        self.hist[s][v] = [q.detach().clone() for q in self.stage_params[s]]
+        self.dirs[s][v] = [_direction(self.opts[s], q) for q in self.stage_params[s]]
+
+
+def emulate(kind: str, p: int, m: int, model_name: str, opt_name: str, windows: int, size: int):
+    """Per-micro-batch losses and the final weights per stage, by the papers' rules."""
+    model, loss_fn = _model(model_name)
+    emu = Emulator(model, p, opt_name)
+    warm = [p - 1 - s for s in range(p)]  # PipeDream's in-flight count W_s
+    total = windows * m
+    per_micro = kind in ("pipedream", "pipedream-vs", "spectrain")
+    group = 1 if per_micro else m
+    losses = []
+    for unit in range(total // group):
+        for k in range(unit * group, (unit + 1) * group):
+            t = k // m
+            weights = []
+            for s in range(p):
+                if kind == "pipedream":  # the latest weights when stage s forwards k
+                    weights.append(emu.weights(s, max(0, k - warm[s])))
+                elif kind == "pipedream-vs":  # stage 0's version on every stage
+                    weights.append(emu.weights(s, max(0, k - (p - 1))))
+                elif kind == "2bw":  # W(t+1) = W(t) - lr grad(W(t-1))
+                    weights.append(emu.weights(s, max(0, t - 1)))
+                elif kind == "spectrain":  # predicted for version k from the one held
+                    j = max(0, k - warm[s])
+                    weights.append(emu.weights(s, j, k - j))
+                elif kind == "xpipe":  # predicted at the batch's first micro-batch
+                    j = max(0, t - math.ceil(warm[s] / m))
+                    weights.append(emu.weights(s, j, t - j))
+                else:
+                    raise AssertionError(kind)
+            x, y = _microbatch(model_name, k, size)
+            losses.append(emu.grad(x, y, loss_fn, weights, 1.0 / group))
+        for s in range(p):
+            emu.step(s)
+    final = [[q.detach() for q in ps] for ps in emu.stage_params]
+    return losses, final
+
+
+# ------------------------------------------------------------ the distributed run
+def _check(rank: int, world: int, kind: str, pp: int, m: int, model_name: str, opt_name: str):
+    dp = world // pp
+    per_micro = kind in ("pipedream", "pipedream-vs", "spectrain")
+    # at least 3p updates per stage: one per micro-batch, or one per window
+    windows = max(2, -(-3 * pp // m)) if per_micro else 3 * pp
+    size = 2 * dp  # each replica trains on 2 samples of every global micro-batch
+    model, loss_fn = _model(model_name)
+    plan = ParallelPlan(dp=dp, pp=pp, schedule=kind, microbatches=m)
+    engine = parallelize(
+        model, plan, lambda ps: _optimizer(opt_name, list(ps)), loss_fn, device="cpu"
+    )
+    stream = (_microbatch(model_name, k, size) for k in range(windows * m))
+    reports = list(engine.run(stream))
+    got = [loss for report in reports for loss in report.losses]
+    want, final = emulate(kind, pp, m, model_name, opt_name, windows, size)
+    where = f"{kind} pp={pp} dp={dp} m={m} {model_name} {opt_name} rank {rank}"
+    assert sum(r.updates for r in reports) >= 3 * pp, where  # per stage, drain included
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), **TOL, msg=where)
+    for s, stage in engine.stages.items():
+        mine = [q.detach() for q in stage.parameters()]
+        for i, (q, w) in enumerate(zip(mine, final[s], strict=True)):
+            torch.testing.assert_close(q, w, **TOL, msg=f"{where} stage {s} parameter {i}")
+        # no weight copy outlives the drain
+        assert not engine.executor.weights.copies, where
+
+
+KINDS = ("pipedream", "pipedream-vs", "2bw", "spectrain", "xpipe")
+
+
+def _pipelines(rank: int, world: int, m: int) -> None:
+    torch.use_deterministic_algorithms(True)
+    for kind in KINDS:
+        for model_name in ("gpt", "skip"):
+            for opt_name in ("sgd", "adamw"):
+                _check(rank, world, kind, world, m, model_name, opt_name)
+    dist.barrier()
+
+
+def test_two_stages_match_the_emulator(tmp_path: Path) -> None:
+    run_world(tmp_path, 2, _pipelines, 4)
+
+
+def test_four_stages_match_the_emulator(tmp_path: Path) -> None:
+    """m = 2 < p - 1: 2BW caps its warm-up at m; windows reach two back."""
+    run_world(tmp_path, 4, _pipelines, 2)
+
+
+def _replicated(rank: int, world: int) -> None:
+    torch.use_deterministic_algorithms(True)
+    for kind in KINDS:
+        for opt_name in ("sgd", "adamw"):
+            _check(rank, world, kind, 2, 3, "gpt", opt_name)
+
+
+def test_data_parallel_replicas_of_an_asynchronous_pipeline(tmp_path: Path) -> None:
+    """dp = 2 × pp = 2: each update averages both replicas' gradients."""
+    run_world(tmp_path, 4, _replicated)
