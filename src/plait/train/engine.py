@@ -21,6 +21,7 @@ global inf check per update) is refused; bf16 needs none.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -57,11 +58,15 @@ LossFn = Callable[[Any, Any], torch.Tensor]
 class StepReport:
     """One window (one training step), as every rank sees it."""
 
-    loss: float  # mean loss of the micro-batches it finished (NaN if none, as in a drain)
+    # the mean loss of the micro-batches it reports (NaN if none): those the window
+    # finished; for an asynchronous schedule those finished `reach + 1` windows earlier
+    # (their exchange overlaps the later windows instead of stalling the pipeline), and
+    # the drain reports the rest
+    loss: float
     skipped: bool  # fp16 found an inf/NaN gradient somewhere and skipped the update
     grad_norm: float | None  # the global norm clipped to (synchronous schedules)
     result: StepResult  # this rank's executor record (timeline, its micro-batch losses)
-    losses: tuple[float, ...] = ()  # per finished micro-batch, in order of global id
+    losses: tuple[float, ...] = ()  # per micro-batch reported, in order of global id
     microbatches: tuple[int, ...] = ()  # their global ids
     updates: int = 1  # optimizer steps this rank's (first) stage took
 
@@ -104,6 +109,7 @@ class Engine:
         self._prepared: int | None = None  # the version whose global checks ran
         self._skipped = False
         self._norm: float | None = None
+        self._losses = _Losses(self)
 
     # ------------------------------------------------------------------ steps
     def step(self, batch: tuple[Any, Any]) -> StepReport:
@@ -128,7 +134,7 @@ class Engine:
         one has nothing left). Call once, after the last step."""
         self._skipped, self._norm = False, None
         result = self.executor.drain()
-        return self._report(result)
+        return self._report(result, last=True)
 
     def run(self, microbatches: Iterable[tuple[Any, Any]]) -> Iterator[StepReport]:
         """Train on a stream of global micro-batches (inputs, targets), each of dp × the
@@ -212,34 +218,52 @@ class Engine:
     def _pp_group(self) -> dist.ProcessGroup:
         return self.mesh.get_group("pp")
 
-    def _report(self, result: StepResult) -> StepReport:
-        ids, losses = self._global_losses(result)
+    def _report(self, result: StepResult, *, last: bool = False) -> StepReport:
+        ids, losses = self._losses.exchange(self.executor.windows, result, last=last)
         loss = sum(losses) / len(losses) if losses else float("nan")
         norm = self._norm if self.synchronous else None
         return StepReport(loss, self._skipped, norm, result, losses, ids, result.updates)
 
-    def _global_losses(self, result: StepResult) -> tuple[tuple[int, ...], tuple[float, ...]]:
-        """Every finished micro-batch's global id and loss, on every rank: only the ranks of
-        last stages have them; summed over pp, averaged over dp. Micro-batches are placed by their
-        id in the window's span (the reach of a schedule bounds how far back they go)."""
-        m, reach = self.plan.microbatches, self.schedule.reach
-        first = (self.executor.windows - 1 - reach) * m
-        span = (reach + 1) * m
+
+class _Losses:
+    """Every finished micro-batch's global id and loss, on every rank. Only the ranks of
+    last stages have them: one all-reduce over all workers sums them (each tensor- and
+    data-parallel replica counts 1/(dp·tp), so data-parallel losses are averaged).
+
+    A synchronous window's losses are exchanged at its end (its UPDATEs synchronised the
+    workers anyway). An asynchronous stream must not wait: its stages run windows apart,
+    so a window's reduction is started at its end and collected `lag` windows later (or
+    at the drain), when every worker has long passed that window.
+    """
+
+    def __init__(self, engine: Engine) -> None:
+        plan, schedule = engine.plan, engine.schedule
+        self.device, self.m, self.reach = engine.device, plan.microbatches, schedule.reach
+        self.weight = 1.0 / (plan.dp * plan.tp)
+        self.lag = 0 if engine.synchronous else schedule.reach + 1
+        self.pending: deque[tuple[int, Any, torch.Tensor, int]] = deque()
+
+    def exchange(
+        self, windows: int, result: StepResult, *, last: bool
+    ) -> tuple[tuple[int, ...], tuple[float, ...]]:
+        """Start the reduction of `result`'s losses (after `windows` windows); return the
+        losses whose reduction is due now (all of them when `last`)."""
+        first = (windows - 1 - self.reach) * self.m  # ids span the window and `reach` before
+        span = (self.reach + 1) * self.m
         values = torch.zeros(2 * span, device=self.device)
         for x, loss in zip(result.microbatches, result.losses, strict=True):
-            values[x - first] = loss.to(self.device) / self.plan.dp
-            values[span + x - first] = 1.0
-        dist.all_reduce(values, group=self._pp_group)
-        if self.plan.dp > 1:
-            dist.all_reduce(values, group=self.mesh.get_group("dp"))
-        found = [
-            (first + i, v)
-            for i, (v, c) in enumerate(
-                zip(values[:span].tolist(), values[span:].tolist(), strict=True)
-            )
-            if c
-        ]
-        return tuple(x for x, _ in found), tuple(float(v) for _, v in found)
+            values[x - first] = loss.to(self.device) * self.weight
+            values[span + x - first] = self.weight
+        work = dist.all_reduce(values, async_op=True)
+        self.pending.append((windows, work, values, first))
+        found: list[tuple[int, float]] = []
+        while self.pending and (last or self.pending[0][0] <= windows - self.lag):
+            _, work, values, first = self.pending.popleft()
+            work.wait()
+            sums, counts = values[:span].tolist(), values[span:].tolist()
+            found += [(first + i, v) for i, (v, c) in enumerate(zip(sums, counts, strict=True))
+                      if c > 0.5]  # fmt: skip
+        return tuple(x for x, _ in found), tuple(v for _, v in found)
 
 
 def _to(value: Any, device: torch.device) -> Any:
