@@ -255,3 +255,31 @@ def test_memory_shortfall_carries_the_excess() -> None:
     with pytest.raises(MemoryShortfall) as err:
         partition([1.0, 1.0, 1.0], 2, static_bytes=[10.0, 10.0, 10.0], memory_caps=[12.0, 12.0])
     assert err.value.excess_bytes == pytest.approx(8.0)  # best split puts 20 bytes on a stage
+
+
+def test_asynchronous_kinds_need_allow_staleness() -> None:
+    with pytest.raises(ValueError, match=r"update on stale weights.*allow_staleness=True"):
+        SearchSpace(schedules=("1f1b", "pipedream"))
+    assert "pipedream" not in SearchSpace().schedules
+    assert {"pipedream", "2bw", "spectrain", "xpipe"} <= set(
+        SearchSpace(allow_staleness=True).schedules
+    )
+
+
+def test_asynchronous_plans_are_searched_simulated_and_explained() -> None:
+    """Four single-device nodes (no tensor parallelism) on a slow network, four
+    micro-batches: 1F1B over four stages idles a large share of each step, a 2BW stream
+    less; the search simulates both and the explanation says what 2BW's staleness costs
+    against the best synchronous plan."""
+    cluster = _cluster((_device("gpu", 100, 80), 1, 4))
+    space = SearchSpace(schedules=("1f1b", "2bw"), allow_staleness=True, micro_batch_sizes=(1,),
+                        recompute=("none",), zero_stages=(0,))  # fmt: skip
+    found = search(MODEL, cluster, global_batch=4, space=space, num_devices=4)
+    assert {r.plan.schedule for r in found.ranked} == {"1f1b", "2bw"}
+    by_kind = {r.plan.schedule: r for r in found.ranked if r.plan.pp == 4}
+    assert by_kind["2bw"].bubble_fraction < by_kind["1f1b"].bubble_fraction
+    assert found.best.plan.schedule == "2bw"
+    best_sync = min(r.step_time_s for r in found.ranked if r.plan.schedule == "1f1b")
+    text = explain(found)
+    assert "trains asynchronously" in text and "one update old" in text
+    assert f"{best_sync:.3g} s per step" in text

@@ -250,3 +250,55 @@ def test_obviously_too_big_plan_names_rank_and_excess() -> None:
 def test_build_schedule_matches_generators() -> None:
     plan = SimPlan(pp=4, num_microbatches=8, schedule="interleaved", num_chunks=2)
     assert build_schedule(plan) == build("interleaved", 4, 8, 2)
+
+
+@pytest.mark.parametrize("kind", ["pipedream", "2bw", "spectrain", "xpipe"])
+@pytest.mark.parametrize(("p", "m"), [(2, 4), (3, 6), (4, 4)])
+def test_asynchronous_window_in_the_steady_state_has_no_bubble(kind: str, p: int, m: int) -> None:
+    """Unit costs, free links, weights of no size: a window takes m·(t_f + t_b), where
+    1F1B's takes (m + p - 1)·(t_f + t_b)."""
+    result, flush = run(kind, p, m), run("1f1b", p, m)
+    assert result.step_time_s == pytest.approx(3 * m)
+    assert result.bubble_fraction == pytest.approx(0.0, abs=1e-9)
+    assert flush.step_time_s == pytest.approx(3 * (m + p - 1))
+
+
+@pytest.mark.parametrize("kind", ["pipedream", "pipedream-vs", "2bw", "spectrain", "xpipe"])
+def test_weight_copies_are_counted_in_memory(kind: str) -> None:
+    """Each rank holds its closed-form number of weight copies (`plait.schedule.asynchronous`)
+    of its stage's parameters (fp32: 4 bytes each), besides the live weights."""
+    from plait.schedule import KINDS
+
+    p, m, params = 4, 4, 1000
+    plan = SimPlan(pp=p, num_microbatches=m, schedule=kind, dtype="fp32", optimizer="sgd")
+    blocks = [unit_block(params=params)] * p
+    result = simulate(build_schedule(plan), blocks, unit_cluster(), plan)
+    copies = [r.memory.weight_copies for r in result.ranks]
+    assert copies == [KINDS[kind].copies(p, m, s) * params * 4.0 for s in range(p)]
+    sync = simulate(build_schedule(SimPlan(pp=p, num_microbatches=m, dtype="fp32")), blocks,
+                    unit_cluster(), plan)  # fmt: skip
+    assert all(r.memory.weight_copies == 0 for r in sync.ranks)
+
+
+def test_updates_per_microbatch_cost_an_optimizer_step_each() -> None:
+    """PipeDream steps each stage's optimizer m times a window, 2BW once; 2BW's last stage
+    also copies its weights once a window (a pass reading and writing them)."""
+    device = Device(name="slow-memory", peak_flops={"fp32": 1.0}, memory_bytes=1 << 50,
+                    memory_bandwidth_Bps=1e3)  # fmt: skip
+    cluster = Cluster(
+        name="one",
+        groups=(NodeGroup(device=device, devices_per_node=2, intra_node=FREE),),
+        inter_node=FREE,
+    )
+    params, m = 10, 4
+    # SGD in fp32 writes the parameter, reads the gradient, reads and writes the momentum
+    step = params * (4 + 4 + 2 * 4) / 1e3
+    copy = 2 * params * 4 / 1e3
+    blocks = [unit_block(params=params)] * 2
+    result = {}
+    for kind in ("pipedream", "2bw"):
+        plan = SimPlan(pp=2, num_microbatches=m, schedule=kind, dtype="fp32", optimizer="sgd")
+        result[kind] = simulate(build_schedule(plan), blocks, cluster, plan)
+    assert result["pipedream"].ranks[1].optimizer_s == pytest.approx(m * step)
+    assert result["2bw"].ranks[1].optimizer_s == pytest.approx(step + copy)
+    assert result["pipedream"].step_time_s > result["2bw"].step_time_s

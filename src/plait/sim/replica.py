@@ -66,7 +66,9 @@ class ReplicaRun:
     replay: Replay
     ranks: tuple[RankReport, ...]
     pipeline_time_s: float  # the pipelined compute of one window (steady state)
-    busy_s: float  # forward and backward work of one window, summed over the ranks
+    # work of one window summed over the ranks: forward and backward; for an asynchronous
+    # schedule also the updates and weight copies interleaved with them
+    busy_s: float
     step_time_s: float
 
 
@@ -192,7 +194,7 @@ class _Replica:
         else:
             step = span
         reports = tuple(self._rank(rank, walks[rank], step) for rank in range(self.plan.pp))
-        busy = sum(w.busy for w in walks)
+        busy = sum(w.busy + (0.0 if self.num_windows == 1 else w.update) for w in walks)
         return ReplicaRun(result, reports, span, busy, step)
 
     def _steady(self, result: Replay, unrolled: Unrolled) -> tuple[int, float | None]:
