@@ -13,6 +13,7 @@ _BENCHES = {
     "dp": "plait.bench.dp",
     "sim-accuracy": "plait.bench.sim_accuracy",
     "planner": "plait.bench.planner",
+    "async": "plait.bench.asynchronous",
 }
 
 
