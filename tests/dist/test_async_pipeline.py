@@ -29,6 +29,9 @@ from .harness import run_world
 pytestmark = pytest.mark.dist
 
 TOL = {"rtol": 1e-5, "atol": 1e-5}
+# bf16: the emulator autocasts the whole model at once, the runtime stage by stage; the
+# same ops run in the same order on the same dtypes, so the same fp32 tolerance holds
+BF16_TOL = TOL
 LR = {"sgd": 0.05, "adamw": 2e-3}
 
 
@@ -88,7 +91,8 @@ def _direction(opt: torch.optim.Optimizer, param: torch.Tensor) -> torch.Tensor:
 class Emulator:
     """Every stage's weights after each of its updates; one optimizer per stage."""
 
-    def __init__(self, model: torch.nn.Module, p: int, opt_name: str) -> None:
+    def __init__(self, model: torch.nn.Module, p: int, opt_name: str, bf16: bool = False) -> None:
+        self.bf16 = bf16  # the whole model under one bf16 autocast
         self.live = copy.deepcopy(model)
         self.scratch = copy.deepcopy(model)
         blocks = list(self.live.layers)
@@ -120,7 +124,8 @@ class Emulator:
                 for q, w in zip(ps, ws, strict=True):
                     q.copy_(w)
         self.scratch.zero_grad(set_to_none=True)
-        loss = loss_fn(self.scratch(x), y)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bf16):
+            loss = loss_fn(self.scratch(x), y).float()
         (loss * share).backward()
         for ps, mine in zip(self.stage_params, self.scratch_params, strict=True):
             for q, g in zip(ps, mine, strict=True):
@@ -136,10 +141,19 @@ class Emulator:
         self.dirs[s][v] = [_direction(self.opts[s], q) for q in self.stage_params[s]]
 
 
-def emulate(kind: str, p: int, m: int, model_name: str, opt_name: str, windows: int, size: int):
+def emulate(
+    kind: str,
+    p: int,
+    m: int,
+    model_name: str,
+    opt_name: str,
+    windows: int,
+    size: int,
+    bf16: bool = False,
+):
     """Per-micro-batch losses and the final weights per stage, by the papers' rules."""
     model, loss_fn = _model(model_name)
-    emu = Emulator(model, p, opt_name)
+    emu = Emulator(model, p, opt_name, bf16)
     warm = [p - 1 - s for s in range(p)]  # PipeDream's in-flight count W_s
     total = windows * m
     per_micro = kind in ("pipedream", "pipedream-vs", "spectrain")
@@ -173,28 +187,38 @@ def emulate(kind: str, p: int, m: int, model_name: str, opt_name: str, windows: 
 
 
 # ------------------------------------------------------------ the distributed run
-def _check(rank: int, world: int, kind: str, pp: int, m: int, model_name: str, opt_name: str):
+def _check(
+    rank: int,
+    world: int,
+    kind: str,
+    pp: int,
+    m: int,
+    model_name: str,
+    opt_name: str,
+    dtype: str = "fp32",
+) -> None:
     dp = world // pp
     per_micro = kind in ("pipedream", "pipedream-vs", "spectrain")
     # at least 3p updates per stage: one per micro-batch, or one per window
     windows = max(2, -(-3 * pp // m)) if per_micro else 3 * pp
     size = 2 * dp  # each replica trains on 2 samples of every global micro-batch
     model, loss_fn = _model(model_name)
-    plan = ParallelPlan(dp=dp, pp=pp, schedule=kind, microbatches=m)
+    plan = ParallelPlan(dp=dp, pp=pp, schedule=kind, microbatches=m, dtype=dtype)
     engine = parallelize(
         model, plan, lambda ps: _optimizer(opt_name, list(ps)), loss_fn, device="cpu"
     )
     stream = (_microbatch(model_name, k, size) for k in range(windows * m))
     reports = list(engine.run(stream))
     got = [loss for report in reports for loss in report.losses]
-    want, final = emulate(kind, pp, m, model_name, opt_name, windows, size)
-    where = f"{kind} pp={pp} dp={dp} m={m} {model_name} {opt_name} rank {rank}"
+    want, final = emulate(kind, pp, m, model_name, opt_name, windows, size, dtype == "bf16")
+    where = f"{kind} pp={pp} dp={dp} m={m} {model_name} {opt_name} {dtype} rank {rank}"
+    tol = TOL if dtype == "fp32" else BF16_TOL
     assert sum(r.updates for r in reports) >= 3 * pp, where  # per stage, drain included
-    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), **TOL, msg=where)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), **tol, msg=where)
     for s, stage in engine.stages.items():
         mine = [q.detach() for q in stage.parameters()]
         for i, (q, w) in enumerate(zip(mine, final[s], strict=True)):
-            torch.testing.assert_close(q, w, **TOL, msg=f"{where} stage {s} parameter {i}")
+            torch.testing.assert_close(q, w, **tol, msg=f"{where} stage {s} parameter {i}")
         # no weight copy outlives the drain
         assert not engine.executor.weights.copies, where
 
@@ -208,6 +232,9 @@ def _pipelines(rank: int, world: int, m: int) -> None:
         for model_name in ("gpt", "skip"):
             for opt_name in ("sgd", "adamw"):
                 _check(rank, world, kind, world, m, model_name, opt_name)
+    if world == 2:  # mixed precision: against the emulator under one bf16 autocast
+        for kind in KINDS:
+            _check(rank, world, kind, world, m, "gpt", "adamw", "bf16")
     dist.barrier()
 
 
