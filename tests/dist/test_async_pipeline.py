@@ -196,6 +196,7 @@ def _check(
     model_name: str,
     opt_name: str,
     dtype: str = "fp32",
+    **options: object,
 ) -> None:
     dp = world // pp
     per_micro = kind in ("pipedream", "pipedream-vs", "spectrain")
@@ -203,7 +204,7 @@ def _check(
     windows = max(2, -(-3 * pp // m)) if per_micro else 3 * pp
     size = 2 * dp  # each replica trains on 2 samples of every global micro-batch
     model, loss_fn = _model(model_name)
-    plan = ParallelPlan(dp=dp, pp=pp, schedule=kind, microbatches=m, dtype=dtype)
+    plan = ParallelPlan(dp=dp, pp=pp, schedule=kind, microbatches=m, dtype=dtype, **options)  # type: ignore[arg-type]
     engine = parallelize(
         model, plan, lambda ps: _optimizer(opt_name, list(ps)), loss_fn, device="cpu"
     )
@@ -211,7 +212,7 @@ def _check(
     reports = list(engine.run(stream))
     got = [loss for report in reports for loss in report.losses]
     want, final = emulate(kind, pp, m, model_name, opt_name, windows, size, dtype == "bf16")
-    where = f"{kind} pp={pp} dp={dp} m={m} {model_name} {opt_name} {dtype} rank {rank}"
+    where = f"{kind} pp={pp} dp={dp} m={m} {model_name} {opt_name} {dtype} {options} rank {rank}"
     tol = TOL if dtype == "fp32" else BF16_TOL
     assert sum(r.updates for r in reports) >= 3 * pp, where  # per stage, drain included
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), **tol, msg=where)
@@ -235,6 +236,8 @@ def _pipelines(rank: int, world: int, m: int) -> None:
     if world == 2:  # mixed precision: against the emulator under one bf16 autocast
         for kind in KINDS:
             _check(rank, world, kind, world, m, "gpt", "adamw", "bf16")
+        for kind in ("pipedream", "2bw", "spectrain"):  # forwards recomputed on weight copies
+            _check(rank, world, kind, world, m, "gpt", "sgd", recompute="full")
     dist.barrier()
 
 
@@ -252,6 +255,8 @@ def _replicated(rank: int, world: int) -> None:
     for kind in KINDS:
         for opt_name in ("sgd", "adamw"):
             _check(rank, world, kind, 2, 3, "gpt", opt_name)
+    for kind in ("pipedream", "2bw"):  # ZeRO-1: each replica steps its shard, per update
+        _check(rank, world, kind, 2, 3, "skip", "adamw", zero=1)
 
 
 def test_data_parallel_replicas_of_an_asynchronous_pipeline(tmp_path: Path) -> None:
