@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import resource
 import statistics
 import time
@@ -176,7 +177,7 @@ class _Logger:
         self.num_updates = 0
         self.pending: dict[int, list[float]] = {}  # update -> losses of its micro-batches
         self.group = group  # micro-batches per update
-        self.losses: list[float] = []
+        self.window_losses: dict[int, list[float]] = {}  # step -> its micro-batches' losses
         self.skipped = 0
         self.progress = Progress(
             TextColumn("[bold]train"),
@@ -191,12 +192,16 @@ class _Logger:
         self.progress.start()
 
     def step(self, step: int, report: StepReport, seconds: float) -> None:
-        loss = report.loss
-        self.losses.append(loss)
+        """A step's row. Its loss is that of the micro-batches the step reported: its own,
+        or, for an asynchronous schedule, those of the step `loss_step` (earlier); None
+        when none were reported yet."""
+        loss = report.loss if math.isfinite(report.loss) else None
         self.skipped += report.skipped
+        m = self.cfg.parallel.microbatches
         row = {
             "step": step,
             "loss": loss,
+            "loss_step": report.microbatches[0] // m if report.microbatches else None,
             "step_time_s": seconds,
             "tokens_per_s": self.tokens / seconds,
             "skipped": report.skipped,
@@ -207,14 +212,17 @@ class _Logger:
         if step % self.cfg.log_every == 0 or step == self.cfg.max_steps - 1:
             self.metrics.flush()
             self.update_log.flush()
-        self.progress.update(self.task, advance=1, loss=loss, tps=self.tokens / seconds)
+        shown = loss if loss is not None else float("nan")
+        self.progress.update(self.task, advance=1, loss=shown, tps=self.tokens / seconds)
 
     def updates(self, step: int, report: StepReport) -> None:
         """One line per optimizer update (an asynchronous schedule makes one per micro-batch,
         or one per batch), once the losses of all the micro-batches whose gradients it
         applies are in: their mean."""
+        m = self.cfg.parallel.microbatches
         for x, loss in zip(report.microbatches, report.losses, strict=True):
             self.pending.setdefault(x // self.group, []).append(loss)
+            self.window_losses.setdefault(x // m, []).append(loss)
         for update in sorted(u for u, losses in self.pending.items() if len(losses) == self.group):
             losses = self.pending.pop(update)
             row = {"update": update, "step": step, "loss": sum(losses) / len(losses)}
@@ -239,8 +247,10 @@ class _Logger:
             "plan_source": self.cfg.plan or "as given",
             "schedule": schedule.to_dict(),
             "steps": len(times),
-            "first_loss": self.losses[0],
-            "final_loss": statistics.mean(self.losses[-10:]),
+            "first_loss": statistics.mean(self.window_losses[min(self.window_losses)]),
+            "final_loss": statistics.mean(
+                loss for w in sorted(self.window_losses)[-10:] for loss in self.window_losses[w]
+            ),
             "step_time_s": step_time,
             "tokens_per_s": self.tokens / step_time,
             "bubble_fraction": _measured_bubble(records),
