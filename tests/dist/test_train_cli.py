@@ -74,3 +74,20 @@ def test_bad_flags_fail_before_any_worker_starts(capsys: pytest.CaptureFixture[s
     assert "nproc=2 workers but dp × tp × pp = 1 × 1 × 3 = 3" in capsys.readouterr().err
     assert main(["train", "--plan", "/nonexistent/plan.json"]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_an_asynchronous_schedule_trains_and_logs_every_update(tmp_path: Path) -> None:
+    """2BW over 2 stages, 4 micro-batches a step: one update per step; the drain finishes
+    the last step's updates, so updates.jsonl has one line per step, each loss the mean of
+    its 4 micro-batches (reported a step late in metrics.jsonl)."""
+    run_dir = tmp_path / "2bw"
+    argv = ["train", "--max-steps", "12", "--run-dir", str(run_dir), "--pp", "2"]
+    assert main([*argv, "--schedule", "2bw", "--microbatches", "4", *SMALL]) == 0
+    updates = [json.loads(x) for x in (run_dir / "updates.jsonl").read_text().splitlines()]
+    assert [u["update"] for u in updates] == list(range(12))
+    rows = _rows(run_dir)
+    reported = {r["loss_step"]: r["loss"] for r in rows if r["loss"] is not None}
+    assert reported and all(reported[s] == pytest.approx(updates[s]["loss"]) for s in reported)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["updates"] == 12 and summary["schedule"]["policy"] == "2bw"
+    assert summary["final_loss"] < summary["first_loss"]
