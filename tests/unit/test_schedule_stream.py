@@ -4,6 +4,7 @@ policies, cross-window validation, lowering, and the closed forms of weight copi
 from __future__ import annotations
 
 import pytest
+from tests.unit.test_schedule_validate import rejects
 
 from plait.schedule import (
     KINDS,
@@ -11,7 +12,6 @@ from plait.schedule import (
     Op,
     RankStream,
     Schedule,
-    ScheduleError,
     WeightPlanner,
     add_communication,
     build,
@@ -42,16 +42,6 @@ def window(*programs: str, policy: str, m: int, base: Schedule | None = None) ->
         ranks=tuple(tuple(r) for r in rows),
         policy=policy,
     )
-
-
-def rejects(schedule: Schedule, *fragments: str) -> str:
-    with pytest.raises(ScheduleError) as caught:
-        validate(schedule)
-    message = str(caught.value)
-    for fragment in fragments:
-        assert fragment in message, f"{fragment!r} not in:\n{message}"
-    assert all(f"rank {r:<2}" in message for r in range(schedule.num_ranks)), message
-    return message
 
 
 # ------------------------------------------------------------------- text
