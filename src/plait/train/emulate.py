@@ -20,6 +20,7 @@ import copy
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -47,7 +48,12 @@ class VersionPlan:
     versions: dict[tuple[int, int], tuple[int, int | None]]
     groups: tuple[tuple[int, ...], ...]
 
-    @property
+    @cached_property
+    def predicts(self) -> bool:
+        """Whether any micro-batch computes on predicted weights."""
+        return any(base is not None for _, base in self.versions.values())
+
+    @cached_property
     def lag(self) -> int:
         """The oldest version any micro-batch computes on, in updates behind its group."""
         group_of = {x: u for u, group in enumerate(self.groups) for x in group}
@@ -95,8 +101,8 @@ def version_plan(schedule: Schedule, num_windows: int) -> VersionPlan:
 
 
 class Emulator:
-    """A model cut into stages, each with its own optimizer and the history of its
-    versions, trained one update at a time under a `VersionPlan`."""
+    """A model cut into stages, each with the history of its versions, trained one update
+    at a time under a `VersionPlan`."""
 
     def __init__(
         self,
@@ -115,12 +121,15 @@ class Emulator:
         cuts = [sum(sizes[:s]) for s in range(num_stages + 1)]
         self.params = [_params(blocks[cuts[s] : cuts[s + 1]]) for s in range(num_stages)]
         self.scratch_params = [_params(scratch[cuts[s] : cuts[s + 1]]) for s in range(num_stages)]
-        self.optimizers = [optimizer(ps) for ps in self.params]
+        # one optimizer for every stage: all stages step together here, and the optimizers
+        # plait supports update each parameter on its own, as per-stage ones would
+        self.optimizer = optimizer([p for ps in self.params for p in ps])
         self.history: list[dict[int, list[torch.Tensor]]] = [{} for _ in range(num_stages)]
         self.directions: list[dict[int, list[torch.Tensor] | None]] = [
             {} for _ in range(num_stages)
         ]
         self.updates = 0
+        self.predicts = True  # directions are kept until a plan says none is needed
         for s in range(num_stages):
             self._remember(s)
 
@@ -134,16 +143,16 @@ class Emulator:
         """Run every update of `plan`; `microbatch(x)` gives micro-batch x. Returns the
         loss of each micro-batch in the order computed; `after_update(u, losses)` is called
         after update u with its micro-batches' losses."""
-        out = []
+        out, lag = [], plan.lag
+        self.predicts = plan.predicts
         for u, group in enumerate(plan.groups):
             losses = [self._gradient(plan, x, microbatch(x), 1.0 / len(group)) for x in group]
-            for optimizer in self.optimizers:
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
             self.updates += 1
-            for s in range(len(self.optimizers)):
+            for s in range(len(self.params)):
                 self._remember(s)
-                self._forget(s, self.updates - plan.lag - 1)
+                self._forget(s, self.updates - lag - 1)
             out += losses
             if after_update is not None:
                 after_update(u, losses)
@@ -172,13 +181,16 @@ class Emulator:
         weights, directions = self.history[s][base], self.directions[s][base]
         if directions is None:
             return weights
-        lr = float(self.optimizers[s].param_groups[0]["lr"])
+        lr = float(self.optimizer.param_groups[0]["lr"])
         distance = version - base
         return [w - distance * lr * d for w, d in zip(weights, directions, strict=True)]
 
     def _remember(self, s: int) -> None:
-        optimizer = self.optimizers[s]
+        optimizer = self.optimizer
         self.history[s][self.updates] = [p.detach().clone() for p in self.params[s]]
+        if not self.predicts:
+            self.directions[s][self.updates] = None
+            return
         group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
         directions = [update_direction(optimizer, group_of[id(p)], p) for p in self.params[s]]
         self.directions[s][self.updates] = (
