@@ -17,6 +17,7 @@ _SUBCOMMANDS = {
     "profile": "plait.cli.profile",
     "simulate": "plait.cli.simulate",
     "plan": "plait.cli.plan",
+    "experiment": "plait.cli.experiment",
 }
 
 

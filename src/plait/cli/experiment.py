@@ -1,0 +1,104 @@
+"""`plait experiment`: the seeds' experiments, reproduced; one subcommand each.
+
+`plait experiment staleness` trains every schedule kind at every pipeline depth and says
+how many epochs each needs to a target validation loss (seed 003 §4: 16 GPUs needed 52
+epochs where 1 needed 30). Limits: those of `plait.experiment.staleness` (a character-level
+GPT, a budget of a few epochs); `--stages ... --json` prints exactly one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+__all__ = ["add_parser"]
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("experiment", help="the seeds' experiments, reproduced (slow)")
+    experiments = p.add_subparsers(dest="experiment", metavar="EXPERIMENT", required=True)
+    sp = experiments.add_parser(
+        "staleness", help="epochs to a target validation loss per schedule kind and stage count"
+    )
+    _staleness_arguments(sp)
+    sp.set_defaults(func=_run_staleness)
+
+
+def _staleness_arguments(p: argparse.ArgumentParser) -> None:
+    from plait.experiment.staleness import StalenessConfig
+
+    d = StalenessConfig()  # the help states the config's own defaults
+    sgd = StalenessConfig(optimizer="sgd").learning_rate
+    a = p.add_argument
+    # lists and numbers are parsed in _run_staleness: a bad value is a one-line error, exit 2
+    a("--stages", default=",".join(map(str, d.stages)), help="pipeline depths, comma-separated")
+    a("--schedules", default=",".join(d.schedules), help="schedule kinds, comma-separated")
+    a("--microbatches", help=f"micro-batches per window ({d.num_microbatches})")
+    a("--budget", help=f"micro-batches per run, a multiple of --microbatches ({d.budget})")
+    a("--target", help="target validation loss (default: 1.05 × the first run's best)")
+    a("--optimizer", help="adamw (default) or sgd (momentum 0.9)")
+    a("--lr", help=f"learning rate ({d.learning_rate:g} for adamw, {sgd:g} for sgd)")
+    a("--seed", help=f"seed of the model, the data order and the validation set ({d.seed})")
+    a("--json", action="store_true", help="print the result as one JSON line")
+    a("--plot", metavar="PATH", help="draw validation loss against epochs as a PNG")
+
+
+def _number(flag: str, text: str, kind: type[int] | type[float]) -> Any:
+    try:
+        return kind(text)
+    except ValueError:
+        what = "an integer" if kind is int else "a number"
+        raise ValueError(f"--{flag} {text!r} is not {what}") from None
+
+
+def _config_fields(args: argparse.Namespace) -> dict[str, Any]:
+    fields: dict[str, Any] = {
+        # any order on the command line; the config wants them increasing
+        "stages": tuple(
+            sorted(_number("stages", s, int) for s in args.stages.split(",") if s.strip())
+        ),
+        "schedules": tuple(s.strip() for s in args.schedules.split(",") if s.strip()),
+    }
+    numbers = {"microbatches": ("num_microbatches", int), "budget": ("budget", int),
+               "target": ("target", float), "lr": ("lr", float), "seed": ("seed", int)}  # fmt: skip
+    for flag, (field, kind) in numbers.items():
+        if getattr(args, flag) is not None:
+            fields[field] = _number(flag, getattr(args, flag), kind)
+    if args.optimizer is not None:
+        fields["optimizer"] = args.optimizer
+    return fields
+
+
+def _run_staleness(args: argparse.Namespace) -> int:
+    from plait.experiment import staleness
+
+    config = staleness.StalenessConfig(**_config_fields(args))
+    if args.plot:  # fail before a long run, not after it
+        try:
+            staleness.require_matplotlib()
+        except RuntimeError as err:
+            raise ValueError(f"--plot: {err}") from None
+    result = staleness.run_experiment(config)
+    if args.plot:
+        staleness.plot(result, args.plot)
+    if args.json:
+        from plait.bench._common import print_json
+
+        print_json(result.to_dict())
+    else:
+        _print_table(result)
+    return 0
+
+
+def _print_table(result: Any) -> None:
+    from plait.bench._common import print_table
+
+    stages = result.config.stages
+    rows = []
+    for kind in result.config.schedules:
+        epochs = [result.epochs_to_target(kind, p) for p in stages]
+        rows.append([kind, *("-" if e is None else f"{e:.2f}" for e in epochs)])
+    lines = [f"target: validation loss {result.target:.4f}; '-': not reached in the budget"]
+    footer = "\n".join(lines + [f"- {line}" for line in result.findings()])
+    print_table("epochs to the target", ["schedule", *(f"p={p}" for p in stages)], rows,
+                footer=footer)  # fmt: skip

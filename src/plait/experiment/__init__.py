@@ -1,0 +1,1 @@
+"""The seeds' experiments, reproduced and predicted."""
