@@ -9,7 +9,9 @@ parameter in, and a bucket (parameters in reverse registration order, about `buc
 each, as in DDP, Li et al. VLDB 2020) is all-reduced asynchronously the moment it is
 complete, while the backward goes on. The stage's REDUCE launches what is left (buckets
 whose gradients were computed on a weight copy, which hooks on the live parameters never
-see); `finish` waits for the buckets and writes the averages back.
+see); `finish` waits for the buckets and writes the averages back, at most `timeout_s`
+per bucket: a replica that stalls makes it raise `PipelineTimeout` naming ``REDUCE stage
+s`` instead of hanging.
 
 Tensor-parallel parameters (DTensor) are reduced through their local shards: data
 parallel replicas of one shard live on the dp axis, so averaging shards is averaging the
@@ -18,12 +20,20 @@ gradient.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from plait.runtime.transport import (
+    DEFAULT_TIMEOUT_S,
+    check_timeout,
+    timed_wait,
+    timeout_message,
+)
 
 __all__ = ["GradReducer"]
 
@@ -84,7 +94,8 @@ class _StageBuckets:
 
 
 class GradReducer:
-    """Averages the gradients of each stage's parameters over the data-parallel `group`."""
+    """Averages the gradients of each stage's parameters over the data-parallel `group`;
+    a wait for a reduction longer than `timeout_s` seconds raises `PipelineTimeout`."""
 
     def __init__(
         self,
@@ -92,8 +103,9 @@ class GradReducer:
         group: dist.ProcessGroup,
         *,
         bucket_bytes: int = 25 * 2**20,
+        timeout_s: float | None = DEFAULT_TIMEOUT_S,
     ) -> None:
-        self.group = group
+        self.group, self.timeout_s = group, check_timeout(timeout_s)
         self.world = dist.get_world_size(group)
         self.stages: dict[int, _StageBuckets] = {}
         self._launched: dict[int, list[_Bucket]] = {}
@@ -166,7 +178,7 @@ class GradReducer:
         for s in self._chosen(stage):
             self.reduce(s)
             for bucket in self._launched[s]:
-                bucket.work.wait()
+                timed_wait(bucket.work, self.timeout_s, functools.partial(self._explain, s))
                 assert bucket.flat is not None
                 if bucket.flat is bucket.storage:  # the gradients are the buffer's slices
                     bucket.flat, bucket.work = None, None
@@ -182,6 +194,17 @@ class GradReducer:
                     offset += n
                 bucket.flat, bucket.work = None, None
             self._launched[s].clear()
+
+    def _explain(self, stage: int) -> str:
+        """Why the wait for `stage`'s reduction timed out."""
+        assert self.timeout_s is not None
+        me = dist.get_rank()
+        others = [r for r in dist.get_process_group_ranks(self.group) if r != me]
+        ranks = ("ranks " if len(others) > 1 else "rank ") + ", ".join(map(str, others))
+        awaited = f"the all-reduce of its gradients with data-parallel {ranks}"
+        return timeout_message(
+            f"rank {me}", f"REDUCE stage {stage}", self.timeout_s, awaited, peers=len(others)
+        )
 
 
 def _wrap_like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:

@@ -2,5 +2,14 @@
 
 from plait.runtime.executor import ActionRecord, PipelineExecutor, StepResult
 from plait.runtime.stages import local_stages, split_microbatches
+from plait.runtime.transport import DEFAULT_TIMEOUT_S, PipelineTimeout
 
-__all__ = ["ActionRecord", "PipelineExecutor", "StepResult", "local_stages", "split_microbatches"]
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "ActionRecord",
+    "PipelineExecutor",
+    "PipelineTimeout",
+    "StepResult",
+    "local_stages",
+    "split_microbatches",
+]

@@ -42,9 +42,9 @@ from plait.runtime.backward import (
     split_is_exact,
 )
 from plait.runtime.boundary import BoundaryMeta, flatten, negotiate, unflatten
-from plait.runtime.transport import Transport
+from plait.runtime.transport import DEFAULT_TIMEOUT_S, Transport
 from plait.runtime.weights import Predictor, WeightStore
-from plait.schedule import Action, Op, RankStream, Schedule
+from plait.schedule import Action, Op, RankStream, Schedule, completing_backwards
 
 __all__ = ["ActionRecord", "PipelineExecutor", "StepResult", "Updater"]
 
@@ -103,7 +103,8 @@ class PipelineExecutor:
     function takes (output of a last stage, targets of the micro-batch) and returns the
     micro-batch's mean loss. `updater(stage, version)` runs the optimizer step of an
     UPDATE; without one (synchronous schedules only) the caller steps after the window.
-    `predictor` fills predicted weights for schedules that predict them.
+    `predictor` fills predicted weights for schedules that predict them. A wait for a peer
+    longer than `timeout_s` seconds raises `PipelineTimeout` (None: the group's timeout).
     """
 
     def __init__(
@@ -119,6 +120,7 @@ class PipelineExecutor:
         forward_context: Callable[[], AbstractContextManager[Any]] | None = None,
         updater: Updater | None = None,
         predictor: Predictor | None = None,
+        timeout_s: float | None = DEFAULT_TIMEOUT_S,
     ) -> None:
         mine = set(schedule.stages_of(rank))
         if set(stages) != mine:
@@ -142,7 +144,7 @@ class PipelineExecutor:
         self.forward_context = forward_context or contextlib.nullcontext
         self.weights = WeightStore(stages, predictor=predictor)
         self.stream = RankStream(schedule, rank)
-        self.transport = Transport(schedule, rank, group)
+        self.transport = Transport(schedule, rank, group, timeout_s=timeout_s)
         self.needs_inputs = any(schedule.is_first(s) for s in mine)
         self.needs_targets = any(schedule.is_last(s) for s in mine)
         u, m = schedule.updates_per_window, schedule.num_microbatches
@@ -186,6 +188,14 @@ class PipelineExecutor:
         self.transport.settle(self.windows - 1 - self.schedule.reach)
         return result
 
+    def restart(self) -> None:
+        """Begin a new stream after `drain`: window 0 again, weight versions from 0."""
+        if not self.stream.drained:
+            raise RuntimeError("restart() follows drain(): drain the stream first")
+        self.stream = RankStream(self.schedule, self.rank)
+        self.weights = WeightStore(self.stages, predictor=self.weights.predictor)
+        self.windows = 0
+
     def drain(self, *, loss_scale: float = 1.0) -> StepResult:
         """Finish the micro-batches begun by earlier windows (an asynchronous pipeline's
         drain; nothing for a synchronous one). The stream ends here."""
@@ -196,7 +206,7 @@ class PipelineExecutor:
     # ------------------------------------------------------------- the window
     def _run(self, program: Sequence[Action], loss_scale: float) -> StepResult:
         window = _Window(
-            time.perf_counter(), loss_scale, StepResult(None), _last_backwards(program)
+            time.perf_counter(), loss_scale, StepResult(None), completing_backwards(program)
         )
         # labels cost ~15 µs an action even with no profiler listening: add them only
         # when one is (torch.profiler sets this flag)
@@ -250,7 +260,7 @@ class PipelineExecutor:
                 a, self._state.outgoing.pop((a.op, a.stage, a.microbatch)), self.windows
             )
         elif op is Op.RECV_F or op is Op.RECV_B:
-            self.transport.post(a, self._buffers(a))
+            self.transport.post(a, self._meta, self.device)
         else:
             self._weights_action(window, a)
         end = time.perf_counter()
@@ -297,7 +307,7 @@ class PipelineExecutor:
         elif schedule.stage_to_rank[before] == self.rank:
             value = state.local.pop((Op.F, s, m))
         else:
-            leaves, wait = self.transport.take((Op.RECV_F, s, m))
+            leaves, wait = self.transport.take((Op.RECV_F, s, m), a)
             value = unflatten(self._meta[s], leaves)
         first = before is None
         leaves = [
@@ -340,7 +350,7 @@ class PipelineExecutor:
         if self.schedule.stage_to_rank[after] == self.rank:
             grads, wait = self._state.local.pop((Op.B, s, m)), 0.0
         else:
-            grads, wait = self.transport.take((Op.RECV_B, s, m))
+            grads, wait = self.transport.take((Op.RECV_B, s, m), a)
         # gradients arrive for every floating output; keep those of outputs that need one
         floating = self._meta[after].grad_indices()
         requires = self._state.saved[(s, m)].output_requires
@@ -377,24 +387,3 @@ class PipelineExecutor:
         else:
             self._state.outgoing[(Op.SEND_B, s, m)] = grads
         return wait
-
-    def _buffers(self, a: Action) -> list[torch.Tensor]:
-        """Buffers to receive the message a RECV_F or RECV_B posts."""
-        if a.op is Op.RECV_F:
-            return self._meta[a.stage].empty(self.device)
-        after = self.schedule.next_stage(a.stage)
-        assert after is not None
-        return self._meta[after].empty_grads(self.device)
-
-
-def _last_backwards(program: Sequence[Action]) -> set[int]:
-    """Indices of the backward (B or BW) after which a stage's gradients for its next
-    REDUCE are complete: the data-parallel reducer listens during that one."""
-    latest: dict[int, int] = {}
-    out: set[int] = set()
-    for i, a in enumerate(program):
-        if a.op is Op.B or a.op is Op.BW:
-            latest[a.stage] = i
-        elif a.op is Op.REDUCE and a.stage in latest:
-            out.add(latest.pop(a.stage))
-    return out

@@ -20,7 +20,12 @@ from plait.schedule.ir import (
     Op,
     Schedule,
 )
-from plait.schedule.passes import add_communication, add_reductions, compute_only
+from plait.schedule.passes import (
+    add_communication,
+    add_reductions,
+    completing_backwards,
+    compute_only,
+)
 from plait.schedule.registry import KINDS, ScheduleKind, build, kind_names, schedule_kind
 from plait.schedule.replay import Event, Replay, replay, unit_duration
 from plait.schedule.stream import RankStream, Unrolled, unroll
@@ -49,6 +54,7 @@ __all__ = [
     "add_communication",
     "add_reductions",
     "build",
+    "completing_backwards",
     "compute_only",
     "format_grid",
     "format_program",

@@ -17,10 +17,11 @@ posts the messages that follow those the previous window posted.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 
 from plait.schedule.ir import COMM_OPS, Action, Op, Schedule
 
-__all__ = ["add_communication", "add_reductions", "compute_only"]
+__all__ = ["add_communication", "add_reductions", "completing_backwards", "compute_only"]
 
 # Data that crosses a stage boundary: activations flow forward, gradients backward.
 _ACTIVATIONS, _GRADIENTS = 0, 1
@@ -52,6 +53,19 @@ def add_reductions(schedule: Schedule) -> Schedule:
             out.insert(at, reduce)
         programs.append(out)
     return schedule.with_programs(programs)
+
+
+def completing_backwards(program: Sequence[Action]) -> set[int]:
+    """Indices of the backwards (B or BW) after which a stage's gradients for its next
+    REDUCE are complete (a data-parallel reducer listens during those)."""
+    latest: dict[int, int] = {}
+    out: set[int] = set()
+    for i, a in enumerate(program):
+        if a.op is Op.B or a.op is Op.BW:
+            latest[a.stage] = i
+        elif a.op is Op.REDUCE and a.stage in latest:
+            out.add(latest.pop(a.stage))
+    return out
 
 
 class _Links:
