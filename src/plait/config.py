@@ -122,12 +122,21 @@ class TrainConfig:
     log_every: int = 10
     sample_chars: int = 200
     run_dir: str | None = None
+    # fault tolerance: a checkpoint every N steps (None: never), the newest `keep` kept
+    # (None: all), "auto" or a checkpoint folder to resume from, worker restarts allowed,
+    # and how long any wait for another worker may last
+    checkpoint_every: int | None = None
+    keep: int | None = None
+    resume: str | None = None
+    max_restarts: int = 0
+    timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         par = self.parallel
         if self.nproc is None:
             object.__setattr__(self, "nproc", par.world_size)
         _positive(self, "nproc", "max_steps", "batch_size", "log_every")
+        self._check_fault_tolerance()
         if self.nproc != par.world_size:
             raise ValueError(
                 f"nproc={self.nproc} workers but dp × tp × pp = {par.dp} × {par.tp} × {par.pp} = "
@@ -156,6 +165,21 @@ class TrainConfig:
             )
         if not self.lr > 0:
             raise ValueError(f"lr={self.lr} must be positive")
+
+    def _check_fault_tolerance(self) -> None:
+        for name in ("checkpoint_every", "keep"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name}={value!r} must be a positive integer, or unset")
+        if not isinstance(self.max_restarts, int) or self.max_restarts < 0:
+            raise ValueError(f"max_restarts={self.max_restarts!r} must be 0 or more")
+        if self.max_restarts and self.checkpoint_every is None:
+            raise ValueError(
+                f"max_restarts={self.max_restarts} without checkpoint_every: a restarted run "
+                "would start again from step 0; set checkpoint_every (--checkpoint-every N)"
+            )
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s={self.timeout_s} must be positive (seconds)")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

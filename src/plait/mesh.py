@@ -17,6 +17,7 @@ __all__ = [
     "cpu_cores_for",
     "init_worker",
     "launched_env",
+    "restart_count",
     "run_id",
     "worker_env",
 ]
@@ -94,6 +95,12 @@ def worker_env() -> WorkerEnv:
 def launched_env() -> WorkerEnv | None:
     """This process's place when a launcher (torchrun) started it, else None."""
     return worker_env() if "RANK" in os.environ and "WORLD_SIZE" in os.environ else None
+
+
+def restart_count() -> int:
+    """How many times the launcher has restarted this run's workers (torchrun's elastic
+    agent sets it; 0 on the first attempt or without a launcher)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
 def run_id() -> str | None:

@@ -91,3 +91,17 @@ def test_an_asynchronous_schedule_trains_and_logs_every_update(tmp_path: Path) -
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["updates"] == 12 and summary["schedule"]["policy"] == "2bw"
     assert summary["final_loss"] < summary["first_loss"]
+
+
+def test_checkpoints_and_resume_continue_the_run(tmp_path: Path) -> None:
+    """Four steps with a checkpoint every 2 (and one at the end), then `--resume auto`
+    with two more steps: the second run starts at step 4 and metrics.jsonl holds every
+    step once."""
+    run_dir = tmp_path / "ck"
+    base = ["train", "--run-dir", str(run_dir), "--pp", "2", "--checkpoint-every", "2", *SMALL]
+    assert main([*base, "--max-steps", "4"]) == 0
+    names = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert names == ["step-00000002", "step-00000004"]
+    assert main([*base, "--max-steps", "6", "--resume", "auto", "--keep", "1"]) == 0
+    assert [r["step"] for r in _rows(run_dir)] == list(range(6))
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-00000006"]

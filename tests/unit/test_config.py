@@ -36,6 +36,13 @@ def test_toml_and_overrides(tmp_path: Path) -> None:
         ({"model.hidden": 100, "model.heads": 3}, "hidden=100 is not a multiple of heads=3"),
         ({"model.layers": 1, "nproc": 4, "parallel.pp": 4}, "exceed the model.s 3 blocks"),
         ({"max_steps": 0}, "max_steps=0 must be a positive integer"),
+        ({"checkpoint_every": 0}, "checkpoint_every=0 must be a positive integer, or unset"),
+        ({"keep": -1}, "keep=-1 must be a positive integer, or unset"),
+        ({"max_restarts": 2}, "max_restarts=2 without checkpoint_every"),
+        ({"max_restarts": -1, "checkpoint_every": 5}, "max_restarts=-1 must be 0 or more"),
+        ({"timeout_s": 0.0}, "timeout_s=0.0 must be positive"),
+        ({"parallel.schedule": "pipedream", "parallel.dtype": "fp16"}, "loss scaling needs"),
+        ({"parallel.schedule": "2bw", "parallel.tp": 2, "parallel.pp": 1}, "tp=2: weight copies"),
     ],
 )
 def test_bad_values_name_the_field_and_fix(overrides: dict[str, object], message: str) -> None:

@@ -14,6 +14,7 @@ _SUBCOMMANDS = {
     "train": "plait.cli.train",
     "schedule": "plait.cli.schedule",
     "bench": "plait.cli.bench",
+    "checkpoint": "plait.cli.checkpoint",
     "profile": "plait.cli.profile",
     "simulate": "plait.cli.simulate",
     "plan": "plait.cli.plan",

@@ -65,6 +65,35 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         dest="allow_staleness",
         help="let --plan auto choose an asynchronous schedule (updates on stale weights)",
     )
+    p.add_argument(
+        "--checkpoint-every",
+        type=int,
+        dest="checkpoint_every",
+        metavar="N",
+        help="save a checkpoint every N steps (in the background) under RUN_DIR/checkpoints",
+    )
+    p.add_argument("--keep", type=int, metavar="K", help="keep the newest K checkpoints")
+    p.add_argument(
+        "--resume",
+        metavar="auto|PATH",
+        help="resume from the newest good checkpoint of --run-dir ('auto') or a checkpoint "
+        "folder; any layout loads any checkpoint",
+    )
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        dest="max_restarts",
+        metavar="R",
+        help="restart the workers up to R times after one dies, resuming from the newest good "
+        "checkpoint (needs --checkpoint-every)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        dest="timeout_s",
+        metavar="SECONDS",
+        help="longest wait for another worker before the run fails naming it (default 300)",
+    )
     p.add_argument("--layers", type=int, dest="model.layers")
     p.add_argument("--hidden", type=int, dest="model.hidden")
     p.add_argument("--heads", type=int, dest="model.heads")

@@ -21,6 +21,7 @@ global inf check per update) is refused; bf16 needs none.
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils import _pytree as pytree
 
+from plait.checkpoint.state import block_names
 from plait.config import ParallelPlan
 from plait.mesh import ParallelDims
 from plait.parallel import (
@@ -44,6 +46,7 @@ from plait.parallel import (
 from plait.parallel.sync import GradSync
 from plait.runtime import PipelineExecutor, StepResult, local_stages, split_microbatches
 from plait.runtime.predict import optimizer_predictor
+from plait.runtime.transport import DEFAULT_TIMEOUT_S, timed_wait, timeout_message
 from plait.schedule import Schedule, build
 from plait.train.precision import LossScaler, autocast_context
 from plait.train.recompute import apply_recompute
@@ -86,8 +89,13 @@ class Engine:
         loss_fn: LossFn,
         device: torch.device,
         grad_clip: float | None,
+        block_names: list[str] | None = None,
+        timeout_s: float | None = DEFAULT_TIMEOUT_S,
     ) -> None:
         self.plan, self.mesh, self.schedule = plan, mesh, schedule
+        self.timeout_s = timeout_s  # for every wait on a peer (plait.runtime.transport)
+        # each block's name in the whole model: checkpoints name parameters by it
+        self.block_names = block_names or []
         self.stages, self.optimizers = stages, optimizers
         self.grad_sync, self.device, self.grad_clip = grad_sync, device, grad_clip
         self.params = [p for s in stages.values() for p in s.parameters() if p.requires_grad]
@@ -105,6 +113,7 @@ class Engine:
             forward_context=autocast_context(plan.dtype, device),
             updater=self._update,
             predictor=optimizer_predictor(optimizers) if schedule.policy == "predict" else None,
+            timeout_s=timeout_s,
         )
         self._prepared: int | None = None  # the version whose global checks ran
         self._skipped = False
@@ -135,6 +144,12 @@ class Engine:
         self._skipped, self._norm = False, None
         result = self.executor.drain()
         return self._report(result, last=True)
+
+    def restart(self) -> None:
+        """Start a new stream after `drain` (an asynchronous schedule's next step begins
+        with a warm-up again)."""
+        self.executor.restart()
+        self._prepared = None
 
     def run(self, microbatches: Iterable[tuple[Any, Any]]) -> Iterator[StepReport]:
         """Train on a stream of global micro-batches (inputs, targets), each of dp × the
@@ -240,6 +255,7 @@ class _Losses:
         plan, schedule = engine.plan, engine.schedule
         self.device, self.m, self.reach = engine.device, plan.microbatches, schedule.reach
         self.weight = 1.0 / (plan.dp * plan.tp)
+        self.timeout_s = engine.timeout_s
         self.lag = 0 if engine.synchronous else schedule.reach + 1
         self.pending: deque[tuple[int, Any, torch.Tensor, int]] = deque()
 
@@ -258,12 +274,23 @@ class _Losses:
         self.pending.append((windows, work, values, first))
         found: list[tuple[int, float]] = []
         while self.pending and (last or self.pending[0][0] <= windows - self.lag):
-            _, work, values, first = self.pending.popleft()
-            work.wait()
+            started, work, values, first = self.pending.popleft()
+            timed_wait(work, self.timeout_s, functools.partial(self._explain, started))
             sums, counts = values[:span].tolist(), values[span:].tolist()
             found += [(first + i, v) for i, (v, c) in enumerate(zip(sums, counts, strict=True))
                       if c > 0.5]  # fmt: skip
         return tuple(x for x, _ in found), tuple(v for _, v in found)
+
+    def _explain(self, windows: int) -> str:
+        """Why the wait for the losses reduced after `windows` windows timed out."""
+        assert self.timeout_s is not None
+        return timeout_message(
+            f"rank {dist.get_rank()}",
+            f"the loss exchange of window {windows - 1}",
+            self.timeout_s,
+            "the all-reduce of the losses over every rank",
+            peers=dist.get_world_size() - 1,
+        )
 
 
 def _to(value: Any, device: torch.device) -> Any:
@@ -291,6 +318,7 @@ def parallelize(
     mesh: DeviceMesh | None = None,
     device: torch.device | str | None = None,
     grad_clip: float | None = None,
+    timeout_s: float | None = DEFAULT_TIMEOUT_S,
 ) -> Engine:
     """An `Engine` that trains `model` under `plan` on the current process group.
 
@@ -298,9 +326,13 @@ def parallelize(
     keeps only this rank's stages, sharded as the plan says. `optimizer_factory(params)`
     builds an optimizer over one stage's local parameters (with ZeRO-1 it is wrapped in
     torch's ZeroRedundancyOptimizer so each dp rank keeps 1/dp of the optimizer state).
+    A wait for a peer's message or reduction longer than `timeout_s` seconds raises
+    `plait.runtime.transport.PipelineTimeout` naming the action and the peer (None: wait
+    as long as the process group's timeout; see that module).
     """
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     mesh = mesh or ParallelDims(dp=plan.dp, tp=plan.tp, pp=plan.pp).build_mesh(device.type)
+    names = block_names(model)
     schedule = build(plan.schedule, plan.pp, plan.microbatches, plan.chunks)
     pp_rank = mesh.get_local_rank("pp")
     stages: dict[int, nn.Module] = dict(
@@ -317,7 +349,7 @@ def parallelize(
         grad_sync = FSDPGradSync(sharded)
     elif plan.dp > 1:
         per_stage = {s: list(m.parameters()) for s, m in stages.items()}
-        grad_sync = GradReducer(per_stage, mesh.get_group("dp"))
+        grad_sync = GradReducer(per_stage, mesh.get_group("dp"), timeout_s=timeout_s)
     optimizers = {
         s: _optimizer(optimizer_factory, [p for p in m.parameters() if p.requires_grad], plan, mesh)
         for s, m in stages.items()
@@ -332,6 +364,8 @@ def parallelize(
         loss_fn=loss_fn,
         device=device,
         grad_clip=grad_clip,
+        block_names=names,
+        timeout_s=timeout_s,
     )
 
 

@@ -15,12 +15,14 @@ import torch
 import torch.distributed as dist
 
 from plait.blocks import equal_split, stage_modules
+from plait.checkpoint import CheckpointStore
 from plait.config import ModelConfig, ParallelPlan, TrainConfig
 from plait.data import stdlib_corpus
-from plait.mesh import init_worker
+from plait.mesh import init_worker, restart_count
 from plait.models import GPT, GPTConfig
 from plait.models.gpt import generate
 from plait.runtime import StepResult
+from plait.train.checkpointing import resume, save
 from plait.train.engine import Engine, StepReport, parallelize
 
 __all__ = ["config_from_dict", "train_worker"]
@@ -49,14 +51,14 @@ def _gpt_config(cfg: TrainConfig, vocab_size: int) -> GPTConfig:
 
 def train_worker(cfg_data: dict[str, Any], run_dir: str) -> dict[str, Any] | None:
     """Train under `cfg_data` (a TrainConfig as dict). Global rank 0 writes the run folder
-    and returns the summary; the other ranks return None."""
+    and returns the summary; the other ranks return None. After a restart (or with
+    `resume`) the run goes on from its newest good checkpoint."""
     cfg = config_from_dict(cfg_data)
-    env, device = init_worker()
+    env, device = init_worker(timeout_s=cfg.timeout_s)
     corpus = stdlib_corpus()
     torch.manual_seed(cfg.seed)
     model = GPT(_gpt_config(cfg, corpus.vocab_size))
-    if cfg.plan == "auto":
-        cfg = _planned(cfg, model, corpus, Path(run_dir), env.rank)
+    cfg = _layout(cfg, model, corpus, Path(run_dir), env.rank)
     engine = parallelize(
         model,
         cfg.parallel,
@@ -64,29 +66,79 @@ def train_worker(cfg_data: dict[str, Any], run_dir: str) -> dict[str, Any] | Non
         GPT.loss,
         device=device,
         grad_clip=cfg.grad_clip,
+        timeout_s=cfg.timeout_s,
     )
+    store, start = _checkpoints(cfg, engine, Path(run_dir))
     window = engine.schedule
     group = window.num_microbatches // max(1, window.updates_per_window)
-    log = _Logger(Path(run_dir), cfg, group) if env.rank == 0 else None
+    log = _Logger(Path(run_dir), cfg, group, start=start) if env.rank == 0 else None
     times: list[float] = []
     report: StepReport | None = None
-    for step in range(cfg.max_steps):
+    for step in range(start, cfg.max_steps):
         batch = corpus.batch(step, cfg.batch_size, cfg.model.seq_len, seed=cfg.seed)
         t0 = time.perf_counter()
         report = engine.step(batch)
         times.append(time.perf_counter() - t0)
         if log is not None:
             log.step(step, report, times[-1])
-    assert report is not None
+        if store is not None:
+            _maybe_save(cfg, engine, store, step + 1, log)
     drained = engine.drain()  # an asynchronous pipeline's last backwards and updates
     if log is not None:
         log.updates(cfg.max_steps, drained)
+    if store is not None:
+        store.wait()
+    if report is None:  # resumed at the last step: nothing left to run
+        report = drained
     records = _gather(_records(report.result))
     memory = max(_gather(_peak_memory_bytes()))
     sample = _sample(engine, model, corpus, cfg, env.rank)
     if log is None:
         return None
     return log.finish(engine.schedule, times, records, sample, memory)
+
+
+def _layout(cfg: TrainConfig, model: GPT, corpus: Any, run_dir: Path, rank: int) -> TrainConfig:
+    """The layout to train under: as given, or planned on the workers (`plan="auto"`); a
+    restarted run keeps the plan its first attempt chose (replanning could choose another
+    layout, which loads the checkpoint but no longer computes bit for bit the same)."""
+    if cfg.plan != "auto":
+        return cfg
+    chosen = run_dir / "plan.json"
+    if restart_count() > 0 and chosen.is_file():
+        from plait.train.autoplan import parallel_plan_from
+
+        layout = parallel_plan_from(json.loads(chosen.read_text()))
+        return dataclasses.replace(cfg, parallel=layout)
+    return _planned(cfg, model, corpus, run_dir, rank)
+
+
+def _checkpoints(
+    cfg: TrainConfig, engine: Engine, run_dir: Path
+) -> tuple[CheckpointStore | None, int]:
+    """The run's checkpoint store (None when the run neither saves nor resumes) and the
+    step to start at: that of the checkpoint resumed from, else 0."""
+    target = cfg.resume or ("auto" if restart_count() > 0 else None)
+    if cfg.checkpoint_every is None and target is None:
+        return None, 0
+    store = CheckpointStore(run_dir / "checkpoints", keep=cfg.keep)
+    found = resume(engine, store, target) if target is not None else None
+    return store, found.step if found is not None else 0
+
+
+def _maybe_save(
+    cfg: TrainConfig, engine: Engine, store: CheckpointStore, done: int, log: _Logger | None
+) -> None:
+    """Save after `done` steps when the cadence says so, and after the last step (a later
+    run with more steps resumes there); otherwise publish a save that has finished."""
+    every = cfg.checkpoint_every
+    if every is None or (done % every and done < cfg.max_steps):
+        store.poll()
+        return
+    info = {"plan": cfg.to_dict()["parallel"], "config": cfg.to_dict()}
+    drained = save(engine, store, done, info)
+    if drained is not None and log is not None:
+        log.updates(done - 1, drained)
 
 
 def _planned(cfg: TrainConfig, model: GPT, corpus: Any, run_dir: Path, rank: int) -> TrainConfig:
@@ -166,14 +218,16 @@ def _peak_memory_bytes() -> int:
 class _Logger:
     """Metrics (one JSON line per step), progress on the terminal, and the run summary."""
 
-    def __init__(self, run_dir: Path, cfg: TrainConfig, group: int) -> None:
+    def __init__(self, run_dir: Path, cfg: TrainConfig, group: int, *, start: int = 0) -> None:
         from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
         self.run_dir = run_dir
         self.cfg = cfg
         self.tokens = cfg.batch_size * cfg.model.seq_len
-        self.metrics = (run_dir / "metrics.jsonl").open("w")
-        self.update_log = (run_dir / "updates.jsonl").open("w")
+        # a resumed run keeps the lines of the steps before its checkpoint, and drops those
+        # an interrupted attempt wrote after it
+        self.metrics = _continued(run_dir / "metrics.jsonl", start)
+        self.update_log = _continued(run_dir / "updates.jsonl", start)
         self.num_updates = 0
         self.pending: dict[int, list[float]] = {}  # update -> losses of its micro-batches
         self.group = group  # micro-batches per update
@@ -188,7 +242,9 @@ class _Logger:
             TimeRemainingColumn(),
             transient=False,
         )
-        self.task = self.progress.add_task("train", total=cfg.max_steps, loss=float("nan"), tps=0.0)
+        self.task = self.progress.add_task(
+            "train", total=cfg.max_steps, completed=start, loss=float("nan"), tps=0.0
+        )
         self.progress.start()
 
     def step(self, step: int, report: StepReport, seconds: float) -> None:
@@ -265,6 +321,17 @@ class _Logger:
             (self.run_dir / "plan.json").write_text(json.dumps(self.cfg.to_dict()["parallel"]))
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
+
+
+def _continued(path: Path, start: int) -> Any:
+    """`path` opened for appending the lines of steps from `start` on: earlier lines kept,
+    later ones (from an attempt that died after its last checkpoint) dropped."""
+    kept = []
+    if start > 0 and path.is_file():
+        kept = [x for x in path.read_text().splitlines() if json.loads(x).get("step", 0) < start]
+    out = path.open("w")
+    out.writelines(line + "\n" for line in kept)
+    return out
 
 
 def _measured_bubble(records: list[list[dict[str, Any]]]) -> float:

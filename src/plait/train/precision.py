@@ -56,6 +56,15 @@ class LossScaler:
             dist.all_reduce(bad, op=dist.ReduceOp.MAX)
         return bool(bad.item())
 
+    def state_dict(self) -> dict[str, float]:
+        """What a checkpoint keeps to resume the scale exactly."""
+        return {"scale": self.scale, "clean_steps": self._clean_steps, "skipped": self.skipped}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.scale = float(state["scale"])
+        self._clean_steps = int(state["clean_steps"])
+        self.skipped = int(state.get("skipped", 0))
+
     def update(self, found_inf: bool) -> None:
         if found_inf:
             self.scale /= 2.0

@@ -1,0 +1,116 @@
+"""An engine's training state under global, layout-free names, for torch.distributed.checkpoint.
+
+A parameter is named as in the whole model (`layers.3.attn.q.weight`), never as in a
+pipeline stage (`blocks.0.attn.q.weight`), and tensor- or FSDP-sharded parameters stay
+DTensors: DCP writes each rank's shards under those names and, on load, reads into each
+rank whatever part of each tensor its own layout holds. So a checkpoint saved under any
+(dp, tp, pp, ZeRO, schedule, chunks, partition) loads under any other, at any world size.
+
+torch's `get_model_state_dict` / `get_optimizer_state_dict` (flattened: one key per
+parameter and state field, `state.<name>.exp_avg`, `param_groups.<name>.lr`) give each
+stage's state with wrapper prefixes (recomputation, FSDP) removed; this module renames
+its keys from the stage's to the model's. ZeRO-1's optimizer
+(`ZeroRedundancyOptimizer`) is saved through its local optimizer, which holds the state of
+this rank's share of the parameters: each rank writes its share, and a new layout reads
+its new share. RNG states are saved per rank and restored only on the same world size.
+An asynchronous stream is drained before a save, so no stashed weight version exists then.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from plait.blocks import as_blocks
+
+if TYPE_CHECKING:
+    from plait.train.engine import Engine
+
+__all__ = ["block_names", "engine_state", "load_engine_state"]
+
+_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+_STAGE_KEY = re.compile(r"^(state\.|param_groups\.)?blocks\.(\d+)\.(.+)$")
+
+
+def block_names(model: nn.Module) -> list[str]:
+    """The name each block of `model` has in the whole model (`layers.3`, or `3` for an
+    `nn.Sequential`): the prefix of its parameters' global names."""
+    names = {id(module): name for name, module in model.named_modules()}
+    return [names[id(block)] for block in as_blocks(model)]
+
+
+def _renamer(names: list[str], first_block: int) -> Any:
+    def rename(key: str) -> str:
+        match = _STAGE_KEY.match(key)
+        if match is None:
+            raise ValueError(f"stage state key {key!r} is not under blocks.<index>.")
+        kind, index, rest = match.groups()
+        return f"{kind or ''}{names[first_block + int(index)]}.{rest}"
+
+    return rename
+
+
+def _inner(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer whose state this rank holds (ZeRO-1's local one)."""
+    local = getattr(optimizer, "optim", None)  # ZeroRedundancyOptimizer
+    return local if isinstance(local, torch.optim.Optimizer) else optimizer
+
+
+def engine_state(engine: Engine, *, for_load: bool = False) -> dict[str, Any]:
+    """{"model": {global name: tensor}, "optim": {flattened global key: value}, "rng":
+    {"rank<r>": this rank's CPU RNG state}}: what `dcp.save` writes (a collective when
+    stages are FSDP-sharded). `for_load`: the tensors `dcp.load` fills, optimizer state
+    included (torch creates a fresh optimizer's state by a step at learning rate 0, which
+    it skips while any gradient exists: gradients are cleared first, and the data-parallel
+    reducer's buffers are attached again by `load_engine_state`)."""
+    if for_load:
+        for stage in engine.stages.values():
+            for p in stage.parameters():
+                p.grad = None
+    model: dict[str, Any] = {}
+    optim: dict[str, Any] = {}
+    for s, stage in engine.stages.items():
+        rename = _renamer(engine.block_names, _first_block(stage))
+        for key, tensor in get_model_state_dict(stage).items():
+            model[rename(key)] = tensor
+        inner = _inner(engine.optimizers[s])
+        for key, entry in get_optimizer_state_dict(stage, inner, options=_OPTIONS).items():
+            optim[rename(key)] = entry
+    rank = torch.distributed.get_rank()
+    return {"model": model, "optim": optim, "rng": {f"rank{rank}": torch.get_rng_state()}}
+
+
+def load_engine_state(engine: Engine, state: Mapping[str, Any], *, same_world: bool) -> None:
+    """Apply `state` (an `engine_state` that `dcp.load` filled) to the engine's stages and
+    optimizers; restore this rank's RNG when the world size is the one saved."""
+    for s, stage in engine.stages.items():
+        rename = _renamer(engine.block_names, _first_block(stage))
+        ours = {key: rename(key) for key in get_model_state_dict(stage)}
+        set_model_state_dict(stage, {key: state["model"][name] for key, name in ours.items()})
+        inner = _inner(engine.optimizers[s])
+        keys = get_optimizer_state_dict(stage, inner, options=_OPTIONS)
+        values = {key: state["optim"][rename(key)] for key in keys}
+        set_optimizer_state_dict(stage, inner, values, options=_OPTIONS)
+    rank = f"rank{torch.distributed.get_rank()}"
+    if same_world and rank in state.get("rng", {}):
+        torch.set_rng_state(state["rng"][rank])
+    if engine.grad_sync is not None:
+        engine.grad_sync.zero_grad()
+
+
+def _first_block(stage: nn.Module) -> int:
+    first = getattr(stage, "first_block", None)
+    if not isinstance(first, int):
+        raise TypeError(f"{type(stage).__name__} has no `first_block`: pass StageModules")
+    return first

@@ -1,0 +1,181 @@
+"""Checkpoints on disk: written in the background, published atomically, verified on load.
+
+A run's checkpoints live in one folder, one subfolder per checkpoint, `step-00000400`:
+the files of `torch.distributed.checkpoint` (each rank's shards and the `.metadata`),
+`plait.json` (the step and what the run needs to resume: plan, config, loss scale) and
+`manifest.json` (every other file's size and SHA-256). A save is started with DCP's
+`async_save`, which copies the state to host memory and writes it from a thread on a
+process group of its own, so training goes on meanwhile; it writes into `step-N.tmp`. When
+the write has finished on every rank, rank 0 writes `plait.json` and the manifest and
+renames the folder to `step-N`: a checkpoint exists whole or not at all, and a crash
+mid-save leaves the previous ones untouched. Loading verifies the manifest first; a
+checkpoint that is partial, truncated or altered is skipped, with a message, for the one
+before it. Tensors are read by DCP with `weights_only`; `plait.json` and the manifest are
+JSON.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict_saver import async_save
+
+__all__ = ["Checkpoint", "CheckpointStore", "find", "published", "verify"]
+
+MANIFEST, INFO = "manifest.json", "plait.json"
+_PREFIX, _PENDING = "step-", ".tmp"
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A published checkpoint: its folder, its step and what `plait.json` holds."""
+
+    path: Path
+    step: int
+    info: dict[str, Any]
+
+
+def _name(step: int) -> str:
+    return f"{_PREFIX}{step:08d}"
+
+
+def published(root: Path) -> list[Path]:
+    """The published checkpoints under `root`, newest first."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(_PREFIX)]
+    found = [p for p in found if not p.name.endswith(_PENDING) and p.name[5:].isdigit()]
+    return sorted(found, key=lambda p: int(p.name[5:]), reverse=True)
+
+
+def _digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def verify(path: Path) -> str | None:
+    """Why the checkpoint at `path` cannot be used, or None when every file is whole."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except (OSError, ValueError) as err:
+        return f"no readable {MANIFEST} ({err.__class__.__name__}): the save did not finish"
+    for name, expected in manifest.get("files", {}).items():
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        if file.stat().st_size != expected["size"]:
+            return f"{name} has {file.stat().st_size} bytes, not {expected['size']} (truncated?)"
+        if _digest(file) != expected["sha256"]:
+            return f"{name} does not match its checksum (altered on disk)"
+    if INFO not in manifest.get("files", {}):
+        return f"{INFO} is not in the manifest"
+    return None
+
+
+def _load(path: Path) -> Checkpoint:
+    info = json.loads((path / INFO).read_text())
+    return Checkpoint(path, int(info["step"]), info)
+
+
+def find(target: str | Path, root: Path) -> Checkpoint | None:
+    """The checkpoint to resume from: for "auto", the newest good one under `root` (None
+    when there is none); else the one at `target`, which must be good. Skipped damaged
+    checkpoints are reported on stderr."""
+    if str(target) != "auto":
+        path = Path(target)
+        why = verify(path)
+        if why is not None:
+            raise ValueError(f"checkpoint {path} cannot be used: {why}; give another or 'auto'")
+        return _load(path)
+    for path in published(root):
+        why = verify(path)
+        if why is None:
+            return _load(path)
+        print(f"plait: skipping checkpoint {path.name}: {why}", file=sys.stderr, flush=True)
+    return None
+
+
+class CheckpointStore:
+    """Saves of one run into `root` (call on every rank; construction is a collective):
+    one save in flight at a time, the newest `keep` published ones kept (all if None)."""
+
+    def __init__(self, root: Path, *, keep: int | None = None) -> None:
+        if keep is not None and keep < 1:
+            raise ValueError(f"keep={keep}: keep at least one checkpoint, or None for all")
+        self.root, self.keep = Path(root), keep
+        self.rank = dist.get_rank()
+        # saves coordinate on a gloo group of their own, away from training's collectives
+        self.group = dist.new_group(backend="gloo")
+        self._pending: tuple[Future[Any], int, dict[str, Any]] | None = None
+
+    def save(self, step: int, state: dict[str, Any], info: dict[str, Any]) -> None:
+        """Start saving `state` (DCP's state dict) as the checkpoint of `step`; `info` (JSON)
+        goes to `plait.json`. Waits for the previous save first, if it is still writing."""
+        self.wait()
+        pending = self.root / f"{_name(step)}{_PENDING}"
+        if self.rank == 0:
+            shutil.rmtree(pending, ignore_errors=True)  # a save that died before
+            pending.mkdir(parents=True)
+        dist.barrier(group=self.group)
+        future = async_save(state, checkpoint_id=str(pending), process_group=self.group)
+        self._pending = (_future(future), step, {**info, "step": step})
+
+    def poll(self) -> None:
+        """Publish the save in flight if it has finished (cheap; call every step)."""
+        if self._pending is not None and self._pending[0].done():
+            self.wait()
+
+    def wait(self) -> None:
+        """Wait for the save in flight and publish it."""
+        if self._pending is None:
+            return
+        future, step, info = self._pending
+        self._pending = None
+        future.result()
+        if self.rank == 0:  # DCP's finish on rank 0 ran after every rank's write
+            self._publish(step, info)
+
+    def _publish(self, step: int, info: dict[str, Any]) -> None:
+        pending = self.root / f"{_name(step)}{_PENDING}"
+        (pending / INFO).write_text(json.dumps(info, indent=2))
+        files = {
+            p.name: {"size": p.stat().st_size, "sha256": _digest(p)}
+            for p in sorted(pending.iterdir())
+            if p.is_file() and p.name != MANIFEST
+        }
+        _write_synced(pending / MANIFEST, json.dumps({"step": step, "files": files}, indent=2))
+        final = self.root / _name(step)
+        if final.exists():  # a checkpoint of this step from an earlier attempt
+            shutil.rmtree(final)
+        os.rename(pending, final)
+        self._prune()
+
+    def _prune(self) -> None:
+        if self.keep is None:
+            return
+        for old in published(self.root)[self.keep :]:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def _write_synced(path: Path, text: str) -> None:
+    with path.open("w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _future(result: Any) -> Future[Any]:
+    """DCP returns a Future, or (newer) a response holding the upload's Future."""
+    return getattr(result, "upload_completion", result)

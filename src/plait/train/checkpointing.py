@@ -1,0 +1,67 @@
+"""Saving a training run's checkpoint and resuming from one, on every worker.
+
+What a checkpoint holds besides the engine's tensors (`plait.checkpoint.state`): the step
+to resume at (data is a function of the step and the seed), the world size and plan it was
+saved under, the config, and the fp16 loss scale. An asynchronous stream is drained before
+the save and restarted after it, so the checkpoint holds no weight version in flight; a run
+that resumes from it starts a new stream at that step, as the run that saved it did.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
+from plait.checkpoint import Checkpoint, CheckpointStore, engine_state, find, load_engine_state
+from plait.checkpoint.safe import SafeLoadPlanner, SafeReader
+from plait.train.engine import Engine, StepReport
+
+__all__ = ["resume", "save"]
+
+
+def save(
+    engine: Engine, store: CheckpointStore, step: int, info: dict[str, Any]
+) -> StepReport | None:
+    """Start saving the checkpoint of `step` (the steps done); returns the drain's report
+    when an asynchronous stream had to be drained first."""
+    drained = None if engine.synchronous else engine.drain()
+    extra: dict[str, Any] = {"world_size": dist.get_world_size()}
+    if engine.scaler is not None:
+        extra["loss_scale"] = engine.scaler.state_dict()
+    store.save(step, engine_state(engine), {**info, **extra})
+    if drained is not None:
+        engine.restart()
+    return drained
+
+
+def resume(engine: Engine, store: CheckpointStore, target: str) -> Checkpoint | None:
+    """Load the checkpoint `target` names ("auto": the newest good one in the store's
+    folder, None when there is none) into `engine` on every worker; rank 0 chooses and
+    tells the others, so all load the same one."""
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:
+        box[0] = find(target, store.root)
+    dist.broadcast_object_list(box, src=0, group=store.group)
+    found: Checkpoint | None = box[0]
+    if found is None:
+        return None
+    same_world = int(found.info.get("world_size", -1)) == dist.get_world_size()
+    state = engine_state(engine, for_load=True)
+    if not same_world:  # other ranks' RNG streams: nothing of ours to restore
+        state.pop("rng")
+    dcp_load(
+        state,
+        storage_reader=SafeReader(found.path),
+        planner=SafeLoadPlanner(),
+        process_group=store.group,
+    )
+    load_engine_state(engine, state, same_world=same_world)
+    scale = found.info.get("loss_scale")
+    if engine.scaler is not None and scale is not None:
+        engine.scaler.load_state_dict(scale)
+    if dist.get_rank() == 0:
+        print(f"plait: resuming from step {found.step} ({found.path})", file=sys.stderr, flush=True)
+    return found
