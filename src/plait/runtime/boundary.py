@@ -6,7 +6,8 @@ cached, so that every later message is a bare tensor transfer into a preallocate
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +18,7 @@ from torch.utils import _pytree as pytree
 
 from plait.schedule import Schedule
 
-__all__ = ["BoundaryMeta", "flatten", "negotiate", "unflatten"]
+__all__ = ["BoundaryMeta", "NegotiationTimeout", "flatten", "negotiate", "unflatten"]
 
 
 @dataclass(frozen=True)
@@ -101,7 +102,8 @@ def negotiate(
                 value = local[before]
             else:
                 box: list[Any] = [None]
-                dist.recv_object_list(box, group=group, group_src=place[before], device=objects)
+                with _named(f"stage {s} waited for the description of its input", place[before]):
+                    dist.recv_object_list(box, group=group, group_src=place[before], device=objects)
                 meta[s] = box[0]
                 value = unflatten(box[0], [t.zero_() for t in box[0].empty(device)])
             local[s] = out = _probe(stages[s], value, device)
@@ -109,9 +111,25 @@ def negotiate(
                 continue
             meta[after] = BoundaryMeta.of(out)  # the boundary between s and after
             if place[after] != rank:
-                dist.send_object_list([meta[after]], group=group, group_dst=place[after],
-                                      device=objects)  # fmt: skip
+                with _named(f"stage {s} waited to describe its output", place[after]):
+                    dist.send_object_list([meta[after]], group=group, group_dst=place[after],
+                                          device=objects)  # fmt: skip
     return meta
+
+
+class NegotiationTimeout(TimeoutError):
+    """A peer did not take part in describing a boundary within the group's timeout."""
+
+
+@contextmanager
+def _named(what: str, peer: int) -> Iterator[None]:
+    """Turn the backend's bare timeout into one naming what waited and for which rank."""
+    try:
+        yield
+    except RuntimeError as err:
+        if "timed out" not in str(err).lower():
+            raise
+        raise NegotiationTimeout(f"{what} from rank {peer}") from err
 
 
 def _probe(module: nn.Module, value: object, device: torch.device) -> object:

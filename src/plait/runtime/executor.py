@@ -41,8 +41,14 @@ from plait.runtime.backward import (
     backward_weight,
     split_is_exact,
 )
-from plait.runtime.boundary import BoundaryMeta, flatten, negotiate, unflatten
-from plait.runtime.transport import DEFAULT_TIMEOUT_S, Transport
+from plait.runtime.boundary import (
+    BoundaryMeta,
+    NegotiationTimeout,
+    flatten,
+    negotiate,
+    unflatten,
+)
+from plait.runtime.transport import DEFAULT_TIMEOUT_S, PipelineTimeout, Transport
 from plait.runtime.weights import Predictor, WeightStore
 from plait.schedule import Action, Op, RankStream, Schedule, completing_backwards
 
@@ -231,9 +237,13 @@ class PipelineExecutor:
             return
         self._negotiated, self._meta_key = True, key
         sample = inputs[0] if inputs is not None else None
-        self._meta = negotiate(
-            self.schedule, self.stages, self.rank, sample, group=self.group, device=self.device
-        )
+        try:
+            self._meta = negotiate(
+                self.schedule, self.stages, self.rank, sample, group=self.group, device=self.device
+            )
+        except NegotiationTimeout as err:  # bounded by the process group's timeout
+            raise PipelineTimeout(f"pipeline rank {self.rank}: {err}; the peer may have "
+                                  "failed or stalled: check its log") from err  # fmt: skip
 
     # --------------------------------------------------------------- handlers
     def _do(self, window: _Window, index: int, a: Action) -> None:
