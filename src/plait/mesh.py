@@ -99,8 +99,9 @@ def launched_env() -> WorkerEnv | None:
 
 def restart_count() -> int:
     """How many times the launcher has restarted this run's workers (torchrun's elastic
-    agent sets it; 0 on the first attempt or without a launcher)."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    agent or `plait.train.launch` says so; 0 on the first attempt or without a launcher)."""
+    counts = (os.environ.get(k, "0") for k in ("TORCHELASTIC_RESTART_COUNT", "PLAIT_ATTEMPT"))
+    return max(int(c) for c in counts)
 
 
 def run_id() -> str | None:
@@ -148,8 +149,13 @@ def init_worker(*, timeout_s: float = 300.0) -> tuple[WorkerEnv, torch.device]:
         device, backend = torch.device("cpu"), "gloo"
         _pin_cpu(env)
     if not dist.is_initialized():
+        # a local `plait.train.launch` meets in a file, not on a TCP port (see there)
+        store = os.environ.get("PLAIT_STORE")
         dist.init_process_group(
             backend,
+            init_method=f"file://{store}" if store else None,
+            rank=env.rank if store else -1,
+            world_size=env.world_size if store else -1,
             timeout=datetime.timedelta(seconds=timeout_s),
             device_id=device if device.type == "cuda" else None,
         )

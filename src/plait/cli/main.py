@@ -39,11 +39,19 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    from plait.train.launch import Interrupted, WorkerFailed
+
     try:
         return int(args.func(args) or 0)
     except ValueError as err:  # bad user input: say what and how to fix it, no traceback
         print(f"plait {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except WorkerFailed as err:  # a worker's failure: one line naming the rank and cause
+        print(f"plait {args.command}: error: {err}", file=sys.stderr)
+        return 1
+    except Interrupted as err:
+        print(f"plait {args.command}: {err}; workers stopped", file=sys.stderr)
+        return 128 + err.signum
 
 
 if __name__ == "__main__":

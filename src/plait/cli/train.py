@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from plait.schedule.registry import KINDS
+
+if TYPE_CHECKING:
+    from plait.train.launch import WorkerFailed, WorkerFailure
 
 __all__ = ["add_parser"]
 
@@ -88,6 +92,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         "checkpoint (needs --checkpoint-every)",
     )
     p.add_argument(
+        "--log-every",
+        type=int,
+        dest="log_every",
+        metavar="N",
+        help="flush metrics.jsonl every N steps (default 10)",
+    )
+    p.add_argument(
         "--timeout",
         type=float,
         dest="timeout_s",
@@ -161,7 +172,7 @@ def _from_plan_file(path: str, overrides: dict[str, object]) -> dict[str, object
 
 def run(args: argparse.Namespace) -> int:
     from plait.mesh import launched_env, run_id
-    from plait.train import launch
+    from plait.train.launch import Interrupted, WorkerFailed, launch
     from plait.train.loop import train_worker
 
     cfg = _resolve(args)  # validated here, before any worker starts
@@ -182,10 +193,53 @@ def run(args: argparse.Namespace) -> int:
         return 0
     how = "planning the layout first" if cfg["plan"] == "auto" else "layout as given"
     print(f"plait train: {cfg['nproc']} workers ({how}), run folder {run_dir}")
-    results = launch(train_worker, int(str(cfg["nproc"])), cfg, str(run_dir))
+    restarts = int(str(cfg.get("max_restarts") or 0))
+    try:
+        results = launch(
+            train_worker,
+            int(str(cfg["nproc"])),
+            cfg,
+            str(run_dir),
+            max_restarts=restarts,
+            on_restart=lambda failure, k: _restarting(failure, k, restarts, run_dir),
+        )
+    except WorkerFailed as err:
+        print(f"plait train: error: {err}{_kept_traceback(err, run_dir)}", file=sys.stderr)
+        return 1
+    except Interrupted as err:
+        from plait.checkpoint.store import published
+
+        newest = published(run_dir / "checkpoints")
+        kept = f"newest checkpoint {newest[0]}" if newest else "no checkpoint was published"
+        print(f"plait train: {err}; workers stopped; {kept}", file=sys.stderr)
+        return 128 + err.signum
     summary = next(s for s in results.values() if s is not None)
     _report(summary, run_dir)
     return 0
+
+
+def _restarting(failure: WorkerFailure, k: int, restarts: int, run_dir: Path) -> None:
+    """The one line a restart prints: who failed, why, and where the run goes on from (the
+    checkpoint every worker will choose: the newest good one)."""
+    from plait.checkpoint.store import find
+
+    found = find("auto", run_dir / "checkpoints")
+    where = f"step {found.step}" if found is not None else "step 0 (no checkpoint yet)"
+    print(
+        f"plait train: rank {failure.rank} failed ({failure.cause}); "
+        f"restart {k} of {restarts}, resuming from {where}",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def _kept_traceback(err: WorkerFailed, run_dir: Path) -> str:
+    """Write the failed worker's traceback into the run folder; the message's tail names it."""
+    if not err.failure.traceback:
+        return ""
+    path = run_dir / f"failure-rank{err.failure.rank}.txt"
+    path.write_text(err.failure.traceback)
+    return f"; traceback in {path}"
 
 
 def _report(summary: dict[str, Any], run_dir: Path) -> None:

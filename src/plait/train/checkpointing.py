@@ -9,6 +9,7 @@ that resumes from it starts a new stream at that step, as the run that saved it 
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any
 
@@ -62,6 +63,7 @@ def resume(engine: Engine, store: CheckpointStore, target: str) -> Checkpoint | 
     scale = found.info.get("loss_scale")
     if engine.scaler is not None and scale is not None:
         engine.scaler.load_state_dict(scale)
-    if dist.get_rank() == 0:
+    if dist.get_rank() == 0 and os.environ.get("PLAIT_ATTEMPT", "0") == "0":
+        # after a restart the launcher has already said where the run resumes
         print(f"plait: resuming from step {found.step} ({found.path})", file=sys.stderr, flush=True)
     return found

@@ -1,20 +1,85 @@
-"""Starting N local workers through torch's elastic launcher (torchrun's machinery)."""
+"""Starting N local workers through torch's elastic launcher (torchrun's machinery), with
+restarts after a lost worker, one-line failures and nothing listening beyond loopback.
+
+Restarts. torch's elastic agent can restart a failed worker group itself, but it reports
+the failure only in its own log and gives no hook between the failure and the restart.
+So each attempt here is one elastic launch without restarts, and the loop around it
+restarts: it knows which rank failed and why (the agent's `ChildFailedError`), tells the
+caller before the next attempt (which names the step it resumes from) and counts the
+attempt in `PLAIT_ATTEMPT`, which `plait.mesh.restart_count` reads as it reads torchrun's
+`TORCHELASTIC_RESTART_COUNT`. Under torchrun, torchrun's own `--max-restarts` restarts.
+
+Loopback. torch's TCPStore listens on every interface and has no option to bind one, so
+a local launch uses no TCPStore at all: the agent's rendezvous and the workers' process
+group meet in a `FileStore` in a private temporary folder, and gloo (NCCL's bootstrap)
+binds the loopback interface. The only sockets open are the workers' on 127.0.0.1.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+import shutil
+import signal
 import socket
+import tempfile
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["free_port", "launch"]
+__all__ = ["Interrupted", "WorkerFailed", "WorkerFailure", "free_port", "launch"]
+
+STORE_ENV, ATTEMPT_ENV = "PLAIT_STORE", "PLAIT_ATTEMPT"
+# launcher logs that a failure or a Ctrl-C would otherwise print as pages of tracebacks;
+# PLAIT_LAUNCH_LOG=1 shows them
+_QUIET = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")
+# errors a worker raises because a peer died: they follow the failure, they are not it
+_PEER_LOST = (
+    "connection closed",
+    "connection reset",
+    "broken pipe",
+    "timed out",
+    "PipelineTimeout",
+)
 
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+@dataclass(frozen=True)
+class WorkerFailure:
+    """Why one worker ended: its global rank, a one-line cause (`SIGKILL`, `exit code 3`,
+    `RuntimeError: ...`) and its traceback when it raised."""
+
+    rank: int
+    cause: str
+    traceback: str = ""
+
+    @property
+    def signalled(self) -> bool:
+        return self.cause.startswith("SIG")
+
+
+class WorkerFailed(RuntimeError):
+    """The workers failed and no restart was left."""
+
+    def __init__(self, failure: WorkerFailure, restarts: int) -> None:
+        after = f" after {restarts} restart{'s' * (restarts != 1)}" if restarts else ""
+        super().__init__(f"rank {failure.rank} failed ({failure.cause}){after}")
+        self.failure, self.restarts = failure, restarts
+
+
+class Interrupted(RuntimeError):
+    """The launch got SIGINT or SIGTERM; the workers have been stopped."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+        self.signum = signum
 
 
 def _worker(fn: Callable[..., Any], *args: Any) -> Any:
@@ -24,30 +89,156 @@ def _worker(fn: Callable[..., Any], *args: Any) -> Any:
     return record(fn)(*args)
 
 
-def launch(fn: Callable[..., Any], nproc: int, *args: Any, threads: int = 1) -> dict[int, Any]:
+def launch(
+    fn: Callable[..., Any],
+    nproc: int,
+    *args: Any,
+    threads: int = 1,
+    max_restarts: int = 0,
+    on_restart: Callable[[WorkerFailure, int], None] | None = None,
+) -> dict[int, Any]:
     """Run `fn(*args)` on `nproc` local worker processes; returns {rank: return value}.
 
-    Each worker finds RANK, WORLD_SIZE, LOCAL_RANK and MASTER_ADDR/PORT in its environment
-    (read them with `plait.mesh.worker_env`). A worker that fails makes the launch raise
-    with that worker's error. `fn` must be importable (defined at module level).
+    Each worker finds RANK, WORLD_SIZE, LOCAL_RANK in its environment (read them with
+    `plait.mesh.worker_env`; `plait.mesh.init_worker` joins the process group). When a
+    worker fails, all are stopped and, up to `max_restarts` times, started again;
+    `on_restart(failure, k)` is called before the k-th restart. Raises `WorkerFailed` when
+    no restart is left and `Interrupted` on SIGINT/SIGTERM. `fn` must be importable.
     """
-    from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
     if nproc < 1:
         raise ValueError(f"nproc={nproc}: launch at least 1 worker")
+    if max_restarts < 0:
+        raise ValueError(f"max_restarts={max_restarts}: give 0 or more")
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    for attempt in range(max_restarts + 1):
+        try:
+            return _attempt(fn, nproc, args, attempt)
+        except _Failed as failed:
+            if attempt == max_restarts:
+                raise WorkerFailed(failed.failure, attempt) from None
+            if on_restart is not None:
+                on_restart(failed.failure, attempt + 1)
+    raise AssertionError("unreachable")
+
+
+class _Failed(Exception):
+    def __init__(self, failure: WorkerFailure) -> None:
+        self.failure = failure
+
+
+def _attempt(
+    fn: Callable[..., Any], nproc: int, args: tuple[Any, ...], attempt: int
+) -> dict[int, Any]:
+    from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    folder = tempfile.mkdtemp(prefix="plait-launch-")
+    env = {
+        STORE_ENV: os.path.join(folder, "store"),
+        ATTEMPT_ENV: str(attempt),
+        # the agent shares no TCPStore with the workers (see the module docstring)
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+    }
+    loopback = _loopback_interface()
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
         nproc_per_node=nproc,
         run_id=f"plait-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d",
-        rdzv_endpoint=f"127.0.0.1:{free_port()}",
-        rdzv_configs={"is_host": True},
+        rdzv_endpoint=os.path.join(folder, "rendezvous"),
+        rdzv_configs={"store_type": "file"},
+        local_addr="127.0.0.1",
         max_restarts=0,
         monitor_interval=0.1,
         start_method="spawn",
-        logs_specs=DefaultLogsSpecs(),
+        logs_specs=DefaultLogsSpecs(log_dir=os.path.join(folder, "logs")),
     )
-    return dict(elastic_launch(config, _worker)(fn, *args))
+    try:
+        with _environment(env, loopback), _quiet_launcher():
+            return dict(elastic_launch(config, _worker)(fn, *args))
+    except ChildFailedError as err:
+        raise _Failed(_root_cause(err)) from None
+    except SignalException as err:
+        raise Interrupted(int(err.sigval)) from None
+    except KeyboardInterrupt:
+        raise Interrupted(signal.SIGINT) from None
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _loopback_interface() -> dict[str, str]:
+    """GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME naming the loopback interface, unless set."""
+    names = [name for _, name in socket.if_nameindex()] if hasattr(socket, "if_nameindex") else []
+    lo = next((n for n in names if n == "lo" or n.startswith("lo")), None)
+    if lo is None:
+        return {}
+    return {k: lo for k in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") if k not in os.environ}
+
+
+@contextlib.contextmanager
+def _environment(*updates: dict[str, str]) -> Iterator[None]:
+    """`os.environ` with `updates` while the workers start (spawned workers inherit it)."""
+    merged = {k: v for u in updates for k, v in u.items()}
+    saved = {k: os.environ.get(k) for k in merged}
+    os.environ.update(merged)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+class _DropLauncherLogs(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.CRITICAL or not record.name.startswith(_QUIET)
+
+
+@contextlib.contextmanager
+def _quiet_launcher() -> Iterator[None]:
+    if os.environ.get("PLAIT_LAUNCH_LOG") == "1":
+        yield
+        return
+    quiet = _DropLauncherLogs()
+    handlers: set[logging.Handler] = set()
+    for name in _QUIET:  # the handlers that print these loggers' records: their ancestors'
+        logger: logging.Logger | None = logging.getLogger(name)
+        while logger is not None:
+            handlers.update(logger.handlers)
+            logger = logger.parent
+    for h in handlers:
+        h.addFilter(quiet)
+    try:
+        yield
+    finally:
+        for h in handlers:
+            h.removeFilter(quiet)
+
+
+def _root_cause(err: Any) -> WorkerFailure:
+    """The failure that started it: a worker killed by a signal before one that raised, one
+    that raised before one that lost its peer, then the earliest, then the lowest rank."""
+    failures = [_describe(rank, f) for rank, f in err.failures.items()]
+    stamps = {rank: f.timestamp for rank, f in err.failures.items()}
+
+    def order(f: WorkerFailure) -> tuple[int, int, int]:
+        peer_lost = any(p.lower() in f.cause.lower() for p in _PEER_LOST)
+        kind = 0 if f.signalled and f.cause not in ("SIGTERM", "SIGINT") else 1 + peer_lost
+        return kind, stamps[f.rank], f.rank
+
+    return min(failures, key=order)
+
+
+def _describe(rank: int, failure: Any) -> WorkerFailure:
+    if failure.exitcode < 0:
+        return WorkerFailure(rank, failure.signal_name())
+    data = failure.error_file_data.get("message") if failure.error_file_data else None
+    if isinstance(data, dict) and data.get("message"):
+        message = str(data["message"]).strip().splitlines()[0][:400]
+        trace = str(data.get("extraInfo", {}).get("py_callstack", ""))
+        return WorkerFailure(rank, message, trace)
+    return WorkerFailure(rank, f"exit code {failure.exitcode}")

@@ -1,0 +1,71 @@
+"""Which failure a launch reports, and how: the root cause among the workers that ended."""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from plait.train.launch import WorkerFailed, WorkerFailure, _root_cause, launch
+
+
+@dataclass
+class _Failure:  # the fields of torch's ProcessFailure that the launcher reads
+    exitcode: int
+    timestamp: int
+    error_file_data: dict[str, Any] = field(default_factory=dict)
+
+    def signal_name(self) -> str:
+        return signal.Signals(-self.exitcode).name
+
+
+@dataclass
+class _ChildFailed:
+    failures: dict[int, _Failure]
+
+
+def _raised(message: str, timestamp: int) -> _Failure:
+    data = {"message": {"message": message, "extraInfo": {"py_callstack": f"Traceback\n{message}"}}}
+    return _Failure(exitcode=1, timestamp=timestamp, error_file_data=data)
+
+
+def test_a_killed_worker_is_the_cause_not_the_peers_that_lost_it() -> None:
+    err = _ChildFailed({
+        0: _raised("RuntimeError: Connection closed by peer [127.0.0.1]:1234", 100),
+        3: _Failure(exitcode=-signal.SIGKILL, timestamp=105),
+    })  # fmt: skip
+    assert _root_cause(err) == WorkerFailure(3, "SIGKILL")
+
+
+def test_an_error_comes_before_the_timeouts_it_caused() -> None:
+    err = _ChildFailed({
+        0: _raised("PipelineTimeout: rank 0 waited 5 s in 1F3 for rank 1", 100),
+        1: _raised("ValueError: bad shape", 101),
+    })  # fmt: skip
+    cause = _root_cause(err)
+    assert (cause.rank, cause.cause) == (1, "ValueError: bad shape")
+    assert "ValueError" in cause.traceback
+
+
+def test_among_equals_the_earliest_then_the_lowest_rank() -> None:
+    err = _ChildFailed(
+        {2: _raised("OSError: a", 7), 1: _raised("OSError: b", 7), 0: _raised("OSError: c", 9)}
+    )
+    assert _root_cause(err).rank == 1
+    plain = _ChildFailed({1: _Failure(exitcode=3, timestamp=1)})
+    assert _root_cause(plain) == WorkerFailure(1, "exit code 3")
+
+
+def test_the_message_names_the_rank_the_cause_and_the_restarts() -> None:
+    assert str(WorkerFailed(WorkerFailure(2, "SIGKILL"), 0)) == "rank 2 failed (SIGKILL)"
+    assert str(WorkerFailed(WorkerFailure(0, "exit code 3"), 2)) == (
+        "rank 0 failed (exit code 3) after 2 restarts"
+    )
+
+
+@pytest.mark.parametrize("nproc, restarts", [(0, 0), (2, -1)])
+def test_bad_launch_arguments_fail_before_any_worker(nproc: int, restarts: int) -> None:
+    with pytest.raises(ValueError, match=r"nproc=0|max_restarts=-1"):
+        launch(print, nproc, max_restarts=restarts)
