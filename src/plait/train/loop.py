@@ -262,6 +262,7 @@ class _Logger:
             "tokens_per_s": self.tokens / seconds,
             "skipped": report.skipped,
             "grad_norm": report.grad_norm,
+            "time": time.time(),  # when the step ended: wall-clock gaps show stalls and restarts
         }
         self.metrics.write(json.dumps(row) + "\n")
         self.updates(step, report)
