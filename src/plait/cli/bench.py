@@ -14,6 +14,7 @@ _BENCHES = {
     "sim-accuracy": "plait.bench.sim_accuracy",
     "planner": "plait.bench.planner",
     "async": "plait.bench.asynchronous",
+    "faults": "plait.bench.faults",
 }
 
 
