@@ -69,3 +69,17 @@ def test_the_message_names_the_rank_the_cause_and_the_restarts() -> None:
 def test_bad_launch_arguments_fail_before_any_worker(nproc: int, restarts: int) -> None:
     with pytest.raises(ValueError, match=r"nproc=0|max_restarts=-1"):
         launch(print, nproc, max_restarts=restarts)
+
+
+def test_under_torchrun_restarts_must_be_asked_of_torchrun(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from plait.cli.main import main
+
+    torchrun = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}
+    for key, value in {**torchrun, "TORCHELASTIC_MAX_RESTARTS": "0"}.items():
+        monkeypatch.setenv(key, value)
+    code = main(["train", "--pp", "2", "--checkpoint-every", "2", "--max-restarts", "1"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "pass --max-restarts 1 to torchrun" in err and "started with --max-restarts 0" in err

@@ -177,6 +177,8 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = _resolve(args)  # validated here, before any worker starts
     env = launched_env()
+    if env is not None:
+        _check_torchrun_restarts(cfg)
     # every worker of a torchrun launch must agree on the folder: name it after the launch
     default = run_id() if env is not None else None
     run_dir = Path(
@@ -216,6 +218,21 @@ def run(args: argparse.Namespace) -> int:
     summary = next(s for s in results.values() if s is not None)
     _report(summary, run_dir)
     return 0
+
+
+def _check_torchrun_restarts(cfg: dict[str, Any]) -> None:
+    """Under torchrun, torchrun restarts the workers (plait's workers only resume): a
+    `--max-restarts` that torchrun was not given would silently not happen."""
+    import os
+
+    wanted = int(str(cfg.get("max_restarts") or 0))
+    given = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    if wanted > given:
+        raise ValueError(
+            f"--max-restarts {wanted} inside torchrun, which was started with "
+            f"--max-restarts {given}: under torchrun the restarts are torchrun's; pass "
+            f"--max-restarts {wanted} to torchrun (plait's workers resume by themselves)"
+        )
 
 
 def _restarting(failure: WorkerFailure, k: int, restarts: int, run_dir: Path) -> None:
