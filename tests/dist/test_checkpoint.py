@@ -42,14 +42,18 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids[:, :-1], ids[:, 1:]
 
 
-def _engine(**plan: object) -> Engine:
-    return parallelize(_model(), ParallelPlan(**plan), _optimizer, GPT.loss, device="cpu")  # type: ignore[arg-type]
+def _sgd(params: object) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)  # type: ignore[arg-type]
 
 
-def _reference(steps: int) -> list[torch.nn.Module]:
-    """One process, the whole batch, `steps` AdamW steps: the blocks' weights."""
+def _engine(optimizer: object = _optimizer, **plan: object) -> Engine:
+    return parallelize(_model(), ParallelPlan(**plan), optimizer, GPT.loss, device="cpu")  # type: ignore[arg-type]
+
+
+def _reference(steps: int, optimizer: object = _optimizer) -> list[torch.nn.Module]:
+    """One process, the whole batch, `steps` optimizer steps: the blocks' weights."""
     model = _model()
-    opt = _optimizer(model.parameters())
+    opt = optimizer(model.parameters())  # type: ignore[operator]
     for step in range(steps):
         opt.zero_grad()
         GPT.loss(model(_batch(step)[0]), _batch(step)[1]).backward()
@@ -81,13 +85,13 @@ def _save(engine: Engine, root: Path, step: int) -> None:
     store.wait()
 
 
-def _load_and_step(root: Path, where: str, **plan: object) -> None:
+def _load_and_step(root: Path, where: str, optimizer: object = _optimizer, **plan: object) -> None:
     """Resume the checkpoint in `root` (step 2) under `plan`, run step 3: one process's."""
-    engine = _engine(**plan)
+    engine = _engine(optimizer, **plan)
     found = resume(engine, CheckpointStore(root), "auto")
     assert found is not None and found.step == 2
     _train(engine, 2, 3)
-    reference = _reference(3)
+    reference = _reference(3, optimizer)
     for index, weights in _weights(engine).items():
         for p, q in zip(weights, reference[index].parameters(), strict=True):
             torch.testing.assert_close(p, q.detach(), **TOL, msg=f"{where} block {index}")
@@ -134,6 +138,28 @@ def test_checkpoints_load_under_any_layout_and_world(tmp_path: Path) -> None:
     run_world(tmp_path, 2, _two_workers, str(tmp_path))
     run_world(tmp_path, 4, _four_workers, str(tmp_path))
     run_world(tmp_path, 2, _back_to_two, str(tmp_path))
+
+
+def _momentum(rank: int, world: int, tmp: str) -> None:
+    torch.use_deterministic_algorithms(True)
+    root = Path(tmp)
+    engine = _engine(_sgd, dp=2, pp=1, zero=1, microbatches=1)
+    _train(engine, 0, 2)
+    _save(engine, root / "sgd-zero1", 2)
+    _load_and_step(root / "sgd-zero1", "SGD momentum, dp=2 ZeRO-1 -> pp=2", _sgd, pp=2,
+                   microbatches=2)  # fmt: skip
+    engine = _engine(_sgd, pp=2, microbatches=2)
+    _train(engine, 0, 2)
+    _save(engine, root / "sgd-pp2", 2)
+    _load_and_step(root / "sgd-pp2", "SGD momentum, pp=2 -> dp=2 ZeRO-1", _sgd, dp=2, pp=1,
+                   zero=1, microbatches=1)  # fmt: skip
+    dist.barrier()
+
+
+def test_sgd_momentum_state_survives_a_layout_change(tmp_path: Path) -> None:
+    """The momentum buffers, sharded by ZeRO-1 or split by stages, are saved and loaded
+    under the other layout: the next step equals one process's SGD step."""
+    run_world(tmp_path, 2, _momentum, str(tmp_path))
 
 
 def _exact(rank: int, world: int, tmp: str) -> None:
