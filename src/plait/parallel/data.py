@@ -16,6 +16,11 @@ s`` instead of hanging.
 Tensor-parallel parameters (DTensor) are reduced through their local shards: data
 parallel replicas of one shard live on the dp axis, so averaging shards is averaging the
 gradient.
+
+A communication hook (`hook(state, bucket) -> Future`, DDP's protocol; see
+`plait.parallel.compress`) replaces the plain all-reduce of every bucket when given: it
+receives the bucket's summed local gradients, not yet divided, and its future yields the
+average, as under DDP.
 """
 
 from __future__ import annotations
@@ -28,8 +33,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from plait.parallel.compress import HookBucket
 from plait.runtime.transport import (
     DEFAULT_TIMEOUT_S,
+    PipelineTimeout,
     check_timeout,
     timed_wait,
     timeout_message,
@@ -46,6 +53,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 @dataclass
 class _Bucket:
     params: list[nn.Parameter]
+    index: int = 0  # unique over the reducer's stages: a hook's state is keyed by it
     ready: int = 0
     flat: torch.Tensor | None = None
     work: Any = None
@@ -104,9 +112,13 @@ class GradReducer:
         *,
         bucket_bytes: int = 25 * 2**20,
         timeout_s: float | None = DEFAULT_TIMEOUT_S,
+        hook: Any = None,
+        hook_state: Any = None,
     ) -> None:
         self.group, self.timeout_s = group, check_timeout(timeout_s)
+        self.hook, self.hook_state = hook, hook_state
         self.world = dist.get_world_size(group)
+        self._count = 0
         self.stages: dict[int, _StageBuckets] = {}
         self._launched: dict[int, list[_Bucket]] = {}
         for stage, params in stage_params.items():
@@ -114,6 +126,7 @@ class GradReducer:
             buckets = _make_buckets(list(reversed(trainable)), bucket_bytes)
             state = _StageBuckets(buckets)
             for bucket in buckets:
+                bucket.index, self._count = self._count, self._count + 1
                 bucket.attach()
                 for p in bucket.params:
                     state.bucket_of[id(p)] = bucket
@@ -160,6 +173,9 @@ class GradReducer:
         return list(self.stages) if stage is None else [stage]
 
     def _launch(self, stage: int, bucket: _Bucket) -> None:
+        if self.hook is not None:
+            self._launch_hook(stage, bucket)
+            return
         if bucket.attached():
             assert bucket.storage is not None
             bucket.flat = bucket.storage.div_(self.world)
@@ -174,11 +190,31 @@ class GradReducer:
         bucket.work = dist.all_reduce(bucket.flat, group=self.group, async_op=True)
         self._launched[stage].append(bucket)
 
+    def _launch_hook(self, stage: int, bucket: _Bucket) -> None:
+        """Hand the bucket's summed gradients to the hook (PowerSGD and the like need them
+        undivided and shaped per parameter: `HookBucket`)."""
+        if bucket.attached():
+            assert bucket.storage is not None
+            flat = bucket.storage
+        else:
+            grads = [torch.zeros_like(_local(p)) if p.grad is None else _local(p.grad)
+                     for p in bucket.params]  # fmt: skip
+            flat = torch.cat([g.reshape(-1) for g in grads])
+        shapes = [_local(p).shape for p in bucket.params]
+        last = bucket.index == self._count - 1  # once per step: PowerSGD counts steps by it
+        view = HookBucket(bucket.index, flat, shapes, bucket.params, last=last)
+        bucket.flat, bucket.work = flat, self.hook(self.hook_state, view)
+        self._launched[stage].append(bucket)
+
     def finish(self, stage: int | None = None) -> None:
         for s in self._chosen(stage):
             self.reduce(s)
             for bucket in self._launched[s]:
-                timed_wait(bucket.work, self.timeout_s, functools.partial(self._explain, s))
+                explain = functools.partial(self._explain, s)
+                if isinstance(bucket.work, torch._C.Future):  # a hook's, not a Work
+                    bucket.flat = _wait_future(bucket.work, explain)
+                else:
+                    timed_wait(bucket.work, self.timeout_s, explain)
                 assert bucket.flat is not None
                 if bucket.flat is bucket.storage:  # the gradients are the buffer's slices
                     bucket.flat, bucket.work = None, None
@@ -205,6 +241,18 @@ class GradReducer:
         return timeout_message(
             f"rank {me}", f"REDUCE stage {stage}", self.timeout_s, awaited, peers=len(others)
         )
+
+
+def _wait_future(future: torch._C.Future[Any], explain: Any) -> torch.Tensor:
+    """A hook's result. Its collectives are bounded by the process group's timeout (which
+    `plait train --timeout` sets); their expiry becomes the same `PipelineTimeout`."""
+    try:
+        value = future.wait()
+    except RuntimeError as error:
+        if "timed out" not in str(error).lower():
+            raise
+        raise PipelineTimeout(explain()) from error
+    return value[0] if isinstance(value, list) else value
 
 
 def _wrap_like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
