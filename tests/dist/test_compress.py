@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from plait.parallel.compress import ErrorFeedback, parse_compression
+from plait.compression import parse_compression
+from plait.parallel.compress import ErrorFeedback, hook_for
 from plait.parallel.data import GradReducer
 
 from .harness import run_world
@@ -42,7 +43,7 @@ def _reduced(
 ) -> list[list[torch.Tensor]]:
     """Per step, the averaged gradients plait's reducer leaves on the parameters."""
     params = _params()
-    hook, state = parse_compression(spec).hook(group) or (None, None)
+    hook, state = hook_for(spec, group) or (None, None)
     reducer = GradReducer({0: params}, group, hook=hook, hook_state=state)
     out = []
     for step in range(STEPS):
@@ -77,7 +78,7 @@ def _ddp(spec: str, rank: int, group: dist.ProcessGroup) -> list[list[torch.Tens
 
     module = _Fixed()
     ddp = DDP(module, process_group=group, bucket_cap_mb=25)
-    hook, state = parse_compression(spec).hook(group)  # type: ignore[misc]
+    hook, state = hook_for(spec, group)  # type: ignore[misc]
     ddp.register_comm_hook(state, hook)
     out = []
     for step in range(STEPS):
@@ -164,7 +165,7 @@ def _check(rank: int, world: int) -> None:
     alone = [dist.new_group([r]) for r in range(world)][rank]
     for spec in ("threshold:0.04", "topk:0.1", "sign"):
         params = _params()
-        hook, state = parse_compression(spec).hook(alone)  # type: ignore[misc]
+        hook, state = hook_for(spec, alone)  # type: ignore[misc]
         reducer = GradReducer({0: params}, alone, hook=hook, hook_state=state)
         total_sent = torch.zeros(sum(math.prod(s) for s in SHAPES))
         total_given = torch.zeros_like(total_sent)

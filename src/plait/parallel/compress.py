@@ -41,87 +41,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from plait.compression import Compression, parse_compression
+
 __all__ = [
-    "METHODS",
-    "Compression",
     "ErrorFeedback",
     "HookBucket",
-    "parse_compression",
+    "hook_for",
     "sign_hook",
     "threshold_hook",
     "topk_hook",
 ]
-
-METHODS = ("none", "fp16", "bf16", "powersgd", "threshold", "topk", "sign")
-
-
-@dataclass(frozen=True)
-class Compression:
-    """A parsed `--compress` value: the method and its parameter (rank, tau or ratio)."""
-
-    method: str = "none"
-    value: float | None = None
-
-    def __str__(self) -> str:
-        if self.value is None:
-            return self.method
-        shown = int(self.value) if self.method == "powersgd" else self.value
-        return f"{self.method}:{shown}"
-
-    @property
-    def error_feedback(self) -> bool:
-        return self.method in ("threshold", "topk", "sign", "powersgd")
-
-    def hook(self, group: dist.ProcessGroup) -> tuple[Any, Any] | None:
-        """(hook, state) for `GradReducer`; None for `none`."""
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
-
-        if self.method == "none":
-            return None
-        if self.method == "fp16":
-            return default_hooks.fp16_compress_hook, group
-        if self.method == "bf16":
-            return default_hooks.bf16_compress_hook, group
-        if self.method == "powersgd":
-            state = powerSGD_hook.PowerSGDState(
-                process_group=group,
-                matrix_approximation_rank=int(self.value or 1),
-                start_powerSGD_iter=2,  # torch's minimum with error feedback
-            )
-            return powerSGD_hook.powerSGD_hook, state
-        hooks = {"threshold": threshold_hook, "topk": topk_hook, "sign": sign_hook}
-        return hooks[self.method], ErrorFeedback(group, self.value)
-
-
-def parse_compression(text: str) -> Compression:
-    """`none`, `fp16`, `bf16`, `powersgd:RANK`, `threshold:TAU`, `topk:RATIO` or `sign`."""
-    method, _, arg = str(text).partition(":")
-    usage = "none, fp16, bf16, powersgd:RANK, threshold:TAU, topk:RATIO or sign"
-    if method not in METHODS:
-        raise ValueError(f"compress={text!r}: unknown method; give one of {usage}")
-    needs = {"powersgd": "RANK", "threshold": "TAU", "topk": "RATIO"}
-    if method not in needs:
-        if arg:
-            raise ValueError(f"compress={text!r}: {method} takes no parameter; give {method}")
-        return Compression(method)
-    if not arg:
-        raise ValueError(
-            f"compress={text!r}: give {method}:{needs[method]} (e.g. {_EXAMPLE[method]})"
-        )
-    try:
-        value = float(arg)
-    except ValueError:
-        raise ValueError(f"compress={text!r}: {needs[method]} must be a number") from None
-    if method == "powersgd" and (value != int(value) or value < 1):
-        raise ValueError(f"compress={text!r}: RANK must be a whole number >= 1")
-    if method == "threshold" and not (value > 0 and math.isfinite(value)):
-        raise ValueError(f"compress={text!r}: TAU must be a positive number")
-    if method == "topk" and not 0 < value <= 1:
-        raise ValueError(f"compress={text!r}: RATIO must be in (0, 1], the share of entries sent")
-    return Compression(method, value)
-
-
-_EXAMPLE = {"powersgd": "powersgd:2", "threshold": "threshold:0.01", "topk": "topk:0.01"}
 
 
 class HookBucket:
@@ -285,3 +214,25 @@ def sign_hook(state: ErrorFeedback, bucket: Any) -> torch.futures.Future[torch.T
         signs = unpack_signs(bits, residual.numel())
         total.add_(torch.where(signs, s, -s))
     return _done(bucket, total / dist.get_world_size(state.process_group))
+
+
+def hook_for(compression: Compression | str, group: dist.ProcessGroup) -> tuple[Any, Any] | None:
+    """(hook, state) for `GradReducer` under `compression`; None for `none`."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    c = parse_compression(compression) if isinstance(compression, str) else compression
+    if c.method == "none":
+        return None
+    if c.method == "fp16":
+        return default_hooks.fp16_compress_hook, group
+    if c.method == "bf16":
+        return default_hooks.bf16_compress_hook, group
+    if c.method == "powersgd":
+        state = powerSGD_hook.PowerSGDState(
+            process_group=group,
+            matrix_approximation_rank=int(c.value or 1),
+            start_powerSGD_iter=2,  # torch's minimum with error feedback
+        )
+        return powerSGD_hook.powerSGD_hook, state
+    hooks = {"threshold": threshold_hook, "topk": topk_hook, "sign": sign_hook}
+    return hooks[c.method], ErrorFeedback(group, c.value)

@@ -1,0 +1,135 @@
+"""What a compressed gradient reduction costs: bytes on the wire, collectives, and the
+local encode/decode work (`plait.parallel.compress` defines the methods).
+
+Per method, for `n` data-parallel ranks reducing `N` gradient entries:
+
+- `none`: one all-reduce of the gradients (their dtype's bytes).
+- `fp16`, `bf16`: one all-reduce of N two-byte entries; casting is two passes over memory.
+- `powersgd:r`: per m×k matrix, all-reduces of P (m·r) and Q (k·r) in fp32 and two
+  matmuls (4·m·k·r FLOPs) plus an orthogonalisation; vectors are all-reduced as they
+  are. Without the matrices' shapes, square matrices of side `matrix_dim` are assumed.
+- `threshold:τ`: an all-gather of every rank's 4-byte codes, as many as entries whose
+  residual reached τ (the `density`, data-dependent: measured by `plait bench compress`
+  or assumed), plus an all-gather of the counts.
+- `topk:ρ`: an all-gather of ρ·N indices and values (8 bytes each).
+- `sign`: an all-gather of N/8 bytes of signs and one 4-byte scale.
+
+Encode and decode are memory-bound passes over the N fp32 entries (their count per
+method below, from the hooks' code), charged at the device's memory bandwidth; a
+profile (`codec_s_per_entry`, seconds per entry measured by `plait bench compress`)
+replaces that estimate when given.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+from plait.cluster import Device, Link
+from plait.compression import Compression, parse_compression
+from plait.cost.comm import Collective, collective_time
+
+__all__ = ["compressed_collectives", "compressed_sync_time", "wire_bytes"]
+
+# passes over the fp32 residual per step, encode + decode (read or write of N entries)
+_PASSES = {"none": 0, "fp16": 2, "bf16": 2, "powersgd": 6, "threshold": 8, "topk": 10, "sign": 8}
+
+
+def compressed_collectives(
+    compression: Compression | str,
+    num_entries: float,
+    *,
+    dp: int,
+    grad_bytes: int = 4,
+    matrices: Sequence[tuple[int, int]] | None = None,
+    matrix_dim: int = 1024,
+    density: float = 0.001,
+) -> list[Collective]:
+    """The collectives one step's reduction of `num_entries` gradients issues per rank
+    (`num_bytes` as `plait.cost.comm` counts them: an all-gather's output)."""
+    c = parse_compression(compression) if isinstance(compression, str) else compression
+    n = float(num_entries)
+    if c.method == "none":
+        return [Collective(kind="all_reduce", num_bytes=n * grad_bytes)]
+    if c.method in ("fp16", "bf16"):
+        return [Collective(kind="all_reduce", num_bytes=n * 2)]
+    if c.method == "powersgd":
+        r = int(c.value or 1)
+        shapes = list(matrices) if matrices is not None else []
+        in_matrices = sum(a * b for a, b in shapes)
+        if matrices is None:  # all of it in square matrices of side matrix_dim
+            count = n / (matrix_dim * matrix_dim)
+            p = q = count * matrix_dim * r
+            vectors = 0.0
+        else:
+            p = sum(a * min(r, a, b) for a, b in shapes)
+            q = sum(b * min(r, a, b) for a, b in shapes)
+            vectors = max(0.0, n - in_matrices)
+        return [
+            Collective(kind="all_reduce", num_bytes=vectors * 4),
+            Collective(kind="all_reduce", num_bytes=p * 4),
+            Collective(kind="all_reduce", num_bytes=q * 4),
+        ]
+    if c.method == "threshold":
+        if not 0 <= density <= 1:
+            raise ValueError(f"density={density} must lie in [0, 1] (share of entries sent)")
+        return [
+            Collective(kind="all_gather", num_bytes=dp * 8),
+            Collective(kind="all_gather", num_bytes=dp * math.ceil(density * n) * 4),
+        ]
+    if c.method == "topk":
+        k = max(1, math.ceil(float(c.value or 1.0) * n))
+        return [Collective(kind="all_gather", num_bytes=dp * k * 8)]
+    return [Collective(kind="all_gather", num_bytes=dp * (math.ceil(n / 8) + 4))]  # sign
+
+
+def wire_bytes(compression: Compression | str, num_entries: float, **kw: object) -> float:
+    """Bytes one rank hands to collectives per step (its input: an all-gather's output
+    divided by the ranks), the quantity `plait bench compress` measures."""
+    dp = int(kw.get("dp", 1))  # type: ignore[call-overload]
+    total = 0.0
+    for col in compressed_collectives(compression, num_entries, **kw):  # type: ignore[arg-type]
+        total += col.num_bytes / dp if col.kind == "all_gather" else col.num_bytes
+    return total
+
+
+def compressed_sync_time(
+    compression: Compression | str,
+    num_entries: float,
+    *,
+    dp: int,
+    link: Link,
+    device: Device,
+    grad_bytes: int = 4,
+    matrices: Sequence[tuple[int, int]] | None = None,
+    matrix_dim: int = 1024,
+    density: float = 0.001,
+    codec_s_per_entry: Mapping[str, float] | None = None,
+) -> float:
+    """Seconds of one step's compressed reduction over `dp` ranks: its collectives on
+    `link` plus encode/decode on `device` (or from a measured `codec_s_per_entry`)."""
+    c = parse_compression(compression) if isinstance(compression, str) else compression
+    if dp == 1:
+        return 0.0
+    collectives = compressed_collectives(
+        c, num_entries, dp=dp, grad_bytes=grad_bytes, matrices=matrices,
+        matrix_dim=matrix_dim, density=density,
+    )  # fmt: skip
+    wire = sum(collective_time(col, dp, link) for col in collectives)
+    if codec_s_per_entry is not None and c.method in codec_s_per_entry:
+        codec = codec_s_per_entry[c.method] * num_entries
+    else:
+        codec = _PASSES[c.method] * num_entries * 4 / device.memory_bandwidth_Bps
+        if c.method == "powersgd":
+            side = matrix_dim if matrices is None else max(1, max(min(a, b) for a, b in matrices))
+            flops = 4 * num_entries * min(int(c.value or 1), side)
+            codec += flops / (_fp32_flops(device) * device.efficiency)
+    return wire + codec
+
+
+def _fp32_flops(device: Device) -> float:
+    """PowerSGD's matmuls run in fp32; a device that names no fp32 peak gets its lowest."""
+    try:
+        return device.peak("fp32")
+    except ValueError:
+        return min(device.peak_flops.values())

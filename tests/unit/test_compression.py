@@ -1,0 +1,65 @@
+"""The `--compress` setting and what the cost model charges for each method."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from plait.cluster import Device, Link
+from plait.compression import Compression, parse_compression
+from plait.cost.compress import compressed_sync_time, wire_bytes
+
+VALID = {
+    "none": Compression(),
+    "fp16": Compression("fp16"),
+    "powersgd:4": Compression("powersgd", 4.0),
+    "threshold:0.01": Compression("threshold", 0.01),
+    "topk:0.5": Compression("topk", 0.5),
+    "sign": Compression("sign"),
+}
+
+
+@pytest.mark.parametrize("text, parsed", VALID.items())
+def test_valid_settings_parse_and_print_back(text: str, parsed: Compression) -> None:
+    assert parse_compression(text) == parsed
+    assert parse_compression(str(parsed)) == parsed
+
+
+@pytest.mark.parametrize(
+    "text, says",
+    [("gzip", "unknown method"), ("powersgd", "powersgd:RANK"), ("powersgd:0", "RANK"),
+     ("powersgd:1.5", "whole number"), ("threshold:-1", "positive"), ("threshold:inf", "positive"),
+     ("topk:2", "(0, 1]"), ("topk:x", "must be a number"), ("fp16:3", "takes no parameter")],
+)  # fmt: skip
+def test_bad_settings_say_what_and_how(text: str, says: str) -> None:
+    with pytest.raises(ValueError, match=r"compress=") as err:
+        parse_compression(text)
+    assert says in str(err.value)
+
+
+N = 10_000_000  # gradient entries
+
+
+def test_wire_bytes_follow_each_method_s_encoding() -> None:
+    assert wire_bytes("none", N, dp=4) == 4 * N
+    assert wire_bytes("bf16", N, dp=4) == 2 * N
+    assert wire_bytes("sign", N, dp=4) == math.ceil(N / 8) + 4
+    assert wire_bytes("topk:0.01", N, dp=4) == math.ceil(0.01 * N) * 8
+    assert wire_bytes("threshold:0.1", N, dp=4, density=0.001) == 8 + math.ceil(0.001 * N) * 4
+    # PowerSGD rank 2 on one 1000 x 10000 matrix: P (1000·2) and Q (10000·2) in fp32
+    assert wire_bytes("powersgd:2", N, dp=4, matrices=[(1000, 10_000)]) == (2000 + 20_000) * 4
+
+
+def test_compression_pays_on_a_slow_link_and_not_on_a_fast_one() -> None:
+    device = Device(
+        name="d", peak_flops={"fp32": 1e13}, memory_bytes=2**34, memory_bandwidth_Bps=1e12
+    )
+    slow = Link(latency_s=1e-4, bandwidth_Bps=1e9 / 8)  # 1 Gbit/s
+    fast = Link(latency_s=1e-6, bandwidth_Bps=1e14)
+    for link, pays in ((slow, True), (fast, False)):
+        plain = compressed_sync_time("none", N, dp=8, link=link, device=device)
+        for method in ("threshold:0.1", "sign", "topk:0.001"):
+            t = compressed_sync_time(method, N, dp=8, link=link, device=device)
+            assert (t < plain) is pays, (method, link, t, plain)
+    assert compressed_sync_time("sign", N, dp=1, link=slow, device=device) == 0.0
