@@ -63,3 +63,45 @@ def test_compression_pays_on_a_slow_link_and_not_on_a_fast_one() -> None:
             t = compressed_sync_time(method, N, dp=8, link=link, device=device)
             assert (t < plain) is pays, (method, link, t, plain)
     assert compressed_sync_time("sign", N, dp=1, link=slow, device=device) == 0.0
+
+
+def test_zero_2_and_3_take_only_a_lower_reduce_dtype() -> None:
+    from plait.sim import SimPlan
+
+    SimPlan(dp=2, zero_stage=3, compress="bf16")
+    with pytest.raises(ValueError, match=r"compress=topk:0.1 with zero=2: .*fp16 or bf16"):
+        SimPlan(dp=2, zero_stage=2, compress="topk:0.1")
+
+
+def _planned(inter_node_Bps: float, memory_Bps: float = 2e12) -> tuple[object, str]:
+    from plait.cluster import Cluster, NodeGroup
+    from plait.plan import SearchSpace, gpt_spec, search
+    from plait.plan.explain import explain
+
+    gpu = Device(name="gpu", peak_flops={"bf16": 1e14, "fp32": 2e13}, efficiency=0.5,
+                 memory_bytes=80 * 2**30, memory_bandwidth_Bps=memory_Bps)  # fmt: skip
+    cluster = Cluster(
+        name="two nodes",
+        groups=(NodeGroup(device=gpu, devices_per_node=1, num_nodes=2,
+                          intra_node=Link(latency_s=5e-6, bandwidth_Bps=1e11)),),
+        inter_node=Link(latency_s=1e-5, bandwidth_Bps=inter_node_Bps),
+    )  # fmt: skip
+    model = gpt_spec(num_layers=6, hidden=1024, num_heads=8, seq_len=512, vocab_size=8000)
+    space = SearchSpace(micro_batch_sizes=(2,), recompute=("none",), zero_stages=(0,),
+                        schedules=("1f1b",), compress=("none", "bf16", "powersgd:4"))  # fmt: skip
+    found = search(model, cluster, global_batch=8, space=space)
+    dp2 = [r for r in found.ranked if r.plan.dp == 2]
+    return found, dp2, explain(found)  # type: ignore[return-value]
+
+
+def test_the_planner_compresses_only_where_it_pays() -> None:
+    found, dp2, text = _planned(125e6)  # 1 Gbit/s between the nodes
+    fastest = dp2[0]  # ranked: fastest first, exact gradients first among equals
+    assert fastest.plan.compress != "none"
+    plain = next(r for r in dp2 if r.plan.compress == "none" and r.plan.pp == fastest.plan.pp)
+    assert fastest.step_time_s < plain.step_time_s
+    if found.best.plan.compress != "none":
+        assert "compresses the data-parallel gradients" in text and "slow enough" in text
+    # a fast link and slow memory: encoding costs more than the bytes it saves
+    _, dp2, _ = _planned(1e11, memory_Bps=2e10)
+    assert dp2[0].plan.compress == "none"

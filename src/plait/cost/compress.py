@@ -27,9 +27,15 @@ from collections.abc import Mapping, Sequence
 
 from plait.cluster import Device, Link
 from plait.compression import Compression, parse_compression
-from plait.cost.comm import Collective, collective_time
+from plait.cost.comm import Collective, collective_time, dp_sync_time
 
-__all__ = ["compressed_collectives", "compressed_sync_time", "wire_bytes"]
+__all__ = [
+    "check_zero",
+    "compressed_collectives",
+    "compressed_sync_time",
+    "gradient_sync_time",
+    "wire_bytes",
+]
 
 # passes over the fp32 residual per step, encode + decode (read or write of N entries)
 _PASSES = {"none": 0, "fp16": 2, "bf16": 2, "powersgd": 6, "threshold": 8, "topk": 10, "sign": 8}
@@ -133,3 +139,44 @@ def _fp32_flops(device: Device) -> float:
         return device.peak("fp32")
     except ValueError:
         return min(device.peak_flops.values())
+
+
+def check_zero(compression: Compression | str, zero_stage: int) -> None:
+    """ZeRO-2/3 reduce through FSDP2's reduce-scatter, which takes a lower reduce dtype but
+    no hook: there only fp16 and bf16 apply."""
+    c = parse_compression(compression) if isinstance(compression, str) else compression
+    if zero_stage >= 2 and c.method not in ("none", "fp16", "bf16"):
+        raise ValueError(
+            f"compress={c} with zero={zero_stage}: ZeRO-2/3 reduce by FSDP2's reduce-scatter, "
+            "which can only lower its dtype; use compress fp16 or bf16 there, or zero 0 or 1"
+        )
+
+
+def gradient_sync_time(
+    compression: Compression | str,
+    num_params: float,
+    *,
+    zero_stage: int,
+    dp: int,
+    link: Link,
+    device: Device,
+    param_bytes: int,
+    codec_s_per_entry: Mapping[str, float] | None = None,
+) -> float:
+    """Seconds of one stage's data-parallel gradient reduction under `compression`: the
+    compressed reduction (ZeRO-1 then gathers the updated weights), or under ZeRO-2/3 a
+    reduce-scatter in the lower dtype."""
+    c = parse_compression(compression) if isinstance(compression, str) else compression
+    check_zero(c, zero_stage)
+    if c.method == "none":
+        return dp_sync_time(num_params * param_bytes, zero_stage=zero_stage, dp=dp, link=link)
+    if zero_stage >= 2:
+        return dp_sync_time(num_params * 2, zero_stage=zero_stage, dp=dp, link=link)
+    reduce = compressed_sync_time(
+        c, num_params, dp=dp, link=link, device=device, grad_bytes=param_bytes,
+        codec_s_per_entry=codec_s_per_entry,
+    )  # fmt: skip
+    if zero_stage == 1 and dp > 1:
+        gather = Collective(kind="all_gather", num_bytes=num_params * param_bytes)
+        reduce += collective_time(gather, dp, link)
+    return reduce

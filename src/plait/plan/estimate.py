@@ -31,6 +31,7 @@ from plait.cost import (
     model_state_bytes,
     optimizer_step_time,
 )
+from plait.cost.compress import gradient_sync_time
 from plait.schedule import schedule_kind
 from plait.sim import SimPlan
 
@@ -280,6 +281,12 @@ def estimate(plan: SimPlan, profile: RankProfile, est: Estimator) -> Estimate:
 
 
 def _dp_sync(plan: SimPlan, num_bytes: float, est: Estimator) -> float:
+    if plan.compress != "none":
+        pbytes = dtype_bytes(plan.dtype)
+        return gradient_sync_time(
+            plan.compress, num_bytes / pbytes, zero_stage=plan.zero_stage, dp=plan.dp,
+            link=est.link(plan, "dp"), device=est.device, param_bytes=pbytes,
+        )  # fmt: skip
     return dp_sync_time(
         num_bytes, zero_stage=plan.zero_stage, dp=plan.dp, link=est.link(plan, "dp")
     )

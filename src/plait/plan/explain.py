@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from plait.plan.search import PlanSearch, RankedPlan, describe
 from plait.schedule import schedule_kind
 
-__all__ = ["explain", "staleness", "time_breakdown"]
+__all__ = ["compression", "explain", "staleness", "time_breakdown"]
 
 _GIB = 2.0**30
 
@@ -47,7 +49,31 @@ def _options(a: RankedPlan, b: RankedPlan) -> list[str]:
         out.append(f"recomputation {pa.recompute} instead of {pb.recompute}")
     if pa.sequence_parallel != pb.sequence_parallel:
         out.append("sequence parallelism " + ("on" if pa.sequence_parallel else "off"))
+    if pa.compress != pb.compress:
+        out.append(f"gradient compression {pa.compress} instead of {pb.compress}")
     return out
+
+
+def compression(search: PlanSearch) -> str:
+    """What the best plan's gradient compression saves against the same plan uncompressed;
+    empty when it compresses nothing."""
+    a = search.best
+    if a.plan.compress == "none":
+        return ""
+    plain = next(
+        (r for r in search.ranked if r.plan == dataclasses.replace(a.plan, compress="none")), None
+    )
+    text = (
+        f"It compresses the data-parallel gradients ({a.plan.compress}), which changes what "
+        "each update applies (error feedback keeps what is not sent for later)"
+    )
+    if plain is None:
+        return text + "."
+    return text + (
+        f"; uncompressed, the same plan takes {plain.step_time_s:.3g} s per step instead of "
+        f"{a.step_time_s:.3g} s ({plain.step_time_s / a.step_time_s:.2f}×): the data-parallel "
+        "link is slow enough for compression to pay."
+    )
 
 
 def staleness(search: PlanSearch) -> str:
@@ -76,7 +102,7 @@ def explain(search: PlanSearch) -> str:
     asynchronous best plan, what its staleness costs."""
     a = search.best
     runner = next((r for r in search.ranked[1:] if _layout(r) != _layout(a)), None)
-    stale = staleness(search)
+    stale = " ".join(x for x in (staleness(search), compression(search)) if x)
     if runner is None:
         return " ".join(x for x in (f"only one layout fits: {describe(a.plan)}", stale) if x)
     b = runner

@@ -29,6 +29,7 @@ def plan_to_dict(
         "recompute": p.recompute, "sequence_parallel": p.sequence_parallel, "dtype": p.dtype,
         "partition": list(ranked.sizes), "micro_batch_size": p.micro_batch_size,
         "global_batch": p.global_batch_size, "rank_order": p.rank_order,
+        "compress": p.compress,
         "predicted": {
             "step_time_s": ranked.step_time_s, "tokens_per_s": ranked.tokens_per_s,
             "mfu": ranked.mfu, "bubble_fraction": ranked.bubble_fraction,
@@ -63,6 +64,7 @@ def plan_from_dict(data: dict[str, Any]) -> SimPlan:
         sequence_parallel=bool(data.get("sequence_parallel", False)),
         seq_len=int(data.get("model", {}).get("seq_len", 1)),
         rank_order=str(data.get("rank_order", "tp-dp-pp")),
+        compress=str(data.get("compress", "none")),
     )  # fmt: skip
 
 

@@ -100,9 +100,11 @@ def describe(plan: SimPlan) -> str:
     sched = plan.schedule + (f"x{plan.num_chunks}" if plan.num_chunks > 1 else "")
     sp = "+sp" if plan.sequence_parallel else ""
     order = "" if plan.rank_order == "tp-dp-pp" else f" order={plan.rank_order}"
+    compress = "" if plan.compress == "none" else f" compress={plan.compress}"
     return (
         f"dp={plan.dp} tp={plan.tp}{sp} pp={plan.pp} {sched} m={plan.num_microbatches} "
         f"b={plan.micro_batch_size} recompute={plan.recompute} zero={plan.zero_stage}{order}"
+        f"{compress}"
     )
 
 
@@ -157,13 +159,15 @@ def _exact_hetero(plan: SimPlan, model: ModelSpec, cluster: Cluster) -> RankedPl
     )
 
 
-def _preference(r: RankedPlan) -> tuple[int, int, int, bool, float]:
-    """Fastest first; among plans equally fast (to 0.1%), the simpler one: less sharding,
-    less recomputation, then the most memory left."""
+def _preference(r: RankedPlan) -> tuple[int, bool, int, int, bool, float]:
+    """Fastest first; among plans equally fast (to 0.1%), the simpler one: exact
+    gradients (no compression), less sharding, less recomputation, then the most memory
+    left."""
     p = r.plan
     step = round(math.log(max(r.step_time_s, 1e-12)) / math.log(1.001))  # 0.1% buckets
     return (
         step,
+        p.compress != "none",
         p.zero_stage,
         ("none", "selective", "full").index(p.recompute),
         p.sequence_parallel,

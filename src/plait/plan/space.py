@@ -6,6 +6,7 @@ from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import product
 
+from plait.compression import parse_compression
 from plait.cost import BlockCost, Collective, transformer_block_costs
 from plait.schedule import KINDS, kind_names, schedule_kind
 from plait.sim import SimPlan
@@ -173,7 +174,9 @@ class SearchSpace:
 
     `schedules` defaults to every synchronous kind of the registry; asynchronous kinds
     (whose updates use stale weights, which changes what training converges to) are
-    searched only with `allow_staleness`, and then all of them by default.
+    searched only with `allow_staleness`, and then all of them by default. `compress`
+    lists the gradient compressions tried for data-parallel plans (lossy ones change what
+    training converges to, so only "none" unless asked).
     """
 
     schedules: tuple[str, ...] = ()
@@ -188,8 +191,14 @@ class SearchSpace:
     # global rank order, innermost axis first; "tp-pp-dp" keeps each pipeline on
     # neighbouring devices (one node kind), "tp-dp-pp" spreads it over the nodes
     rank_orders: tuple[str, ...] = ("tp-dp-pp",)
+    compress: tuple[str, ...] = ("none",)
 
     def __post_init__(self) -> None:
+        if not self.compress:
+            raise ValueError("compress=(): give at least 'none'")
+        object.__setattr__(
+            self, "compress", tuple(str(parse_compression(c)) for c in self.compress)
+        )
         if not self.schedules:
             default = kind_names(synchronous=None if self.allow_staleness else True)
             object.__setattr__(self, "schedules", default)
@@ -249,10 +258,13 @@ def candidates(
             space.sequence_parallel if tp > 1 else (False,),
             # the order of ranks matters only when both dp and pp split the devices
             space.rank_orders if dp > 1 and pp > 1 else space.rank_orders[:1],
+            space.compress if dp > 1 else ("none",),
         )
-        for b, (kind, chunks), recompute, zero, sp, order in options:
+        for b, (kind, chunks), recompute, zero, sp, order, compress in options:
             if KINDS[kind].unsupported(tp=tp, zero=zero, dtype=space.dtype) is not None:
                 continue
+            if zero >= 2 and compress not in ("none", "fp16", "bf16"):
+                continue  # FSDP2's reduce-scatter takes no hook (plait.cost.compress)
             yield SimPlan(
                 dp=dp,
                 tp=tp,
@@ -268,6 +280,7 @@ def candidates(
                 optimizer=space.optimizer,  # type: ignore[arg-type]
                 seq_len=model.seq_len,
                 rank_order=order,
+                compress=compress,
             )
 
 

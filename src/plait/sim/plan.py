@@ -11,7 +11,9 @@ from dataclasses import dataclass
 from itertools import permutations
 
 from plait.cluster import normalize_dtype
+from plait.compression import parse_compression
 from plait.cost import RECOMPUTE_MODES, Optimizer, Recompute
+from plait.cost.compress import check_zero
 
 __all__ = ["RANK_ORDERS", "SimPlan"]
 
@@ -37,6 +39,7 @@ class SimPlan:
     optimizer: Optimizer = "adam"
     seq_len: int = 1
     rank_order: str = "tp-dp-pp"  # innermost axis first
+    compress: str = "none"  # gradient compression of the dp reduction (plait.compression)
 
     def __post_init__(self) -> None:
         for name in (
@@ -60,6 +63,8 @@ class SimPlan:
         if self.rank_order not in RANK_ORDERS:
             raise ValueError(f"rank_order={self.rank_order!r} is unknown; use one of {RANK_ORDERS}")
         object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
+        object.__setattr__(self, "compress", str(parse_compression(self.compress)))
+        check_zero(self.compress, self.zero_stage)
 
     @property
     def num_devices(self) -> int:

@@ -36,6 +36,7 @@ from plait.cost import (
     model_state_bytes,
     optimizer_step_time,
 )
+from plait.cost.compress import gradient_sync_time
 from plait.schedule import Action, Op, Replay, Schedule, Unrolled, replay, unroll, window_ends
 from plait.schedule.sharing import Sharing, replay_shared
 from plait.sim.plan import SimPlan
@@ -160,6 +161,13 @@ class _Replica:
     def dp_sync_time(self, stage: int) -> float:
         """Gradient reduction of one stage over its data-parallel group (`dp_sync_time`)."""
         link = self.dp_links[self.s.stage_to_rank[stage]]
+        if self.plan.compress != "none":
+            return gradient_sync_time(
+                self.plan.compress, self.stages[stage].num_params,
+                zero_stage=self.plan.zero_stage, dp=self.plan.dp, link=link,
+                device=self.devices[self.s.stage_to_rank[stage]],
+                param_bytes=dtype_bytes(self.plan.dtype),
+            )  # fmt: skip
         return dp_sync_time(
             self._param_bytes(stage), zero_stage=self.plan.zero_stage, dp=self.plan.dp, link=link
         )
