@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["METHODS", "Compression", "parse_compression"]
+__all__ = ["METHODS", "Compression", "check_zero", "parse_compression"]
 
 METHODS = ("none", "fp16", "bf16", "powersgd", "threshold", "topk", "sign")
 
@@ -62,3 +62,14 @@ def parse_compression(text: str) -> Compression:
 
 
 _EXAMPLE = {"powersgd": "powersgd:2", "threshold": "threshold:0.01", "topk": "topk:0.01"}
+
+
+def check_zero(compression: Compression | str, zero_stage: int) -> None:
+    """ZeRO-2/3 reduce through FSDP2's reduce-scatter, which takes a lower reduce dtype but
+    no hook: there only fp16 and bf16 apply."""
+    c = parse_compression(compression) if isinstance(compression, str) else compression
+    if zero_stage >= 2 and c.method not in ("none", "fp16", "bf16"):
+        raise ValueError(
+            f"compress={c} with zero={zero_stage}: ZeRO-2/3 reduce by FSDP2's reduce-scatter, "
+            "which can only lower its dtype; use compress fp16 or bf16 there, or zero 0 or 1"
+        )

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from plait.compression import check_zero, parse_compression
 from plait.schedule.registry import KINDS, schedule_kind
 
 __all__ = ["ModelConfig", "ParallelPlan", "TrainConfig", "load_config"]
@@ -65,6 +66,8 @@ class ParallelPlan:
     sequence_parallel: bool = False
     dtype: str = "fp32"
     partition: tuple[int, ...] | None = None
+    # gradient compression of the data-parallel reduction (plait.compression)
+    compress: str = "none"
 
     def __post_init__(self) -> None:
         _positive(self, "dp", "tp", "pp", "microbatches", "chunks")
@@ -80,6 +83,7 @@ class ParallelPlan:
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("sequence_parallel needs tp > 1: set tp or drop sequence_parallel")
         self._check_asynchronous()
+        self._check_compression()
         if self.partition is not None:
             object.__setattr__(self, "partition", tuple(self.partition))
             if len(self.partition) != self.num_stages or min(self.partition) < 1:
@@ -87,6 +91,15 @@ class ParallelPlan:
                     f"partition={list(self.partition)} must give >= 1 block to each of the "
                     f"{self.num_stages} stages (pp × chunks)"
                 )
+
+    def _check_compression(self) -> None:
+        object.__setattr__(self, "compress", str(parse_compression(self.compress)))
+        check_zero(self.compress, self.zero)
+        if self.compress != "none" and self.dp == 1:
+            raise ValueError(
+                f"compress={self.compress} with dp=1: there is no data-parallel reduction to "
+                "compress; set dp > 1 or drop compress"
+            )
 
     def _check_asynchronous(self) -> None:
         why = schedule_kind(self.schedule).unsupported(tp=self.tp, zero=self.zero, dtype=self.dtype)

@@ -26,11 +26,10 @@ import math
 from collections.abc import Mapping, Sequence
 
 from plait.cluster import Device, Link
-from plait.compression import Compression, parse_compression
+from plait.compression import Compression, check_zero, parse_compression
 from plait.cost.comm import Collective, collective_time, dp_sync_time
 
 __all__ = [
-    "check_zero",
     "compressed_collectives",
     "compressed_sync_time",
     "gradient_sync_time",
@@ -139,17 +138,6 @@ def _fp32_flops(device: Device) -> float:
         return device.peak("fp32")
     except ValueError:
         return min(device.peak_flops.values())
-
-
-def check_zero(compression: Compression | str, zero_stage: int) -> None:
-    """ZeRO-2/3 reduce through FSDP2's reduce-scatter, which takes a lower reduce dtype but
-    no hook: there only fp16 and bf16 apply."""
-    c = parse_compression(compression) if isinstance(compression, str) else compression
-    if zero_stage >= 2 and c.method not in ("none", "fp16", "bf16"):
-        raise ValueError(
-            f"compress={c} with zero={zero_stage}: ZeRO-2/3 reduce by FSDP2's reduce-scatter, "
-            "which can only lower its dtype; use compress fp16 or bf16 there, or zero 0 or 1"
-        )
 
 
 def gradient_sync_time(

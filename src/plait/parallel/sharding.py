@@ -14,22 +14,28 @@ ZeRO-2/3 with pipelines; here the pipeline executor tells FSDP when a stage is d
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 __all__ = ["FSDPGradSync", "apply_fsdp"]
 
 
-def apply_fsdp(stage: nn.Module, dp_mesh: DeviceMesh, *, zero: int) -> FSDPModule:
-    """Shard `stage` (blocks first, then the stage) for ZeRO `zero` (2 or 3) in place."""
+def apply_fsdp(
+    stage: nn.Module, dp_mesh: DeviceMesh, *, zero: int, reduce_dtype: torch.dtype | None = None
+) -> FSDPModule:
+    """Shard `stage` (blocks first, then the stage) for ZeRO `zero` (2 or 3) in place;
+    `reduce_dtype` (fp16 or bf16 gradient compression) lowers the reduce-scatter's dtype,
+    and with it, FSDP2 says, the dtype micro-batch gradients accumulate in."""
     if zero not in (2, 3):
         raise ValueError(f"zero={zero}: FSDP serves ZeRO stages 2 and 3")
     reshard = zero == 3
+    policy = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
     for block in getattr(stage, "blocks", []):
         if any(p.requires_grad for p in block.parameters()):
-            fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard)
-    fully_shard(stage, mesh=dp_mesh, reshard_after_forward=reshard)
+            fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy)
+    fully_shard(stage, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy)
     assert isinstance(stage, FSDPModule)
     return stage
 

@@ -15,6 +15,7 @@ __all__ = ["PLAN_KEYS", "plan_from_dict", "plan_to_dict", "read_plan", "write_pl
 PLAN_KEYS = (
     "dp", "tp", "pp", "schedule", "microbatches", "chunks", "zero", "recompute",
     "sequence_parallel", "dtype", "partition", "micro_batch_size", "global_batch", "rank_order",
+    "compress",
 )  # fmt: skip
 
 

@@ -11,9 +11,8 @@ from dataclasses import dataclass
 from itertools import permutations
 
 from plait.cluster import normalize_dtype
-from plait.compression import parse_compression
+from plait.compression import check_zero, parse_compression
 from plait.cost import RECOMPUTE_MODES, Optimizer, Recompute
-from plait.cost.compress import check_zero
 
 __all__ = ["RANK_ORDERS", "SimPlan"]
 

@@ -78,6 +78,7 @@ def parallel_plan_from(data: dict[str, Any]) -> ParallelPlan:
         sequence_parallel=bool(data.get("sequence_parallel", False)),
         dtype=str(data.get("dtype", "fp32")),
         partition=tuple(data["partition"]) if data.get("partition") else None,
+        compress=str(data.get("compress", "none")),
     )  # fmt: skip
 
 

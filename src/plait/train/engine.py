@@ -43,6 +43,7 @@ from plait.parallel import (
     apply_tensor_parallel,
     clip_grad_norm,
 )
+from plait.parallel.compress import hook_for
 from plait.parallel.sync import GradSync
 from plait.runtime import PipelineExecutor, StepResult, local_stages, split_microbatches
 from plait.runtime.predict import optimizer_predictor
@@ -345,11 +346,17 @@ def parallelize(
     _sync_replicas(stages, mesh)
     grad_sync: GradSync | None = None
     if plan.zero >= 2:
-        sharded = {s: apply_fsdp(m, mesh["dp"], zero=plan.zero) for s, m in stages.items()}
+        reduce = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(plan.compress)
+        sharded = {
+            s: apply_fsdp(m, mesh["dp"], zero=plan.zero, reduce_dtype=reduce)
+            for s, m in stages.items()
+        }
         grad_sync = FSDPGradSync(sharded)
     elif plan.dp > 1:
         per_stage = {s: list(m.parameters()) for s, m in stages.items()}
-        grad_sync = GradReducer(per_stage, mesh.get_group("dp"), timeout_s=timeout_s)
+        group = mesh.get_group("dp")
+        hook, state = hook_for(plan.compress, group) or (None, None)
+        grad_sync = GradReducer(per_stage, group, timeout_s=timeout_s, hook=hook, hook_state=state)
     optimizers = {
         s: _optimizer(optimizer_factory, [p for p in m.parameters() if p.requires_grad], plan, mesh)
         for s, m in stages.items()
