@@ -39,12 +39,14 @@ def _params() -> list[nn.Parameter]:
 
 
 def _reduced(
-    spec: str, rank: int, group: dist.ProcessGroup, *, attached: bool
+    spec: str, rank: int, group: dist.ProcessGroup, *, attached: bool, bucket_bytes: int = 2**20
 ) -> list[list[torch.Tensor]]:
     """Per step, the averaged gradients plait's reducer leaves on the parameters."""
     params = _params()
     hook, state = hook_for(spec, group) or (None, None)
-    reducer = GradReducer({0: params}, group, hook=hook, hook_state=state)
+    reducer = GradReducer(
+        {0: params}, group, hook=hook, hook_state=state, bucket_bytes=bucket_bytes
+    )
     out = []
     for step in range(STEPS):
         reducer.zero_grad()
@@ -161,6 +163,18 @@ def _check(rank: int, world: int) -> None:
             _close(
                 _reduced(spec, rank, group, attached=attached), expected, spec, rtol=1e-6, atol=1e-6
             )
+    # several buckets: one parameter each. Threshold is elementwise, so its definition is
+    # unchanged; PowerSGD issues collectives from callbacks, which must not interleave
+    # differently on different ranks (all ranks end with the same average)
+    one_each = _reduced("threshold:0.04", rank, group, attached=True, bucket_bytes=1)
+    _close(
+        one_each, _emulate("threshold:0.04", world), "threshold, 3 buckets", rtol=1e-6, atol=1e-6
+    )
+    for step in _reduced("powersgd:2", rank, group, attached=True, bucket_bytes=1):
+        for g in step:
+            copies = [torch.empty_like(g) for _ in range(world)]
+            dist.all_gather(copies, g, group=group)
+            assert all(torch.equal(c, g) for c in copies), "ranks disagree on PowerSGD's average"
     # error feedback is exact: alone in a group, the mean is what was sent
     alone = [dist.new_group([r]) for r in range(world)][rank]
     for spec in ("threshold:0.04", "topk:0.1", "sign"):

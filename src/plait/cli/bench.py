@@ -15,6 +15,7 @@ _BENCHES = {
     "planner": "plait.bench.planner",
     "async": "plait.bench.asynchronous",
     "faults": "plait.bench.faults",
+    "compress": "plait.bench.compress",
 }
 
 

@@ -55,6 +55,7 @@ class _Bucket:
     params: list[nn.Parameter]
     index: int = 0  # unique over the reducer's stages: a hook's state is keyed by it
     ready: int = 0
+    queued: bool = False  # complete, waiting for its hook (hooks run at `finish`)
     flat: torch.Tensor | None = None
     work: Any = None
     # plain-tensor buckets keep one buffer whose slices are the parameters' gradients
@@ -160,7 +161,7 @@ class GradReducer:
         """Launch every bucket of `stage` not launched during its last backward (their
         parameters got no gradient then, or computed on a weight copy)."""
         for bucket in self.stages[stage].buckets:
-            if bucket.work is None and bucket.flat is None:
+            if bucket.work is None and bucket.flat is None and not bucket.queued:
                 self._launch(stage, bucket)
 
     def zero_grad(self, stage: int | None = None) -> None:
@@ -173,8 +174,9 @@ class GradReducer:
         return list(self.stages) if stage is None else [stage]
 
     def _launch(self, stage: int, bucket: _Bucket) -> None:
-        if self.hook is not None:
-            self._launch_hook(stage, bucket)
+        if self.hook is not None:  # run at `finish`, one bucket at a time (see there)
+            bucket.queued = True
+            self._launched[stage].append(bucket)
             return
         if bucket.attached():
             assert bucket.storage is not None
@@ -190,9 +192,9 @@ class GradReducer:
         bucket.work = dist.all_reduce(bucket.flat, group=self.group, async_op=True)
         self._launched[stage].append(bucket)
 
-    def _launch_hook(self, stage: int, bucket: _Bucket) -> None:
+    def _run_hook(self, bucket: _Bucket, explain: Any) -> torch.Tensor:
         """Hand the bucket's summed gradients to the hook (PowerSGD and the like need them
-        undivided and shaped per parameter: `HookBucket`)."""
+        undivided and shaped per parameter: `HookBucket`) and wait for its average."""
         if bucket.attached():
             assert bucket.storage is not None
             flat = bucket.storage
@@ -203,16 +205,22 @@ class GradReducer:
         shapes = [_local(p).shape for p in bucket.params]
         last = bucket.index == self._count - 1  # once per step: PowerSGD counts steps by it
         view = HookBucket(bucket.index, flat, shapes, bucket.params, last=last)
-        bucket.flat, bucket.work = flat, self.hook(self.hook_state, view)
-        self._launched[stage].append(bucket)
+        return _wait_future(self.hook(self.hook_state, view), explain)
 
     def finish(self, stage: int | None = None) -> None:
+        """Wait for every bucket's reduction and write the averages back. With a hook the
+        buckets are reduced here, in bucket order and one at a time: a hook may issue
+        collectives from its futures' callbacks (PowerSGD does), on another thread, and
+        gloo needs every rank to issue them in the same order (DDP with PowerSGD and
+        several buckets on gloo fails with a size mismatch)."""
         for s in self._chosen(stage):
             self.reduce(s)
+            if self.hook is not None:
+                self._launched[s].sort(key=lambda b: b.index)
             for bucket in self._launched[s]:
                 explain = functools.partial(self._explain, s)
-                if isinstance(bucket.work, torch._C.Future):  # a hook's, not a Work
-                    bucket.flat = _wait_future(bucket.work, explain)
+                if self.hook is not None:
+                    bucket.flat, bucket.queued = self._run_hook(bucket, explain), False
                 else:
                     timed_wait(bucket.work, self.timeout_s, explain)
                 assert bucket.flat is not None

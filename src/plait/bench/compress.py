@@ -1,0 +1,303 @@
+"""Gradient compression: bytes, step time and loss per method; fp16 and PowerSGD vs DDP's hooks.
+
+For each worker count in `--workers`, the workers train one GPT per method (same seed,
+same corpus batches: the Python standard library's source) under plait's data parallelism
+(`ParallelPlan(dp=workers, pp=1, compress=METHOD)`), and, as peers, torch's
+`DistributedDataParallel` with torch's own `fp16_compress_hook` and `powerSGD_hook`
+registered. The runs take turns every step (the order rotates) so machine noise hits
+all alike. Per method: `bytes_sent_per_step`, counted by wrapping torch.distributed's
+collectives in each worker and adding up the bytes of the tensors each rank hands them
+(an all-reduce's buffer, an all-gather's input; plait's step also all-reduces its loss,
+4 bytes); `step_s`, the median step; `loss`, the mean training loss of the last 5 steps,
+and `loss_vs_none`; for fp16 and PowerSGD, `ddp_step_s` and `ratio_vs_ddp_hook` (plait's
+step / DDP's, same hook; below 1 is faster).
+
+Limits: on a CPU the workers share its cores with gloo's collectives, so the time a
+method saves on the wire is small next to a fast local link; the bytes carry over to
+any machine, the times do not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import statistics
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+from plait.bench import _common as common
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["CompressBenchConfig", "add_arguments", "run", "run_bench"]
+
+PEERS = ("fp16", "powersgd")  # methods DDP runs with torch's same hook
+
+
+@dataclass(frozen=True, kw_only=True)
+class CompressBenchConfig:
+    workers: tuple[int, ...] = (2, 4)
+    methods: tuple[str, ...] = (
+        "none", "fp16", "bf16", "powersgd:4", "threshold:0.002", "topk:0.01", "sign",
+    )  # fmt: skip
+    num_steps: int = 60
+    num_warmup: int = 3
+    num_layers: int = 2
+    hidden: int = 128
+    num_heads: int = 4
+    seq_len: int = 64
+    batch_size: int = 16
+    lr: float = 3e-3
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        from plait.compression import parse_compression
+
+        if "none" not in self.methods:
+            raise ValueError(f"methods={self.methods}: include 'none', the baseline")
+        for m in self.methods:
+            parse_compression(m)
+        for w in self.workers:
+            if w < 2 or self.batch_size % w:
+                raise ValueError(
+                    f"workers={w}: give at least 2, dividing batch_size={self.batch_size}"
+                )
+        if self.num_steps < 5:
+            raise ValueError(f"num_steps={self.num_steps}: the loss is the mean of the last 5")
+
+
+def run_bench(config: CompressBenchConfig) -> dict[str, Any]:
+    from plait.train import launch
+
+    out: dict[str, Any] = {"config": asdict(config), "workers": {}}
+    for w in config.workers:
+        per_rank = launch(_worker, w, config, w)
+        reports = [per_rank[r] for r in sorted(per_rank)]
+        out["workers"][str(w)] = _summarise(config, reports)
+    return out
+
+
+def _summarise(config: CompressBenchConfig, reports: list[dict[str, Any]]) -> dict[str, Any]:
+    names = list(reports[0]["times"])
+    # a step lasts as long as its slowest rank
+    slowest = {n: [max(times) for times in zip(*(r["times"][n] for r in reports), strict=True)]
+               for n in names}  # fmt: skip
+    steps = {n: statistics.median(slowest[n]) for n in names}
+    loss = {n: statistics.mean(reports[0]["losses"][n][-5:]) for n in config.methods}
+    for peer in PEERS:  # DDP's losses are each rank's share's: average the ranks
+        if f"ddp:{peer}" in names:
+            tails = [statistics.mean(r["losses"][f"ddp:{peer}"][-5:]) for r in reports]
+            loss[f"ddp:{peer}"] = statistics.mean(tails)
+    sent = {n: max(r["bytes"][n] for r in reports) for n in names}
+    methods: dict[str, Any] = {}
+    for m in config.methods:
+        row = {
+            "bytes_sent_per_step": sent[m],
+            "bytes_vs_none": sent[m] / sent["none"],
+            "step_s": steps[m],
+            "loss": loss[m],
+            "loss_vs_none": loss[m] / loss["none"],
+        }
+        peer = f"ddp:{m.split(':')[0]}"
+        if peer in steps:
+            row.update(
+                ddp_step_s=steps[peer],
+                ddp_bytes_sent_per_step=sent[peer],
+                ddp_loss=loss[peer],
+                ratio_vs_ddp_hook=steps[m] / steps[peer],
+            )
+        methods[m] = row
+    return {"num_params": reports[0]["num_params"], "methods": methods}
+
+
+# ------------------------------------------------------------------ in the workers
+_SENT = [0]
+
+
+@contextlib.contextmanager
+def _counting() -> Iterator[None]:
+    """torch.distributed's collectives add the bytes of what this rank hands them to _SENT
+    (torch's and plait's hooks call them through the module, so they are seen)."""
+    import torch.distributed as dist
+
+    names = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
+             "broadcast", "all_to_all_single")  # fmt: skip
+    saved = {n: getattr(dist, n) for n in names}
+
+    def wrap(name: str, fn: Any) -> Any:
+        @functools.wraps(fn)
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            tensor = args[1] if name == "all_gather" else (args[1] if "into" in name else args[0])
+            if name == "reduce_scatter_tensor":
+                tensor = args[1]
+            _SENT[0] += tensor.numel() * tensor.element_size()
+            return fn(*args, **kwargs)
+
+        return counted
+
+    for n, fn in saved.items():
+        setattr(dist, n, wrap(n, fn))
+    try:
+        yield
+    finally:
+        for n, fn in saved.items():
+            setattr(dist, n, fn)
+
+
+def _worker(config: CompressBenchConfig, workers: int) -> dict[str, Any]:
+    common.single_thread()
+    import torch.distributed as dist
+
+    from plait.mesh import init_worker
+
+    env, device = init_worker(timeout_s=300.0)
+    try:
+        with _counting():
+            return _measure(config, workers, env.rank, device)
+    finally:
+        dist.destroy_process_group()
+
+
+def _measure(
+    config: CompressBenchConfig, workers: int, rank: int, device: torch.device
+) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from plait.data import stdlib_corpus
+
+    corpus = stdlib_corpus()
+    runners: dict[str, Any] = {
+        m: _Plait(config, workers, m, corpus, device) for m in config.methods
+    }
+    for m in config.methods:
+        if m.split(":")[0] in PEERS:
+            runners[f"ddp:{m.split(':')[0]}"] = _DDP(config, workers, m, corpus, rank, device)
+    names = list(runners)
+    out: dict[str, Any] = {
+        "times": {n: [] for n in names},
+        "losses": {n: [] for n in names},
+        "bytes": {},
+        "num_params": sum(p.numel() for p in runners["none"].model.parameters()),
+    }
+    sent: dict[str, list[int]] = {n: [] for n in names}
+    for i in range(config.num_steps):
+        x, y = (t.to(device) for t in corpus.batch(i, config.batch_size, config.seq_len,
+                                                    seed=config.seed))  # fmt: skip
+        shift = i % len(names)
+        for name in names[shift:] + names[:shift]:
+            dist.barrier()
+            before = _SENT[0]
+            t = common.timed(functools.partial(runners[name].step, x, y))
+            sent[name].append(_SENT[0] - before)
+            out["losses"][name].append(t.value)
+            if i >= config.num_warmup:
+                out["times"][name].append(t.wall_s)
+    # PowerSGD runs plain all-reduces for its first steps: count the steady state
+    out["bytes"] = {n: statistics.median(s[config.num_warmup :]) for n, s in sent.items()}
+    return out
+
+
+class _Plait:
+    def __init__(self, config: CompressBenchConfig, workers: int, method: str, corpus: Any,
+                 device: torch.device) -> None:  # fmt: skip
+        import torch
+
+        from plait.config import ParallelPlan
+        from plait.models import GPT, GPTConfig
+        from plait.train.engine import parallelize
+
+        torch.manual_seed(config.seed)
+        self.model = GPT(GPTConfig(vocab_size=corpus.vocab_size, seq_len=config.seq_len,
+                                   num_layers=config.num_layers, hidden=config.hidden,
+                                   num_heads=config.num_heads))  # fmt: skip
+        plan = ParallelPlan(dp=workers, pp=1, microbatches=1, compress=method)
+        self.engine = parallelize(self.model, plan, lambda ps: torch.optim.AdamW(ps, lr=config.lr),
+                                  GPT.loss, device=device, grad_clip=None)  # fmt: skip
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        return float(self.engine.step((x, y)).loss)
+
+
+class _DDP:
+    """DDP with torch's hook for `method` (the same hook and state plait builds)."""
+
+    def __init__(self, config: CompressBenchConfig, workers: int, method: str, corpus: Any,
+                 rank: int, device: torch.device) -> None:  # fmt: skip
+        import torch
+        import torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel
+
+        from plait.models import GPT, GPTConfig
+        from plait.parallel.compress import hook_for
+
+        torch.manual_seed(config.seed)
+        self.model = GPT(GPTConfig(vocab_size=corpus.vocab_size, seq_len=config.seq_len,
+                                   num_layers=config.num_layers, hidden=config.hidden,
+                                   num_heads=config.num_heads)).to(device)  # fmt: skip
+        ids = [device.index] if device.type == "cuda" else None
+        # plait's bucket size, given explicitly so DDP's first bucket is no smaller
+        self.ddp = DistributedDataParallel(self.model, device_ids=ids, bucket_cap_mb=25)
+        group = dist.group.WORLD
+        assert group is not None
+        hook, state = hook_for(method, group)  # type: ignore[misc]
+        self.ddp.register_comm_hook(state, hook)
+        self.optimizer = torch.optim.AdamW(self.ddp.parameters(), lr=config.lr)
+        self.workers, self.rank = workers, rank
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        from plait.models import GPT
+
+        self.optimizer.zero_grad(set_to_none=True)
+        share = (x.chunk(self.workers)[self.rank], y.chunk(self.workers)[self.rank])
+        loss = GPT.loss(self.ddp(share[0]), share[1])
+        loss.backward()  # type: ignore[no-untyped-call]
+        self.optimizer.step()
+        return float(loss.detach())
+
+
+# ------------------------------------------------------------------ command line
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    d = CompressBenchConfig()
+    a = parser.add_argument
+    a("--workers", default=",".join(map(str, d.workers)), help="worker counts, comma-separated")
+    a("--methods", default=",".join(d.methods), help="--compress values, comma-separated")
+    a("--steps", type=int, default=d.num_steps, help="training steps per method")
+    a("--warmup", type=int, default=d.num_warmup, help="first steps left out of the times")
+    a("--layers", type=int, default=d.num_layers, help="GPT transformer layers")
+    a("--hidden", type=int, default=d.hidden, help="GPT hidden size")
+    a("--seq-len", type=int, default=d.seq_len, help="tokens per sequence")
+    a("--batch-size", type=int, default=d.batch_size, help="sequences per step (all workers)")
+    a("--json", action="store_true", help="print one JSON object instead of tables")
+
+
+def run(args: argparse.Namespace) -> int:
+    config = CompressBenchConfig(
+        workers=tuple(int(w) for w in args.workers.split(",") if w),
+        methods=tuple(m for m in args.methods.split(",") if m),
+        num_steps=args.steps,
+        num_warmup=args.warmup,
+        num_layers=args.layers,
+        hidden=args.hidden,
+        seq_len=args.seq_len,
+        batch_size=args.batch_size,
+    )
+    result = run_bench(config)
+    if args.json:
+        common.print_json(result)
+        return 0
+    for w, res in result["workers"].items():
+        rows = [
+            [m, f"{r['bytes_sent_per_step']:,.0f}", f"{1 / r['bytes_vs_none']:.1f}×",
+             f"{r['step_s'] * 1e3:.1f}", f"{r['loss']:.3f}", f"{r['loss_vs_none']:.3f}",
+             f"{r['ratio_vs_ddp_hook']:.2f}" if "ratio_vs_ddp_hook" in r else "-"]
+            for m, r in res["methods"].items()
+        ]  # fmt: skip
+        common.print_table(
+            f"gradient compression, {w} workers, {res['num_params']:,} parameters",
+            ["method", "bytes/step", "fewer bytes", "step ms", "loss", "vs none", "vs DDP hook"],
+            rows,
+        )
+    return 0
