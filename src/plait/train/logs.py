@@ -69,15 +69,18 @@ class RecentSteps:
         self.steps: deque[dict[str, Any]] = deque(maxlen=max(1, keep))
 
     def add(self, step: int, result: Any) -> None:
-        records = [
-            {"rank": r.rank, "index": r.index, "label": r.label, "start": r.start,
-             "end": r.end, "wait": r.wait}
-            for r in result.records
-        ]  # fmt: skip
-        self.steps.append({"step": step, "step_time": result.step_time, "records": records})
+        # the records themselves, turned into rows only at the end: a step costs an append
+        self.steps.append({"step": step, "step_time": result.step_time, "records": result.records})
 
     def rows(self) -> list[dict[str, Any]]:
-        return list(self.steps)
+        return [
+            {**entry, "records": [
+                {"rank": r.rank, "index": r.index, "label": r.label, "start": r.start,
+                 "end": r.end, "wait": r.wait}
+                for r in entry["records"]
+            ]}
+            for entry in self.steps
+        ]  # fmt: skip
 
 
 class _Progress:
