@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -143,13 +144,31 @@ class TrainConfig:
     resume: str | None = None
     max_restarts: int = 0
     timeout_s: float = 300.0
+    verbosity: int = field(
+        default=0, metadata={"help": "-1 warnings only, 0 progress lines, 1 debug details too"}
+    )
+    log_all_ranks: bool = field(
+        default=False, metadata={"help": "every worker logs (default: rank 0; others warn only)"}
+    )
+    tensorboard: str | None = field(
+        default=None,
+        metadata={"help": "also write TensorBoard scalars to this folder (extra 'tensorboard')"},
+    )
+    trace_steps: int = field(
+        default=2, metadata={"help": "the last N steps drawn into trace.json and timeline.png"}
+    )
+    profile_steps: str | None = field(
+        default=None,
+        metadata={"help": "A:B records a torch.profiler trace of steps A to B-1 per rank"},
+    )
 
     def __post_init__(self) -> None:
         par = self.parallel
         if self.nproc is None:
             object.__setattr__(self, "nproc", par.world_size)
-        _positive(self, "nproc", "max_steps", "batch_size", "log_every")
+        _positive(self, "nproc", "max_steps", "batch_size", "log_every", "trace_steps")
         self._check_fault_tolerance()
+        self._check_logging()
         if self.nproc != par.world_size:
             raise ValueError(
                 f"nproc={self.nproc} workers but dp × tp × pp = {par.dp} × {par.tp} × {par.pp} = "
@@ -193,6 +212,27 @@ class TrainConfig:
             )
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s={self.timeout_s} must be positive (seconds)")
+
+    def _check_logging(self) -> None:
+        if self.verbosity not in (-1, 0, 1):
+            raise ValueError(f"verbosity={self.verbosity!r} must be -1 (quiet), 0 or 1 (verbose)")
+        if self.tensorboard is not None and importlib.util.find_spec("tensorboard") is None:
+            raise ValueError(
+                f"tensorboard={self.tensorboard!r} needs the tensorboard package, which is not "
+                "installed: pip install 'plait[tensorboard]', or drop the option"
+            )
+        if self.profile_steps is not None:
+            first, sep, last = self.profile_steps.partition(":")
+            if not (sep and first.isdigit() and last.isdigit() and int(first) < int(last)):
+                raise ValueError(
+                    f"profile_steps={self.profile_steps!r} must read A:B with A < B (steps A "
+                    "to B-1), e.g. '5:7'"
+                )
+            if int(last) > self.max_steps:
+                raise ValueError(
+                    f"profile_steps={self.profile_steps!r} ends after max_steps="
+                    f"{self.max_steps}: profile steps below {self.max_steps}"
+                )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

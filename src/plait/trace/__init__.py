@@ -2,6 +2,7 @@
 
 from plait.trace.chrome import chrome_trace, write_chrome_trace
 from plait.trace.gantt import COLORS, plot_comparison, plot_timeline
+from plait.trace.run import run_spans, write_run_timeline
 from plait.trace.spans import (
     KINDS,
     Span,
@@ -18,7 +19,9 @@ __all__ = [
     "kind_of",
     "plot_comparison",
     "plot_timeline",
+    "run_spans",
     "spans_from_records",
     "spans_from_timeline",
     "write_chrome_trace",
+    "write_run_timeline",
 ]

@@ -56,17 +56,18 @@ def chrome_trace(
         for rank in sorted({s.rank for s in spans}):
             events += _metadata(base + rank, f"{title} rank {rank}".strip())
         for s in spans:
-            events.append(
-                {
-                    "name": s.label,
-                    "cat": s.kind,
-                    "ph": "X",
-                    "pid": base + s.rank,
-                    "tid": _LANES.get(s.kind, 0),
-                    "ts": s.start * 1e6,
-                    "dur": max(s.end - s.start, 0.0) * 1e6,
-                }
-            )
+            event = {
+                "name": s.label,
+                "cat": s.kind,
+                "ph": "X",
+                "pid": base + s.rank,
+                "tid": _LANES.get(s.kind, 0),
+                "ts": s.start * 1e6,
+                "dur": max(s.end - s.start, 0.0) * 1e6,
+            }
+            if s.step is not None:
+                event["args"] = {"step": s.step}
+            events.append(event)
     trace: dict[str, Any] = {"traceEvents": events, "displayTimeUnit": "ms"}
     if metadata:
         trace["otherData"] = metadata

@@ -39,6 +39,7 @@ class Span:
     start: float
     end: float
     kind: str
+    step: int | None = None  # the training step a measured span belongs to, when known
 
     @property
     def duration(self) -> float:
@@ -83,11 +84,12 @@ def spans_from_records(
     offsets: Sequence[float] | None = None,
     waits: bool = True,
     receives: bool = False,
+    step: int | None = None,
 ) -> list[Span]:
     """Spans of a measured step (per rank, the runtime's `ActionRecord`s). `offsets[r]` is
     added to rank r's times (ranks time from their own start; pass each rank's start minus
     the earliest to share one clock). A record's `wait` becomes a `wait` span before it;
-    posted receives (instantaneous) are left out unless `receives`."""
+    posted receives (instantaneous) are left out unless `receives`; `step` tags every span."""
     out: list[Span] = []
     for rank_index, row in enumerate(records):
         shift = offsets[rank_index] if offsets is not None else 0.0
@@ -98,6 +100,6 @@ def spans_from_records(
             wait = float(getattr(r, "wait", 0.0))
             if waits and wait > 0:
                 out.append(Span(r.rank, f"wait {r.label}", r.start - wait + shift, r.start + shift,
-                                "wait"))  # fmt: skip
-            out.append(Span(r.rank, r.label, r.start + shift, r.end + shift, kind))
+                                "wait", step))  # fmt: skip
+            out.append(Span(r.rank, r.label, r.start + shift, r.end + shift, kind, step))
     return out

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import resource
-import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -24,6 +22,8 @@ from plait.models.gpt import generate
 from plait.runtime import StepResult
 from plait.train.checkpointing import resume, save
 from plait.train.engine import Engine, StepReport, parallelize
+from plait.train.logs import RecentSteps, RunLogger, setup
+from plait.train.profiling import StepProfiler
 
 __all__ = ["config_from_dict", "train_worker"]
 
@@ -55,6 +55,7 @@ def train_worker(cfg_data: dict[str, Any], run_dir: str) -> dict[str, Any] | Non
     `resume`) the run goes on from its newest good checkpoint."""
     cfg = config_from_dict(cfg_data)
     env, device = init_worker(timeout_s=cfg.timeout_s)
+    setup(cfg.verbosity, env.rank, all_ranks=cfg.log_all_ranks)
     corpus = stdlib_corpus()
     torch.manual_seed(cfg.seed)
     model = GPT(_gpt_config(cfg, corpus.vocab_size))
@@ -71,19 +72,24 @@ def train_worker(cfg_data: dict[str, Any], run_dir: str) -> dict[str, Any] | Non
     store, start = _checkpoints(cfg, engine, Path(run_dir))
     window = engine.schedule
     group = window.num_microbatches // max(1, window.updates_per_window)
-    log = _Logger(Path(run_dir), cfg, group, start=start) if env.rank == 0 else None
+    log = RunLogger(Path(run_dir), cfg, group, start=start) if env.rank == 0 else None
+    recent = RecentSteps(cfg.trace_steps)  # every rank: rank 0 draws them at the end
+    profiler = StepProfiler(cfg.profile_steps, Path(run_dir), env.rank)
     times: list[float] = []
     report: StepReport | None = None
     for step in range(start, cfg.max_steps):
         batch = corpus.batch(step, cfg.batch_size, cfg.model.seq_len, seed=cfg.seed)
+        profiler.tick(step)
         t0 = time.perf_counter()
         report = engine.step(batch)
         times.append(time.perf_counter() - t0)
+        recent.add(step, report.result)
         if log is not None:
             log.step(step, report, times[-1])
         if store is not None:
             _maybe_save(cfg, engine, store, step + 1, log)
     drained = engine.drain()  # an asynchronous pipeline's last backwards and updates
+    profiler.close()
     if log is not None:
         log.updates(cfg.max_steps, drained)
     if store is not None:
@@ -91,11 +97,12 @@ def train_worker(cfg_data: dict[str, Any], run_dir: str) -> dict[str, Any] | Non
     if report is None:  # resumed at the last step: nothing left to run
         report = drained
     records = _gather(_records(report.result))
+    traced = _gather(recent.rows())
     memory = max(_gather(_peak_memory_bytes()))
     sample = _sample(engine, model, corpus, cfg, env.rank)
     if log is None:
         return None
-    return log.finish(engine.schedule, times, records, sample, memory)
+    return log.finish(engine.schedule, times, records, sample, memory, traced)
 
 
 def _layout(cfg: TrainConfig, model: GPT, corpus: Any, run_dir: Path, rank: int) -> TrainConfig:
@@ -127,7 +134,7 @@ def _checkpoints(
 
 
 def _maybe_save(
-    cfg: TrainConfig, engine: Engine, store: CheckpointStore, done: int, log: _Logger | None
+    cfg: TrainConfig, engine: Engine, store: CheckpointStore, done: int, log: RunLogger | None
 ) -> None:
     """Save after `done` steps when the cadence says so, and after the last step (a later
     run with more steps resumes there); otherwise publish a save that has finished."""
@@ -213,137 +220,3 @@ def _peak_memory_bytes() -> int:
     if torch.cuda.is_available():
         return int(torch.cuda.max_memory_allocated())
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
-
-
-class _Logger:
-    """Metrics (one JSON line per step), progress on the terminal, and the run summary."""
-
-    def __init__(self, run_dir: Path, cfg: TrainConfig, group: int, *, start: int = 0) -> None:
-        from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
-
-        self.run_dir = run_dir
-        self.cfg = cfg
-        self.tokens = cfg.batch_size * cfg.model.seq_len
-        # a resumed run keeps the lines of the steps before its checkpoint, and drops those
-        # an interrupted attempt wrote after it
-        self.metrics = _continued(run_dir / "metrics.jsonl", start)
-        self.update_log = _continued(run_dir / "updates.jsonl", start)
-        self.num_updates = 0
-        self.pending: dict[int, list[float]] = {}  # update -> losses of its micro-batches
-        self.group = group  # micro-batches per update
-        self.window_losses: dict[int, list[float]] = {}  # step -> its micro-batches' losses
-        self.skipped = 0
-        self.progress = Progress(
-            TextColumn("[bold]train"),
-            BarColumn(),
-            TextColumn("{task.completed}/{task.total}"),
-            TextColumn("loss {task.fields[loss]:.3f}"),
-            TextColumn("{task.fields[tps]:,.0f} tok/s"),
-            TimeRemainingColumn(),
-            transient=False,
-        )
-        self.task = self.progress.add_task(
-            "train", total=cfg.max_steps, completed=start, loss=float("nan"), tps=0.0
-        )
-        self.progress.start()
-
-    def step(self, step: int, report: StepReport, seconds: float) -> None:
-        """A step's row. Its loss is that of the micro-batches the step reported: its own,
-        or, for an asynchronous schedule, those of the step `loss_step` (earlier); None
-        when none were reported yet."""
-        loss = report.loss if math.isfinite(report.loss) else None
-        self.skipped += report.skipped
-        m = self.cfg.parallel.microbatches
-        row = {
-            "step": step,
-            "loss": loss,
-            "loss_step": report.microbatches[0] // m if report.microbatches else None,
-            "step_time_s": seconds,
-            "tokens_per_s": self.tokens / seconds,
-            "skipped": report.skipped,
-            "grad_norm": report.grad_norm,
-            "time": time.time(),  # when the step ended: wall-clock gaps show stalls and restarts
-        }
-        self.metrics.write(json.dumps(row) + "\n")
-        self.updates(step, report)
-        if step % self.cfg.log_every == 0 or step == self.cfg.max_steps - 1:
-            self.metrics.flush()
-            self.update_log.flush()
-        shown = loss if loss is not None else float("nan")
-        self.progress.update(self.task, advance=1, loss=shown, tps=self.tokens / seconds)
-
-    def updates(self, step: int, report: StepReport) -> None:
-        """One line per optimizer update (an asynchronous schedule makes one per micro-batch,
-        or one per batch), once the losses of all the micro-batches whose gradients it
-        applies are in: their mean."""
-        m = self.cfg.parallel.microbatches
-        for x, loss in zip(report.microbatches, report.losses, strict=True):
-            self.pending.setdefault(x // self.group, []).append(loss)
-            self.window_losses.setdefault(x // m, []).append(loss)
-        for update in sorted(u for u, losses in self.pending.items() if len(losses) == self.group):
-            losses = self.pending.pop(update)
-            row = {"update": update, "step": step, "loss": sum(losses) / len(losses)}
-            self.update_log.write(json.dumps(row) + "\n")
-            self.num_updates += 1
-
-    def finish(
-        self,
-        schedule: Any,
-        times: list[float],
-        records: list[list[dict[str, Any]]],
-        sample: str,
-        memory: int,
-    ) -> dict[str, Any]:
-        self.progress.stop()
-        self.metrics.close()
-        self.update_log.close()
-        steady = times[len(times) // 5 :] or times
-        step_time = statistics.median(steady)
-        summary = {
-            "plan": {k: v for k, v in self.cfg.to_dict()["parallel"].items() if v is not None},
-            "plan_source": self.cfg.plan or "as given",
-            "schedule": schedule.to_dict(),
-            "steps": len(times),
-            "first_loss": statistics.mean(self.window_losses[min(self.window_losses)]),
-            "final_loss": statistics.mean(
-                loss for w in sorted(self.window_losses)[-10:] for loss in self.window_losses[w]
-            ),
-            "step_time_s": step_time,
-            "tokens_per_s": self.tokens / step_time,
-            "bubble_fraction": _measured_bubble(records),
-            "peak_memory_bytes": memory,
-            "skipped_steps": self.skipped,
-            "updates": self.num_updates,
-            "sample": sample,
-        }
-        (self.run_dir / "timeline.json").write_text(json.dumps(records))
-        (self.run_dir / "schedule.json").write_text(schedule.to_json())
-        if self.cfg.plan != "auto":  # auto-planning wrote plan.json with its prediction
-            (self.run_dir / "plan.json").write_text(json.dumps(self.cfg.to_dict()["parallel"]))
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-        return summary
-
-
-def _continued(path: Path, start: int) -> Any:
-    """`path` opened for appending the lines of steps from `start` on: earlier lines kept,
-    later ones (from an attempt that died after its last checkpoint) dropped."""
-    kept = []
-    if start > 0 and path.is_file():
-        kept = [x for x in path.read_text().splitlines() if json.loads(x).get("step", 0) < start]
-    out = path.open("w")
-    out.writelines(line + "\n" for line in kept)
-    return out
-
-
-def _measured_bubble(records: list[list[dict[str, Any]]]) -> float:
-    """Idle share of the last step: 1 - compute time / (ranks × step span)."""
-    from plait.schedule import Action
-
-    busy = span = 0.0
-    for rank_records in records:
-        for r in rank_records:
-            if Action.parse(r["label"]).is_compute:
-                busy += r["end"] - r["start"]
-        if rank_records:
-            span = max(span, max(r["end"] for r in rank_records))
-    return 1.0 - busy / (span * len(records)) if span else 0.0

@@ -1,0 +1,294 @@
+"""What a training run reports as it goes: the `plait` logger's lines, metrics files and sinks.
+
+`setup` configures the `plait` logger once per worker: on a terminal a rich handler and a
+progress bar; otherwise (CI, a batch system, `| cat`) plain lines every `log_every` steps,
+which a progress bar would hold back until the end. Workers other than rank 0 log warnings
+only, unless asked. `RunLogger` (rank 0) writes `metrics.jsonl`, `updates.jsonl`, the
+optional TensorBoard scalars and, at the end, the summary and the measured timelines.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import statistics
+import sys
+import time
+from collections import deque
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from plait.config import TrainConfig
+
+__all__ = ["LOGGER", "RecentSteps", "RunLogger", "is_terminal", "setup"]
+
+LOGGER = "plait"
+_log = logging.getLogger(LOGGER)
+_LEVELS = {-1: logging.WARNING, 0: logging.INFO, 1: logging.DEBUG}
+
+
+def is_terminal() -> bool:
+    """Whether progress goes to a terminal (then a live bar, else plain lines)."""
+    return sys.stdout.isatty()
+
+
+def setup(verbosity: int = 0, rank: int = 0, all_ranks: bool = False) -> logging.Logger:
+    """Configure the `plait` logger of this process (again: replaces the handler it set).
+    verbosity -1 logs warnings only, 0 progress and notices, 1 debug details too; ranks
+    other than 0 log warnings only unless `all_ranks`."""
+    level = _LEVELS[max(-1, min(1, verbosity))]
+    if rank != 0 and not all_ranks:
+        level = logging.WARNING
+    logger = logging.getLogger(LOGGER)
+    for old in list(logger.handlers):
+        logger.removeHandler(old)
+    handler: logging.Handler
+    if is_terminal():
+        from rich.console import Console
+        from rich.logging import RichHandler
+
+        handler = RichHandler(console=Console(), show_path=False, markup=False)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+    else:
+        handler = logging.StreamHandler(sys.stdout)
+        prefix = f"[rank {rank}] " if all_ranks else ""
+        handler.setFormatter(logging.Formatter(prefix + "%(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(level)
+    logger.propagate = False  # one line per message, whatever the root logger does
+    return logger
+
+
+class RecentSteps:
+    """The measured records of the last `keep` steps on this rank (every rank keeps its
+    own; rank 0 gathers them for trace.json and timeline.png)."""
+
+    def __init__(self, keep: int) -> None:
+        self.steps: deque[dict[str, Any]] = deque(maxlen=max(1, keep))
+
+    def add(self, step: int, result: Any) -> None:
+        # the records themselves, turned into rows only at the end: a step costs an append
+        self.steps.append({"step": step, "step_time": result.step_time, "records": result.records})
+
+    def rows(self) -> list[dict[str, Any]]:
+        return [
+            {**entry, "records": [
+                {"rank": r.rank, "index": r.index, "label": r.label, "start": r.start,
+                 "end": r.end, "wait": r.wait}
+                for r in entry["records"]
+            ]}
+            for entry in self.steps
+        ]  # fmt: skip
+
+
+class _Progress:
+    """Progress on the terminal (a rich bar) or as plain lines every `log_every` steps."""
+
+    def __init__(self, cfg: TrainConfig, start: int, tokens: int) -> None:
+        self.cfg = cfg
+        self.tokens = tokens
+        self.window: list[float] = []  # step times since the last plain line
+        self.bar: Any = None
+        if is_terminal() and _log.isEnabledFor(logging.INFO):
+            from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+            consoles = [h.console for h in _log.handlers if hasattr(h, "console")]
+            self.bar = Progress(
+                TextColumn("[bold]train"),
+                BarColumn(),
+                TextColumn("{task.completed}/{task.total}"),
+                TextColumn("loss {task.fields[loss]:.3f}"),
+                TextColumn("{task.fields[tps]:,.0f} tok/s"),
+                TimeRemainingColumn(),
+                transient=False,
+                console=consoles[0] if consoles else None,
+            )
+            self.task = self.bar.add_task(
+                "train", total=cfg.max_steps, completed=start, loss=float("nan"), tps=0.0
+            )
+            self.bar.start()
+
+    def step(self, step: int, loss: float | None, seconds: float) -> None:
+        shown = loss if loss is not None else float("nan")
+        if self.bar is not None:
+            self.bar.update(self.task, advance=1, loss=shown, tps=self.tokens / seconds)
+            return
+        self.window.append(seconds)
+        done, total = step + 1, self.cfg.max_steps
+        if done == 1 or done % self.cfg.log_every == 0 or done == total:
+            mean = statistics.fmean(self.window)
+            self.window.clear()
+            text = f"{loss:.3f}" if loss is not None else "-"
+            _log.info(
+                f"step {done}/{total} | loss {text} | {self.tokens / mean:,.0f} tok/s | "
+                f"{mean * 1e3:.1f} ms/step"
+            )
+
+    def stop(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+def _tensorboard(path: str | None) -> Any:
+    if path is None:
+        return None
+    from torch.utils.tensorboard import SummaryWriter
+
+    return SummaryWriter(log_dir=path)
+
+
+class RunLogger:
+    """Metrics (one JSON line per step), progress, TensorBoard scalars and the summary."""
+
+    def __init__(self, run_dir: Path, cfg: TrainConfig, group: int, *, start: int = 0) -> None:
+        self.run_dir = run_dir
+        self.cfg = cfg
+        self.tokens = cfg.batch_size * cfg.model.seq_len
+        # a resumed run keeps the lines of the steps before its checkpoint, and drops those
+        # an interrupted attempt wrote after it
+        self.metrics_file = _continued(run_dir / "metrics.jsonl", start)
+        self.update_log = _continued(run_dir / "updates.jsonl", start)
+        self.num_updates = 0
+        self.pending: dict[int, list[float]] = {}  # update -> losses of its micro-batches
+        self.group = group  # micro-batches per update
+        self.window_losses: dict[int, list[float]] = {}  # step -> its micro-batches' losses
+        self.skipped = 0
+        self.writer = _tensorboard(cfg.tensorboard)
+        self.progress = _Progress(cfg, start, self.tokens)
+
+    def step(self, step: int, report: Any, seconds: float) -> None:
+        """A step's row. Its loss is that of the micro-batches the step reported: its own,
+        or, for an asynchronous schedule, those of the step `loss_step` (earlier); None
+        when none were reported yet."""
+        loss = report.loss if math.isfinite(report.loss) else None
+        self.skipped += report.skipped
+        m = self.cfg.parallel.microbatches
+        row = {
+            "step": step,
+            "loss": loss,
+            "loss_step": report.microbatches[0] // m if report.microbatches else None,
+            "step_time_s": seconds,
+            "tokens_per_s": self.tokens / seconds,
+            "skipped": report.skipped,
+            "grad_norm": report.grad_norm,
+            "time": time.time(),  # when the step ended: wall-clock gaps show stalls and restarts
+        }
+        self.metrics_file.write(json.dumps(row) + "\n")
+        self.updates(step, report)
+        if step % self.cfg.log_every == 0 or step == self.cfg.max_steps - 1:
+            self.metrics_file.flush()
+            self.update_log.flush()
+        scalars = {"loss": loss, "tokens_per_s": row["tokens_per_s"], "step_time_s": seconds}
+        self._scalars(step, scalars)
+        self.progress.step(step, loss, seconds)
+
+    def metrics(self, step: int, values: Mapping[str, float]) -> None:
+        """Further metrics of `step` (`{"val_loss": 2.9}`, `{"lr": 3e-4}`): a row of
+        metrics.jsonl, TensorBoard scalars and a log line."""
+        row = {"step": step, **values, "time": time.time()}
+        self.metrics_file.write(json.dumps(row) + "\n")
+        self.metrics_file.flush()
+        self._scalars(step, values)
+        shown = " | ".join(f"{k} {v:.4g}" for k, v in values.items())
+        message = f"step {step + 1}/{self.cfg.max_steps} | {shown}"
+        if self.progress.bar is not None:
+            self.progress.bar.console.print(message)
+        else:
+            _log.info(message)
+
+    def _scalars(self, step: int, values: Mapping[str, float | None]) -> None:
+        if self.writer is None:
+            return
+        for name, value in values.items():
+            if value is not None:
+                self.writer.add_scalar(name, value, step)
+
+    def updates(self, step: int, report: Any) -> None:
+        """One line per optimizer update (an asynchronous schedule makes one per micro-batch,
+        or one per batch), once the losses of all the micro-batches whose gradients it
+        applies are in: their mean."""
+        m = self.cfg.parallel.microbatches
+        for x, loss in zip(report.microbatches, report.losses, strict=True):
+            self.pending.setdefault(x // self.group, []).append(loss)
+            self.window_losses.setdefault(x // m, []).append(loss)
+        for update in sorted(u for u, losses in self.pending.items() if len(losses) == self.group):
+            losses = self.pending.pop(update)
+            row = {"update": update, "step": step, "loss": sum(losses) / len(losses)}
+            self.update_log.write(json.dumps(row) + "\n")
+            self.num_updates += 1
+
+    def finish(
+        self,
+        schedule: Any,
+        times: list[float],
+        records: list[list[dict[str, Any]]],
+        sample: str,
+        memory: int,
+        recent: list[list[dict[str, Any]]] | None = None,
+    ) -> dict[str, Any]:
+        """Close the files, write the summary and timelines; `recent` holds each rank's
+        `RecentSteps.rows()` (drawn into trace.json and timeline.png)."""
+        self.progress.stop()
+        self.metrics_file.close()
+        self.update_log.close()
+        if self.writer is not None:
+            self.writer.close()
+        steady = times[len(times) // 5 :] or times
+        step_time = statistics.median(steady)
+        summary = {
+            "plan": {k: v for k, v in self.cfg.to_dict()["parallel"].items() if v is not None},
+            "plan_source": self.cfg.plan or "as given",
+            "schedule": schedule.to_dict(),
+            "steps": len(times),
+            "first_loss": statistics.mean(self.window_losses[min(self.window_losses)]),
+            "final_loss": statistics.mean(
+                loss for w in sorted(self.window_losses)[-10:] for loss in self.window_losses[w]
+            ),
+            "step_time_s": step_time,
+            "tokens_per_s": self.tokens / step_time,
+            "bubble_fraction": _measured_bubble(records),
+            "peak_memory_bytes": memory,
+            "skipped_steps": self.skipped,
+            "updates": self.num_updates,
+            "sample": sample,
+        }
+        (self.run_dir / "timeline.json").write_text(json.dumps(records))
+        (self.run_dir / "schedule.json").write_text(schedule.to_json())
+        if self.cfg.plan != "auto":  # auto-planning wrote plan.json with its prediction
+            (self.run_dir / "plan.json").write_text(json.dumps(self.cfg.to_dict()["parallel"]))
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        if recent:
+            from plait.trace.run import write_run_timeline
+
+            written = write_run_timeline(
+                self.run_dir, recent, step_time_s=step_time, bubble=summary["bubble_fraction"]
+            )
+            _log.debug("timeline of the last steps: %s", ", ".join(str(p) for p in written))
+        return summary
+
+
+def _continued(path: Path, start: int) -> Any:
+    """`path` opened for appending the lines of steps from `start` on: earlier lines kept,
+    later ones (from an attempt that died after its last checkpoint) dropped."""
+    kept = []
+    if start > 0 and path.is_file():
+        kept = [x for x in path.read_text().splitlines() if json.loads(x).get("step", 0) < start]
+    out = path.open("w")
+    out.writelines(line + "\n" for line in kept)
+    return out
+
+
+def _measured_bubble(records: list[list[dict[str, Any]]]) -> float:
+    """Idle share of the last step: 1 - compute time / (ranks × step span)."""
+    from plait.schedule import Action
+
+    busy = span = 0.0
+    for rank_records in records:
+        for r in rank_records:
+            if Action.parse(r["label"]).is_compute:
+                busy += r["end"] - r["start"]
+        if rank_records:
+            span = max(span, max(r["end"] for r in rank_records))
+    return 1.0 - busy / (span * len(records)) if span else 0.0
