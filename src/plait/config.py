@@ -196,10 +196,16 @@ class TrainConfig:
                 f"batch_size={self.batch_size} is not divisible by dp × microbatches = "
                 f"{par.dp * par.microbatches}: use a multiple"
             )
-        if par.tp > 1 and self.model.name == "resnet18":
+        if par.tp > 1 and self.model.name in ("resnet18", "hf-gpt2"):
             raise ValueError(
-                f"tp={par.tp} with model {self.model.name!r}: its convolutions have no "
-                "tensor-parallel plan; use tp=1 (dp and pp work)"
+                f"tp={par.tp} with model {self.model.name!r}: its layers have no "
+                "tensor-parallel plan in plait yet; use tp=1 (dp and pp work)"
+            )
+        kv_heads = self.model.heads // 2 if self.model.heads % 2 == 0 else self.model.heads
+        if self.model.name == "hf-llama" and kv_heads % par.tp:
+            raise ValueError(
+                f"tp={par.tp} must divide hf-llama's {kv_heads} key-value heads "
+                f"(heads={self.model.heads} // 2): use a multiple of {2 * par.tp} heads"
             )
         if self.model.heads % par.tp or self.model.hidden % par.tp:
             raise ValueError(
