@@ -12,7 +12,23 @@ from typing import Any
 from plait.compression import check_zero, parse_compression
 from plait.schedule.registry import KINDS, schedule_kind
 
-__all__ = ["ModelConfig", "ParallelPlan", "TrainConfig", "load_config"]
+__all__ = ["DATA", "MODELS", "ModelConfig", "ParallelPlan", "TrainConfig", "load_config"]
+
+MODELS = {
+    "gpt": "plait's reference GPT",
+    "resnet18": "ResNet-18 for small images",
+    "hf-gpt2": "Hugging Face GPT-2 from a config, needs plait[hf]",
+    "hf-llama": "Hugging Face Llama from a config, needs plait[hf]",
+    "custom": "a model given to plait.train.run (Python only)",
+}
+DATA = {
+    "stdlib": "characters of the Python standard library's source",
+    "synthetic": "generated data fitting the model",
+    "digits": "scikit-learn's 8×8 handwritten digits, needs plait[data]",
+    "cifar100:PATH": "CIFAR-100's python release extracted under PATH",
+}
+_LANGUAGE_DATA = ("stdlib", "synthetic")
+_IMAGE_DATA = ("digits", "cifar100", "synthetic")
 
 
 def _positive(obj: object, *names: str) -> None:
@@ -24,24 +40,39 @@ def _positive(obj: object, *names: str) -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    """The reference GPT's shape; the vocabulary comes from the data."""
+    """Which model, and its shape; a language model's vocabulary comes from the data."""
 
-    name: str = "gpt"
+    name: str = field(
+        default="gpt",
+        metadata={"help": "model: " + "; ".join(f"{k} ({v})" for k, v in MODELS.items())},
+    )
     layers: int = 4
     hidden: int = 128
     heads: int = 4
     seq_len: int = 64
     ffn_hidden: int | None = None
     dropout: float = 0.0
+    width: int = field(
+        default=16, metadata={"help": "resnet18: channels of its first stage (64 in the paper)"}
+    )
 
     def __post_init__(self) -> None:
-        if self.name != "gpt":
-            raise ValueError(f"model name={self.name!r} is unknown; available: 'gpt'")
-        _positive(self, "layers", "hidden", "heads", "seq_len")
+        if self.name not in MODELS:
+            raise ValueError(f"model name={self.name!r} is unknown; choose one of {list(MODELS)}")
+        _positive(self, "layers", "hidden", "heads", "seq_len", "width")
         if self.hidden % self.heads:
             raise ValueError(
                 f"hidden={self.hidden} is not a multiple of heads={self.heads}: change one of them"
             )
+
+    @property
+    def num_blocks(self) -> int:
+        """Pipeline blocks: ResNet-18's ten, or embedding, `layers` layers and head."""
+        return 10 if self.name == "resnet18" else self.layers + 2
+
+    @property
+    def is_language_model(self) -> bool:
+        return self.name not in ("resnet18", "custom")
 
 
 RECOMPUTE = ("none", "selective", "full")
@@ -161,6 +192,10 @@ class TrainConfig:
         default=None,
         metadata={"help": "A:B records a torch.profiler trace of steps A to B-1 per rank"},
     )
+    data: str = field(
+        default="stdlib",
+        metadata={"help": "data: " + "; ".join(f"{k} ({v})" for k, v in DATA.items())},
+    )
 
     def __post_init__(self) -> None:
         par = self.parallel
@@ -169,23 +204,39 @@ class TrainConfig:
         _positive(self, "nproc", "max_steps", "batch_size", "log_every", "trace_steps")
         self._check_fault_tolerance()
         self._check_logging()
+        self._check_data()
         if self.nproc != par.world_size:
             raise ValueError(
                 f"nproc={self.nproc} workers but dp × tp × pp = {par.dp} × {par.tp} × {par.pp} = "
                 f"{par.world_size}: make them equal"
             )
-        blocks = self.model.layers + 2
-        if par.num_stages > blocks:
-            raise ValueError(
-                f"pp × chunks = {par.num_stages} stages exceed the model's {blocks} blocks "
+        blocks = self.model.num_blocks
+        if self.model.name != "custom" and par.num_stages > blocks:
+            what = (
                 f"(embedding, {self.model.layers} layers, head): use more layers or fewer stages"
+                if self.model.is_language_model
+                else "(stem, 8 residual blocks, head): use fewer stages"
             )
-        if par.partition is not None and sum(par.partition) != blocks:
+            raise ValueError(
+                f"pp × chunks = {par.num_stages} stages exceed the model's {blocks} blocks {what}"
+            )
+        if self.model.name != "custom" and par.partition and sum(par.partition) != blocks:
             raise ValueError(f"partition={list(par.partition)} must add up to {blocks} blocks")
         if self.batch_size % (par.dp * par.microbatches):
             raise ValueError(
                 f"batch_size={self.batch_size} is not divisible by dp × microbatches = "
                 f"{par.dp * par.microbatches}: use a multiple"
+            )
+        if par.tp > 1 and self.model.name in ("resnet18", "hf-gpt2"):
+            raise ValueError(
+                f"tp={par.tp} with model {self.model.name!r}: its layers have no "
+                "tensor-parallel plan in plait yet; use tp=1 (dp and pp work)"
+            )
+        kv_heads = self.model.heads // 2 if self.model.heads % 2 == 0 else self.model.heads
+        if self.model.name == "hf-llama" and kv_heads % par.tp:
+            raise ValueError(
+                f"tp={par.tp} must divide hf-llama's {kv_heads} key-value heads "
+                f"(heads={self.model.heads} // 2): use a multiple of {2 * par.tp} heads"
             )
         if self.model.heads % par.tp or self.model.hidden % par.tp:
             raise ValueError(
@@ -197,6 +248,40 @@ class TrainConfig:
             )
         if not self.lr > 0:
             raise ValueError(f"lr={self.lr} must be positive")
+
+    def _check_data(self) -> None:
+        """The data exists in kind, and fits the model (tokens for language models, labelled
+        images for ResNet)."""
+        if self.model.name == "custom":  # the data came with the model (plait.train.run)
+            return
+        kind, _, path = self.data.partition(":")
+        if kind not in ("stdlib", "synthetic", "digits", "cifar100") or (
+            kind != "cifar100" and path
+        ):
+            raise ValueError(f"data={self.data!r} is unknown; choose one of {list(DATA)}")
+        if kind == "cifar100" and not path:
+            raise ValueError(
+                "data='cifar100' needs the folder of the extracted python release: "
+                "data='cifar100:PATH'"
+            )
+        if kind == "cifar100" and not Path(path).is_dir():
+            raise ValueError(f"data={self.data!r}: {path} is not a folder; extract CIFAR-100 there")
+        fits = _LANGUAGE_DATA if self.model.is_language_model else _IMAGE_DATA
+        if kind not in fits:
+            what = "token sequences" if self.model.is_language_model else "labelled images"
+            raise ValueError(
+                f"model {self.model.name!r} cannot train on data={self.data!r}: it needs "
+                f"{what}; use data= one of {list(fits)}"
+            )
+        if kind == "digits" and importlib.util.find_spec("sklearn") is None:
+            raise ValueError(
+                "data='digits' reads scikit-learn's bundled digits: pip install 'plait[data]'"
+            )
+        if self.model.name.startswith("hf-") and importlib.util.find_spec("transformers") is None:
+            raise ValueError(
+                f"model {self.model.name!r} needs Hugging Face transformers: "
+                "pip install 'plait[hf]'"
+            )
 
     def _check_fault_tolerance(self) -> None:
         for name in ("checkpoint_every", "keep"):

@@ -270,6 +270,8 @@ def _report(summary: dict[str, Any], run_dir: Path) -> None:
         print("\nthe asynchronous stream, 3 windows with warm-up and drain (unit costs):")
         print(format_grid(compute_only(unroll(schedule, 3).schedule)))
     print(f"\nsample:\n{summary['sample']}\n")
+    for name, value in summary.get("validation", {}).items():  # a classifier's metrics
+        print(f"validation {name}: {value:.4g}")
     plan = summary["plan"]
     layout = ", ".join(f"{k}={v}" for k, v in plan.items() if k != "partition")
     print(

@@ -1,13 +1,18 @@
-"""Datasets that need no download: the Python standard library as a text corpus, synthetic."""
+"""Datasets that need no download: the standard library as text, images shipped with a
+package or in a local folder, synthetic data."""
 
 from plait.data.cifar import load_cifar100
 from plait.data.corpus import CharCorpus, stdlib_corpus
+from plait.data.images import ImageClassification, cifar100, digits
 from plait.data.synthetic import SyntheticClassification, SyntheticTokens
 
 __all__ = [
     "CharCorpus",
+    "ImageClassification",
     "SyntheticClassification",
     "SyntheticTokens",
+    "cifar100",
+    "digits",
     "load_cifar100",
     "stdlib_corpus",
 ]

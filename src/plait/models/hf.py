@@ -137,6 +137,8 @@ class _GPT2Layer(nn.Module):
 
 
 class _Head(nn.Module):
+    replicated_under_tp = True
+
     def __init__(self, norm: nn.Module, lm_head: nn.Module) -> None:
         super().__init__()
         self.norm, self.lm_head = norm, lm_head
@@ -146,6 +148,8 @@ class _Head(nn.Module):
 
 
 class _LlamaEmbedding(nn.Module):
+    replicated_under_tp = True  # small next to the layers: every tp rank computes it whole
+
     def __init__(self, embed_tokens: nn.Embedding) -> None:
         super().__init__()
         self.embed_tokens = embed_tokens
@@ -159,6 +163,25 @@ class _LlamaLayer(nn.Module):
         super().__init__()
         self.layer, self.rotary = layer, rotary
         self.attn_implementation = attn_implementation
+
+    @staticmethod
+    def tp_plan(sequence_parallel: bool) -> dict[str, Any]:
+        """Megatron's sharding of a Llama layer: q, k, v, gate and up by columns (whole
+        heads, whole kv-heads: tp must divide both counts), o and down by rows. The layer
+        reshapes by `head_dim` with -1 heads, so each shard computes its own heads."""
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+        if sequence_parallel:
+            raise ValueError(
+                "sequence_parallel is not supported for Hugging Face Llama layers: drop it"
+            )
+        attn, mlp = "layer.self_attn.", "layer.mlp."
+        col = [attn + n for n in ("q_proj", "k_proj", "v_proj")] + [
+            mlp + "gate_proj",
+            mlp + "up_proj",
+        ]
+        plan: dict[str, Any] = {n: ColwiseParallel() for n in col}
+        return {**plan, attn + "o_proj": RowwiseParallel(), mlp + "down_proj": RowwiseParallel()}
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         positions = _positions(hidden)

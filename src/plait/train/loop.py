@@ -11,19 +11,23 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
-from plait.blocks import equal_split, stage_modules
 from plait.checkpoint import CheckpointStore
 from plait.config import ModelConfig, ParallelPlan, TrainConfig
-from plait.data import stdlib_corpus
 from plait.mesh import init_worker, restart_count
-from plait.models import GPT, GPTConfig
-from plait.models.gpt import generate
 from plait.runtime import StepResult
 from plait.train.checkpointing import resume, save
 from plait.train.engine import Engine, StepReport, parallelize
 from plait.train.logs import RecentSteps, RunLogger, setup
 from plait.train.profiling import StepProfiler
+from plait.train.task import (
+    CustomTask,
+    Task,
+    finish_with_validation,
+    gathered_model,
+    task_from_config,
+)
 
 __all__ = ["config_from_dict", "train_worker"]
 
@@ -36,35 +40,24 @@ def config_from_dict(data: dict[str, Any]) -> TrainConfig:
     )
 
 
-def _gpt_config(cfg: TrainConfig, vocab_size: int) -> GPTConfig:
-    m = cfg.model
-    return GPTConfig(
-        vocab_size=vocab_size,
-        seq_len=m.seq_len,
-        num_layers=m.layers,
-        hidden=m.hidden,
-        num_heads=m.heads,
-        ffn_hidden=m.ffn_hidden,
-        dropout=m.dropout,
-    )
-
-
-def train_worker(cfg_data: dict[str, Any], run_dir: str) -> dict[str, Any] | None:
-    """Train under `cfg_data` (a TrainConfig as dict). Global rank 0 writes the run folder
+def train_worker(
+    cfg_data: dict[str, Any], run_dir: str, custom: CustomTask | None = None
+) -> dict[str, Any] | None:
+    """Train under `cfg_data` (a TrainConfig as dict) the task it names, or `custom` (a
+    user's model and data, `plait.train.run`). Global rank 0 writes the run folder
     and returns the summary; the other ranks return None. After a restart (or with
     `resume`) the run goes on from its newest good checkpoint."""
     cfg = config_from_dict(cfg_data)
     env, device = init_worker(timeout_s=cfg.timeout_s)
     setup(cfg.verbosity, env.rank, all_ranks=cfg.log_all_ranks)
-    corpus = stdlib_corpus()
-    torch.manual_seed(cfg.seed)
-    model = GPT(_gpt_config(cfg, corpus.vocab_size))
-    cfg = _layout(cfg, model, corpus, Path(run_dir), env.rank)
+    task = custom.task(cfg) if custom is not None else task_from_config(cfg)
+    model = task.model()
+    cfg = _layout(cfg, model, task, Path(run_dir), env.rank)
     engine = parallelize(
         model,
         cfg.parallel,
         lambda ps: torch.optim.AdamW(ps, lr=cfg.lr, weight_decay=cfg.weight_decay),
-        GPT.loss,
+        task.loss,
         device=device,
         grad_clip=cfg.grad_clip,
         timeout_s=cfg.timeout_s,
@@ -78,7 +71,7 @@ def train_worker(cfg_data: dict[str, Any], run_dir: str) -> dict[str, Any] | Non
     times: list[float] = []
     report: StepReport | None = None
     for step in range(start, cfg.max_steps):
-        batch = corpus.batch(step, cfg.batch_size, cfg.model.seq_len, seed=cfg.seed)
+        batch = task.batch(step)
         profiler.tick(step)
         t0 = time.perf_counter()
         report = engine.step(batch)
@@ -99,13 +92,21 @@ def train_worker(cfg_data: dict[str, Any], run_dir: str) -> dict[str, Any] | Non
     records = _gather(_records(report.result))
     traced = _gather(recent.rows())
     memory = max(_gather(_peak_memory_bytes()))
-    sample = _sample(engine, model, corpus, cfg, env.rank)
-    if log is None:
+    full = gathered_model(engine, task, cfg.parallel.partition, env.rank)
+    if log is None or full is None:
         return None
-    return log.finish(engine.schedule, times, records, sample, memory, traced)
+    sample = task.sample(full) if task.sample is not None else ""
+    return finish_with_validation(
+        log.finish(engine.schedule, times, records, sample, memory, traced),
+        full,
+        task,
+        Path(run_dir),
+    )
 
 
-def _layout(cfg: TrainConfig, model: GPT, corpus: Any, run_dir: Path, rank: int) -> TrainConfig:
+def _layout(
+    cfg: TrainConfig, model: nn.Module, task: Task, run_dir: Path, rank: int
+) -> TrainConfig:
     """The layout to train under: as given, or planned on the workers (`plan="auto"`); a
     restarted run keeps the plan its first attempt chose (replanning could choose another
     layout, which loads the checkpoint but no longer computes bit for bit the same)."""
@@ -117,7 +118,7 @@ def _layout(cfg: TrainConfig, model: GPT, corpus: Any, run_dir: Path, rank: int)
 
         layout = parallel_plan_from(json.loads(chosen.read_text()))
         return dataclasses.replace(cfg, parallel=layout)
-    return _planned(cfg, model, corpus, run_dir, rank)
+    return _planned(cfg, model, task, run_dir, rank)
 
 
 def _checkpoints(
@@ -148,19 +149,22 @@ def _maybe_save(
         log.updates(done - 1, drained)
 
 
-def _planned(cfg: TrainConfig, model: GPT, corpus: Any, run_dir: Path, rank: int) -> TrainConfig:
+def _planned(
+    cfg: TrainConfig, model: nn.Module, task: Task, run_dir: Path, rank: int
+) -> TrainConfig:
     """`cfg` under the plan the workers agree on (profiled and searched on rank 0)."""
     from plait.train.autoplan import auto_plan, parallel_plan_from
 
     largest = max(1, cfg.batch_size // dist.get_world_size())
     sizes = sorted({1, largest})
-    samples = [corpus.batch(0, b, cfg.model.seq_len, seed=cfg.seed) for b in sizes]
+    inputs, targets = task.batch(0)
+    samples = [(inputs[:b], targets[:b]) for b in sizes]
     chosen = auto_plan(
         model,
         samples,
-        GPT.loss,
-        num_heads=cfg.model.heads,
-        seq_len=cfg.model.seq_len,
+        task.loss,
+        num_heads=task.num_heads,
+        seq_len=task.seq_len,
         global_batch=cfg.batch_size,
         dtype=cfg.parallel.dtype,
         allow_staleness=cfg.allow_staleness,
@@ -188,32 +192,6 @@ def _gather(value: Any) -> list[Any]:
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, value)
     return out
-
-
-def _full_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Whole tensors of a (possibly tp- or FSDP-sharded) stage; a collective."""
-    state = {}
-    for name, t in module.state_dict().items():
-        full = t.full_tensor() if hasattr(t, "full_tensor") else t
-        state[name.replace("_checkpoint_wrapped_module.", "")] = full.detach().cpu()
-    return state
-
-
-def _sample(engine: Engine, model: GPT, corpus: Any, cfg: TrainConfig, rank: int) -> str:
-    """Gather the trained stages into one model on rank 0 and sample from it."""
-    states = _gather({s: _full_state(m) for s, m in engine.stages.items()})
-    if rank != 0 or cfg.sample_chars <= 0:
-        return ""
-    torch.manual_seed(cfg.seed)
-    full = GPT(model.cfg)
-    sizes = cfg.parallel.partition or equal_split(len(full.blocks()), cfg.parallel.num_stages)
-    stages = stage_modules(full.blocks(), sizes)
-    for per_rank in states:
-        for s, state in per_rank.items():
-            stages[s].load_state_dict(state)
-    g = torch.Generator().manual_seed(cfg.seed)
-    ids = generate(full, corpus.encode("def "), cfg.sample_chars, generator=g)
-    return str(corpus.decode(ids))
 
 
 def _peak_memory_bytes() -> int:
