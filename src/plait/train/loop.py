@@ -24,6 +24,8 @@ from plait.models.gpt import generate
 from plait.runtime import StepResult
 from plait.train.checkpointing import resume, save
 from plait.train.engine import Engine, StepReport, parallelize
+from plait.train.optim import optimizer_factory, scheduler_factory
+from plait.train.validate import Validation, due, summarise, validate
 
 __all__ = ["config_from_dict", "train_worker"]
 
@@ -62,11 +64,12 @@ def train_worker(cfg_data: dict[str, Any], run_dir: str) -> dict[str, Any] | Non
     engine = parallelize(
         model,
         cfg.parallel,
-        lambda ps: torch.optim.AdamW(ps, lr=cfg.lr, weight_decay=cfg.weight_decay),
+        optimizer_factory(cfg),
         GPT.loss,
         device=device,
         grad_clip=cfg.grad_clip,
         timeout_s=cfg.timeout_s,
+        scheduler_factory=scheduler_factory(cfg),
     )
     store, start = _checkpoints(cfg, engine, Path(run_dir))
     window = engine.schedule
@@ -74,6 +77,7 @@ def train_worker(cfg_data: dict[str, Any], run_dir: str) -> dict[str, Any] | Non
     log = _Logger(Path(run_dir), cfg, group, start=start) if env.rank == 0 else None
     times: list[float] = []
     report: StepReport | None = None
+    val: Validation | None = None
     for step in range(start, cfg.max_steps):
         batch = corpus.batch(step, cfg.batch_size, cfg.model.seq_len, seed=cfg.seed)
         t0 = time.perf_counter()
@@ -81,6 +85,10 @@ def train_worker(cfg_data: dict[str, Any], run_dir: str) -> dict[str, Any] | Non
         times.append(time.perf_counter() - t0)
         if log is not None:
             log.step(step, report, times[-1])
+        if due(cfg, step + 1):
+            val = validate(engine, corpus, cfg, step)
+            if log is not None:
+                log.validation(val)
         if store is not None:
             _maybe_save(cfg, engine, store, step + 1, log)
     drained = engine.drain()  # an asynchronous pipeline's last backwards and updates
@@ -95,7 +103,9 @@ def train_worker(cfg_data: dict[str, Any], run_dir: str) -> dict[str, Any] | Non
     sample = _sample(engine, model, corpus, cfg, env.rank)
     if log is None:
         return None
-    return log.finish(engine.schedule, times, records, sample, memory)
+    summary = log.finish(engine.schedule, times, records, sample, memory)
+    summarise(Path(run_dir), summary, val)
+    return summary
 
 
 def _layout(cfg: TrainConfig, model: GPT, corpus: Any, run_dir: Path, rank: int) -> TrainConfig:
@@ -271,6 +281,11 @@ class _Logger:
             self.update_log.flush()
         shown = loss if loss is not None else float("nan")
         self.progress.update(self.task, advance=1, loss=shown, tps=self.tokens / seconds)
+
+    def validation(self, val: Validation) -> None:
+        self.metrics.write(json.dumps(val.row()) + "\n")
+        for drained in val.drained:
+            self.updates(val.step, drained)
 
     def updates(self, step: int, report: StepReport) -> None:
         """One line per optimizer update (an asynchronous schedule makes one per micro-batch,
