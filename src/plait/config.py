@@ -215,11 +215,8 @@ class TrainConfig:
             )
         if not 0 <= self.min_lr <= self.lr:
             raise ValueError(f"min_lr={self.min_lr} must lie in [0, lr={self.lr}]")
-        if not isinstance(self.warmup_steps, int) or not 0 <= self.warmup_steps < self.max_steps:
-            raise ValueError(
-                f"warmup_steps={self.warmup_steps!r} must be an integer in [0, max_steps="
-                f"{self.max_steps})"
-            )
+        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps={self.warmup_steps!r} must be 0 or more")
         if self.eval_every is not None and (
             not isinstance(self.eval_every, int) or self.eval_every < 1
         ):

@@ -6,6 +6,9 @@ one changes no weight and no gradient."""
 from __future__ import annotations
 
 import copy
+import json
+import math
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -14,9 +17,12 @@ import torch
 import torch.distributed as dist
 
 from plait.blocks import equal_split, stage_modules
-from plait.config import ParallelPlan
+from plait.cli.main import main
+from plait.config import ParallelPlan, TrainConfig
 from plait.models import GPT
 from plait.train.engine import Engine, parallelize
+from plait.train.optim import optimizer_factory, scheduler_factory
+from torch.optim.lr_scheduler import CosineAnnealingLR, LinearLR, LRScheduler, SequentialLR
 
 from .harness import run_world
 from .test_hybrid import TOL, _batch, _full, _model
@@ -96,7 +102,45 @@ def _check(plan: ParallelPlan) -> None:
     engine.drain()
 
 
+def _torch_reference(cfg: TrainConfig, opt: torch.optim.Optimizer, u: int) -> LRScheduler:
+    """Warm-up from lr/(w+1) and cosine decay, as torch's schedulers spell them."""
+    w, total = cfg.warmup_steps * u, cfg.max_steps * u
+    warm = LinearLR(opt, start_factor=1 / (w + 1), end_factor=1.0, total_iters=w)
+    decay = CosineAnnealingLR(opt, T_max=total - w, eta_min=cfg.min_lr)
+    return SequentialLR(opt, [warm, decay], milestones=[w])
+
+
+def _schedule_steps_per_update(plan: ParallelPlan) -> None:
+    """Each stage's learning rate after every window equals torch's own schedulers
+    (`_torch_reference`, on a dummy optimizer) stepped once per update the stage made."""
+    cfg = TrainConfig(max_steps=6, lr=0.05, min_lr=0.005, warmup_steps=2, lr_schedule="cosine")
+    engine = parallelize(
+        _model(), plan, optimizer_factory(cfg), GPT.loss, device="cpu",
+        scheduler_factory=scheduler_factory(cfg),
+    )  # fmt: skip
+    u = max(1, engine.schedule.updates_per_window)
+    done = dict.fromkeys(engine.optimizers, 0)
+    for s, opt in engine.optimizers.items():
+        opt.register_step_post_hook(lambda *_, s=s: done.__setitem__(s, done[s] + 1))
+    for step in range(cfg.max_steps):
+        engine.step(_batch(step))
+        for s, opt in engine.optimizers.items():
+            dummy = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.lr)
+            with warnings.catch_warnings(action="ignore"):
+                ref = _torch_reference(cfg, dummy, u)
+                for _ in range(done[s]):
+                    dummy.step()
+                    ref.step()
+            for group in opt.param_groups:
+                assert math.isclose(group["lr"], dummy.param_groups[0]["lr"], rel_tol=1e-9), (
+                    plan, step, s, done[s])
+    engine.drain()
+    assert all(n > 0 for n in done.values())
+
+
 def _worker(rank: int, world_size: int) -> None:
+    _schedule_steps_per_update(ParallelPlan(pp=2, dp=2, microbatches=2, zero=1))
+    _schedule_steps_per_update(ParallelPlan(pp=4, microbatches=4, schedule="2bw"))
     for plan in (
         ParallelPlan(pp=2, dp=2, microbatches=2, schedule="1f1b"),
         ParallelPlan(pp=4, microbatches=4, schedule="gpipe"),
@@ -110,3 +154,37 @@ def _worker(rank: int, world_size: int) -> None:
 
 def test_evaluate_equals_a_single_process_forward(tmp_path: Path) -> None:
     run_world(tmp_path, 4, _worker)
+
+
+SMALL = ["--layers", "2", "--hidden", "64", "--seq-len", "32", "--batch-size", "16",
+         "--sample-chars", "0", "--pp", "2"]  # fmt: skip
+
+
+def _rows(run_dir: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_train_logs_validation_and_resumes_mid_warm_up_bit_identical(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A run validates every 2 steps (metrics rows and summary carry `val_loss`); a run
+    stopped after 3 of 4 warm-up steps and resumed from its checkpoint logs the very same
+    losses, so the schedule went on where it stopped."""
+    config = tmp_path / "run.toml"
+    config.write_text('warmup_steps = 4\neval_every = 2\neval_batches = 1\nlr = 0.01\n')
+    base = ["train", "--config", str(config), *SMALL]
+    whole = tmp_path / "whole"
+    assert main([*base, "--run-dir", str(whole), "--max-steps", "6"]) == 0
+    assert "validation" in capsys.readouterr().out
+    rows = _rows(whole)
+    assert [r["step"] for r in rows] == list(range(6))
+    assert [r["step"] for r in rows if "val_loss" in r] == [1, 3, 5]
+    summary = json.loads((whole / "summary.json").read_text())
+    assert summary["val_loss"] == rows[5]["val_loss"]
+    parts = tmp_path / "parts"
+    again = [*base, "--run-dir", str(parts), "--checkpoint-every", "2"]
+    assert main([*again, "--max-steps", "3"]) == 0
+    assert main([*again, "--max-steps", "6", "--resume", "auto"]) == 0
+    resumed = _rows(parts)
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in rows]
+    assert resumed[5]["val_loss"] == rows[5]["val_loss"]

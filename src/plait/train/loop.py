@@ -83,12 +83,10 @@ def train_worker(cfg_data: dict[str, Any], run_dir: str) -> dict[str, Any] | Non
         t0 = time.perf_counter()
         report = engine.step(batch)
         times.append(time.perf_counter() - t0)
-        if log is not None:
-            log.step(step, report, times[-1])
         if due(cfg, step + 1):
             val = validate(engine, corpus, cfg, step)
-            if log is not None:
-                log.validation(val)
+        if log is not None:
+            log.step(step, report, times[-1], val if val is not None and val.step == step else None)
         if store is not None:
             _maybe_save(cfg, engine, store, step + 1, log)
     drained = engine.drain()  # an asynchronous pipeline's last backwards and updates
@@ -257,7 +255,9 @@ class _Logger:
         )
         self.progress.start()
 
-    def step(self, step: int, report: StepReport, seconds: float) -> None:
+    def step(
+        self, step: int, report: StepReport, seconds: float, val: Validation | None = None
+    ) -> None:
         """A step's row. Its loss is that of the micro-batches the step reported: its own,
         or, for an asynchronous schedule, those of the step `loss_step` (earlier); None
         when none were reported yet."""
@@ -274,18 +274,16 @@ class _Logger:
             "grad_norm": report.grad_norm,
             "time": time.time(),  # when the step ended: wall-clock gaps show stalls and restarts
         }
+        row.update(val.row() if val is not None else {})
         self.metrics.write(json.dumps(row) + "\n")
         self.updates(step, report)
+        for drained in val.drained if val is not None else []:
+            self.updates(step, drained)
         if step % self.cfg.log_every == 0 or step == self.cfg.max_steps - 1:
             self.metrics.flush()
             self.update_log.flush()
         shown = loss if loss is not None else float("nan")
         self.progress.update(self.task, advance=1, loss=shown, tps=self.tokens / seconds)
-
-    def validation(self, val: Validation) -> None:
-        self.metrics.write(json.dumps(val.row()) + "\n")
-        for drained in val.drained:
-            self.updates(val.step, drained)
 
     def updates(self, step: int, report: StepReport) -> None:
         """One line per optimizer update (an asynchronous schedule makes one per micro-batch,

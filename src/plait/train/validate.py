@@ -27,7 +27,8 @@ class Validation:
     drained: list[StepReport]  # an asynchronous stream's drains, to log as updates
 
     def row(self) -> dict[str, Any]:
-        return {"step": self.step, "val_loss": self.loss, "val_samples": self.samples}
+        """Its fields in the metrics row of its step."""
+        return {"val_loss": self.loss, "val_samples": self.samples}
 
 
 def due(cfg: TrainConfig, done: int) -> bool:
