@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import math
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -156,8 +157,33 @@ class TrainConfig:
     nproc: int | None = None  # default: dp × tp × pp
     max_steps: int = 300
     batch_size: int = 32
-    lr: float = 3e-3
-    weight_decay: float = 0.01
+    lr: float = field(default=3e-3, metadata={"help": "peak learning rate"})
+    weight_decay: float = field(
+        default=0.01, metadata={"help": "weight decay (not applied to biases and norm weights)"}
+    )
+    optimizer: str = field(default="adamw", metadata={"help": "optimizer: adamw or sgd"})
+    beta1: float = field(default=0.9, metadata={"help": "AdamW's first-moment decay"})
+    beta2: float = field(default=0.999, metadata={"help": "AdamW's second-moment decay"})
+    eps: float = field(default=1e-8, metadata={"help": "AdamW's epsilon"})
+    momentum: float = field(default=0.0, metadata={"help": "SGD's momentum"})
+    nesterov: bool = field(default=False, metadata={"help": "SGD with Nesterov momentum"})
+    lr_schedule: str = field(
+        default="constant",
+        metadata={"help": "after warm-up: constant, cosine or linear decay to min_lr"},
+    )
+    warmup_steps: int = field(
+        default=0, metadata={"help": "steps of linear learning-rate warm-up from lr/(n+1)"}
+    )
+    min_lr: float = field(
+        default=0.0, metadata={"help": "learning rate at the last step (cosine, linear)"}
+    )
+    eval_every: int | None = field(
+        default=None, metadata={"help": "validation loss every N steps (always at the end)"}
+    )
+    eval_batches: int = field(
+        default=4,
+        metadata={"help": "validation batches (of batch_size) per evaluation; 0: none"},
+    )
     grad_clip: float | None = 1.0
     # "auto": profile and plan on the workers; a path: a plan file (`plait plan --out`);
     # None: train under `parallel` as given
@@ -246,8 +272,40 @@ class TrainConfig:
             raise ValueError(
                 f"grad_clip={self.grad_clip} must be positive, or None for no clipping"
             )
+        self._check_optimizer()
+
+    def _check_optimizer(self) -> None:
+        for name in ("lr", "weight_decay", "beta1", "beta2", "eps", "momentum", "min_lr"):
+            value = getattr(self, name)
+            if not math.isfinite(value):
+                raise ValueError(f"{name}={value} must be a finite number")
         if not self.lr > 0:
             raise ValueError(f"lr={self.lr} must be positive")
+        if self.weight_decay < 0 or self.momentum < 0 or not self.eps > 0:
+            raise ValueError(
+                f"weight_decay={self.weight_decay}, momentum={self.momentum} must be >= 0 and "
+                f"eps={self.eps} positive"
+            )
+        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
+            raise ValueError(f"beta1={self.beta1}, beta2={self.beta2} must lie in [0, 1)")
+        if self.optimizer not in ("adamw", "sgd"):
+            raise ValueError(f"optimizer={self.optimizer!r} is unknown: use 'adamw' or 'sgd'")
+        if self.nesterov and (self.optimizer != "sgd" or not self.momentum > 0):
+            raise ValueError("nesterov=true needs optimizer='sgd' and momentum > 0")
+        if self.lr_schedule not in ("constant", "cosine", "linear"):
+            raise ValueError(
+                f"lr_schedule={self.lr_schedule!r} is unknown: use constant, cosine or linear"
+            )
+        if not 0 <= self.min_lr <= self.lr:
+            raise ValueError(f"min_lr={self.min_lr} must lie in [0, lr={self.lr}]")
+        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps={self.warmup_steps!r} must be 0 or more")
+        if self.eval_every is not None and (
+            not isinstance(self.eval_every, int) or self.eval_every < 1
+        ):
+            raise ValueError(f"eval_every={self.eval_every!r} must be a positive integer, or unset")
+        if not isinstance(self.eval_batches, int) or self.eval_batches < 0:
+            raise ValueError(f"eval_batches={self.eval_batches!r} must be 0 or more")
 
     def _check_data(self) -> None:
         """The data exists in kind, and fits the model (tokens for language models, labelled

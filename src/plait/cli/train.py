@@ -276,8 +276,10 @@ def _report(summary: dict[str, Any], run_dir: Path) -> None:
     layout = ", ".join(f"{k}={v}" for k, v in plan.items() if k != "partition")
     print(
         f"plan ({summary['plan_source']}): {layout}\n"
-        f"loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f} | "
-        f"step {summary['step_time_s'] * 1e3:.1f} ms | {summary['tokens_per_s']:,.0f} tok/s | "
+        f"loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f}"
+        + (f", validation {summary['val_loss']:.3f}" if "val_loss" in summary else "")
+        + " | "
+        + f"step {summary['step_time_s'] * 1e3:.1f} ms | {summary['tokens_per_s']:,.0f} tok/s | "
         f"bubble {summary['bubble_fraction']:.1%} | peak memory "
         f"{summary['peak_memory_bytes'] / 2**20:.0f} MiB (largest worker)"
     )

@@ -48,6 +48,7 @@ from plait.runtime.boundary import (
     negotiate,
     unflatten,
 )
+from plait.runtime.evaluate import EvalSums, MetricFn, evaluate
 from plait.runtime.transport import DEFAULT_TIMEOUT_S, PipelineTimeout, Transport
 from plait.runtime.weights import Predictor, WeightStore
 from plait.schedule import Action, Op, RankStream, Schedule, completing_backwards
@@ -193,6 +194,24 @@ class PipelineExecutor:
         self.windows += 1
         self.transport.settle(self.windows - 1 - self.schedule.reach)
         return result
+
+    def evaluate(
+        self,
+        inputs: Sequence[Any] | None,
+        targets: Sequence[Any] | None,
+        metrics: Mapping[str, MetricFn],
+    ) -> EvalSums:
+        """A forward-only pass over one window's micro-batches on the current weights (see
+        `plait.runtime.evaluate`); the training stream must have nothing in flight."""
+        m = self.schedule.num_microbatches
+        if self.needs_inputs and (inputs is None or len(inputs) != m):
+            raise ValueError(f"rank {self.rank} holds a first stage and needs {m} inputs")
+        if self.needs_targets and (targets is None or len(targets) != m):
+            raise ValueError(f"rank {self.rank} holds a last stage and needs {m} targets")
+        if self.windows and not self.stream.drained and self.schedule.reach:
+            raise RuntimeError("an asynchronous stream is in flight: drain() before evaluate")
+        self._negotiate(inputs)
+        return evaluate(self, inputs, targets, metrics)
 
     def restart(self) -> None:
         """Begin a new stream after `drain`: window 0 again, weight versions from 0."""

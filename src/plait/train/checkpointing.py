@@ -2,9 +2,12 @@
 
 What a checkpoint holds besides the engine's tensors (`plait.checkpoint.state`): the step
 to resume at (data is a function of the step and the seed), the world size and plan it was
-saved under, the config, and the fp16 loss scale. An asynchronous stream is drained before
-the save and restarted after it, so the checkpoint holds no weight version in flight; a run
-that resumes from it starts a new stream at that step, as the run that saved it did.
+saved under, the config, the fp16 loss scale and the learning-rate schedule's position (its
+updates done: the schedule is a closed-form function of it, see `plait.train.optim`, and
+the optimizer state holds each group's current learning rate). An asynchronous stream is
+drained before the save and restarted after it, so the checkpoint holds no weight version
+in flight; a run that resumes from it starts a new stream at that step, as the run that
+saved it did.
 """
 
 from __future__ import annotations
@@ -32,6 +35,9 @@ def save(
     extra: dict[str, Any] = {"world_size": dist.get_world_size()}
     if engine.scaler is not None:
         extra["loss_scale"] = engine.scaler.state_dict()
+    if engine.schedulers:  # every stage has taken the same updates (a drained stream)
+        first = engine.schedulers[min(engine.schedulers)]
+        extra["lr_schedule"] = {"last_epoch": first.last_epoch, "step_count": first._step_count}
     store.save(step, engine_state(engine), {**info, **extra})
     if drained is not None:
         engine.restart()
@@ -63,7 +69,18 @@ def resume(engine: Engine, store: CheckpointStore, target: str) -> Checkpoint | 
     scale = found.info.get("loss_scale")
     if engine.scaler is not None and scale is not None:
         engine.scaler.load_state_dict(scale)
+    _resume_schedule(engine, found.info.get("lr_schedule"))
     if dist.get_rank() == 0 and os.environ.get("PLAIT_ATTEMPT", "0") == "0":
         # after a restart the launcher has already said where the run resumes
         print(f"plait: resuming from step {found.step} ({found.path})", file=sys.stderr, flush=True)
     return found
+
+
+def _resume_schedule(engine: Engine, saved: dict[str, int] | None) -> None:
+    """Put every stage's learning-rate schedule where the saved run's was."""
+    if saved is None:
+        return
+    for s, scheduler in engine.schedulers.items():
+        scheduler.last_epoch = saved["last_epoch"]
+        scheduler._step_count = saved["step_count"]
+        scheduler._last_lr = [g["lr"] for g in engine.optimizers[s].param_groups]

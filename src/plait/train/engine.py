@@ -46,15 +46,18 @@ from plait.parallel import (
 from plait.parallel.compress import hook_for
 from plait.parallel.sync import GradSync
 from plait.runtime import PipelineExecutor, StepResult, local_stages, split_microbatches
+from plait.runtime.evaluate import MetricFn
 from plait.runtime.predict import optimizer_predictor
 from plait.runtime.transport import DEFAULT_TIMEOUT_S, timed_wait, timeout_message
 from plait.schedule import Schedule, build
 from plait.train.precision import LossScaler, autocast_context
 from plait.train.recompute import apply_recompute
 
-__all__ = ["Engine", "StepReport", "parallelize"]
+__all__ = ["Engine", "EvalReport", "StepReport", "parallelize"]
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+# (a stage's optimizer, optimizer updates per window) -> its learning-rate schedule
+SchedulerFactory = Callable[[torch.optim.Optimizer, int], torch.optim.lr_scheduler.LRScheduler]
 LossFn = Callable[[Any, Any], torch.Tensor]
 
 
@@ -75,6 +78,18 @@ class StepReport:
     updates: int = 1  # optimizer steps this rank's (first) stage took
 
 
+@dataclass(frozen=True)
+class EvalReport:
+    """A forward-only pass over one batch, as every rank sees it."""
+
+    loss: float  # mean over the batch's samples of the loss, as in training
+    metrics: dict[str, float]  # each metric's sum over the samples / samples
+    samples: int
+    # an asynchronous stream had to be drained first: that drain's report (its losses
+    # and updates belong to training), else None
+    drained: StepReport | None = None
+
+
 class Engine:
     """Trains this rank's share of a model under a `ParallelPlan`. Build with `parallelize`."""
 
@@ -92,8 +107,11 @@ class Engine:
         grad_clip: float | None,
         block_names: list[str] | None = None,
         timeout_s: float | None = DEFAULT_TIMEOUT_S,
+        schedulers: dict[int, torch.optim.lr_scheduler.LRScheduler] | None = None,
     ) -> None:
         self.plan, self.mesh, self.schedule = plan, mesh, schedule
+        # stepped after each update of their stage's optimizer (not after a skipped one)
+        self.schedulers = schedulers or {}
         self.timeout_s = timeout_s  # for every wait on a peer (plait.runtime.transport)
         # each block's name in the whole model: checkpoints name parameters by it
         self.block_names = block_names or []
@@ -173,6 +191,38 @@ class Engine:
             )
         yield self.drain()
 
+    def evaluate(
+        self, batch: tuple[Any, Any], metrics: dict[str, MetricFn] | None = None
+    ) -> EvalReport:
+        """The loss (and `metrics`, each returning a sum over a micro-batch's samples) of the
+        global `batch` = (inputs, targets), split as `step` splits it, by a forward-only pass
+        through the pipeline on the newest weights: no gradient, no update. An asynchronous
+        stream in flight is drained first and restarted after (as a checkpoint save does),
+        so its later windows begin with a warm-up again; the drain's report is returned."""
+        drained = None
+        if not self.synchronous and self.executor.windows and not self.executor.stream.drained:
+            drained = self.drain()
+        inputs, targets = batch
+        m = self.plan.microbatches
+        micro_in = split_microbatches(_to(self._shard(inputs), self.device), m)
+        micro_tg = split_microbatches(_to(self._shard(targets), self.device), m)
+        sums = self.executor.evaluate(
+            micro_in if self.executor.needs_inputs else None,
+            micro_tg if self.executor.needs_targets else None,
+            metrics or {},
+        )
+        values = sums.values / self.plan.tp  # tp replicas of a last stage count once
+        dist.all_reduce(values)
+        if drained is not None:
+            self.restart()
+        samples = max(1.0, float(values[1]))
+        return EvalReport(
+            loss=float(values[0] / samples),
+            metrics={n: float(v / samples) for n, v in zip(sums.names, values[2:], strict=True)},
+            samples=round(float(values[1])),
+            drained=drained,
+        )
+
     def _window(self, micro_in: list[Any] | None, micro_tg: list[Any] | None) -> StepReport:
         if self.synchronous:  # the last step's gradients stayed readable until now
             self._zero_grad()
@@ -198,6 +248,8 @@ class Engine:
             self._norm = self._clip_stage(stage)
         if not self._skipped:
             self.optimizers[stage].step()
+            if stage in self.schedulers:
+                self.schedulers[stage].step()
         if not self.synchronous:  # the stage's next backward comes before the window ends
             self._zero_grad(stage)
 
@@ -320,6 +372,7 @@ def parallelize(
     device: torch.device | str | None = None,
     grad_clip: float | None = None,
     timeout_s: float | None = DEFAULT_TIMEOUT_S,
+    scheduler_factory: SchedulerFactory | None = None,
 ) -> Engine:
     """An `Engine` that trains `model` under `plan` on the current process group.
 
@@ -329,7 +382,9 @@ def parallelize(
     torch's ZeroRedundancyOptimizer so each dp rank keeps 1/dp of the optimizer state).
     A wait for a peer's message or reduction longer than `timeout_s` seconds raises
     `plait.runtime.transport.PipelineTimeout` naming the action and the peer (None: wait
-    as long as the process group's timeout; see that module).
+    as long as the process group's timeout; see that module). `scheduler_factory(optimizer,
+    updates_per_window)` builds each stage's learning-rate schedule, stepped once per
+    update of that stage (an asynchronous schedule makes several updates per window).
     """
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     mesh = mesh or ParallelDims(dp=plan.dp, tp=plan.tp, pp=plan.pp).build_mesh(device.type)
@@ -361,7 +416,16 @@ def parallelize(
         s: _optimizer(optimizer_factory, [p for p in m.parameters() if p.requires_grad], plan, mesh)
         for s, m in stages.items()
     }
+    schedulers = (
+        {
+            s: scheduler_factory(o, max(1, schedule.updates_per_window))
+            for s, o in optimizers.items()
+        }
+        if scheduler_factory is not None
+        else None
+    )
     return Engine(
+        schedulers=schedulers,
         plan=plan,
         mesh=mesh,
         schedule=schedule,
@@ -395,8 +459,13 @@ def _optimizer(
     # decoupled_weight_decay): pass on only the constructor's own arguments
     accepted = inspect.signature(type(optimizer).__init__).parameters
     settings = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+    # keep the factory's parameter groups (weight-decay exclusions) and their settings
+    groups = [
+        {k: v for k, v in g.items() if k == "params" or v != optimizer.defaults.get(k)}
+        for g in optimizer.param_groups
+    ]
     return ZeroRedundancyOptimizer(
-        params,
+        groups,
         optimizer_class=type(optimizer),
         process_group=mesh.get_group("dp"),
         **settings,

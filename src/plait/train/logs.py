@@ -158,10 +158,11 @@ class RunLogger:
         self.writer = _tensorboard(cfg.tensorboard)
         self.progress = _Progress(cfg, start, self.tokens)
 
-    def step(self, step: int, report: Any, seconds: float) -> None:
+    def step(self, step: int, report: Any, seconds: float, val: Any = None) -> None:
         """A step's row. Its loss is that of the micro-batches the step reported: its own,
         or, for an asynchronous schedule, those of the step `loss_step` (earlier); None
-        when none were reported yet."""
+        when none were reported yet. `val` (a `plait.train.validate.Validation` of this
+        step) adds its fields to the row: one row per step, whatever is measured in it."""
         loss = report.loss if math.isfinite(report.loss) else None
         self.skipped += report.skipped
         m = self.cfg.parallel.microbatches
@@ -175,14 +176,20 @@ class RunLogger:
             "grad_norm": report.grad_norm,
             "time": time.time(),  # when the step ended: wall-clock gaps show stalls and restarts
         }
+        extra = val.row() if val is not None else {}
+        row.update(extra)
         self.metrics_file.write(json.dumps(row) + "\n")
         self.updates(step, report)
+        for drained in val.drained if val is not None else []:
+            self.updates(step, drained)
         if step % self.cfg.log_every == 0 or step == self.cfg.max_steps - 1:
             self.metrics_file.flush()
             self.update_log.flush()
         scalars = {"loss": loss, "tokens_per_s": row["tokens_per_s"], "step_time_s": seconds}
-        self._scalars(step, scalars)
+        self._scalars(step, {**scalars, **extra})
         self.progress.step(step, loss, seconds)
+        if extra:
+            self._say(step, {k: v for k, v in extra.items() if k != "val_samples"})
 
     def metrics(self, step: int, values: Mapping[str, float]) -> None:
         """Further metrics of `step` (`{"val_loss": 2.9}`, `{"lr": 3e-4}`): a row of
@@ -191,6 +198,9 @@ class RunLogger:
         self.metrics_file.write(json.dumps(row) + "\n")
         self.metrics_file.flush()
         self._scalars(step, values)
+        self._say(step, values)
+
+    def _say(self, step: int, values: Mapping[str, float]) -> None:
         shown = " | ".join(f"{k} {v:.4g}" for k, v in values.items())
         message = f"step {step + 1}/{self.cfg.max_steps} | {shown}"
         if self.progress.bar is not None:

@@ -20,6 +20,7 @@ from plait.runtime import StepResult
 from plait.train.checkpointing import resume, save
 from plait.train.engine import Engine, StepReport, parallelize
 from plait.train.logs import RecentSteps, RunLogger, setup
+from plait.train.optim import optimizer_factory, scheduler_factory
 from plait.train.profiling import StepProfiler
 from plait.train.task import (
     CustomTask,
@@ -28,6 +29,7 @@ from plait.train.task import (
     gathered_model,
     task_from_config,
 )
+from plait.train.validate import Validation, due, summarise, validate
 
 __all__ = ["config_from_dict", "train_worker"]
 
@@ -56,11 +58,12 @@ def train_worker(
     engine = parallelize(
         model,
         cfg.parallel,
-        lambda ps: torch.optim.AdamW(ps, lr=cfg.lr, weight_decay=cfg.weight_decay),
+        optimizer_factory(cfg),
         task.loss,
         device=device,
         grad_clip=cfg.grad_clip,
         timeout_s=cfg.timeout_s,
+        scheduler_factory=scheduler_factory(cfg),
     )
     store, start = _checkpoints(cfg, engine, Path(run_dir))
     window = engine.schedule
@@ -70,6 +73,7 @@ def train_worker(
     profiler = StepProfiler(cfg.profile_steps, Path(run_dir), env.rank)
     times: list[float] = []
     report: StepReport | None = None
+    val: Validation | None = None
     for step in range(start, cfg.max_steps):
         batch = task.batch(step)
         profiler.tick(step)
@@ -77,8 +81,10 @@ def train_worker(
         report = engine.step(batch)
         times.append(time.perf_counter() - t0)
         recent.add(step, report.result)
+        if due(cfg, step + 1):
+            val = validate(engine, task, cfg, step)
         if log is not None:
-            log.step(step, report, times[-1])
+            log.step(step, report, times[-1], val if val is not None and val.step == step else None)
         if store is not None:
             _maybe_save(cfg, engine, store, step + 1, log)
     drained = engine.drain()  # an asynchronous pipeline's last backwards and updates
@@ -96,12 +102,9 @@ def train_worker(
     if log is None or full is None:
         return None
     sample = task.sample(full) if task.sample is not None else ""
-    return finish_with_validation(
-        log.finish(engine.schedule, times, records, sample, memory, traced),
-        full,
-        task,
-        Path(run_dir),
-    )
+    summary = log.finish(engine.schedule, times, records, sample, memory, traced)
+    summarise(Path(run_dir), summary, val)
+    return finish_with_validation(summary, full, task, Path(run_dir))
 
 
 def _layout(

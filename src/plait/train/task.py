@@ -94,11 +94,16 @@ def _language_task(cfg: TrainConfig) -> Task:
             return data.batch(step, cfg.batch_size, m.seq_len, seed=cfg.seed)
         return data.batch(step, cfg.batch_size)
 
+    def validation() -> Iterator[Batch]:  # the corpus's held-out tail, by index
+        for index in range(cfg.eval_batches):
+            yield data.batch(index, cfg.batch_size, m.seq_len, seed=cfg.seed, split="validation")
+
     sample = None
     if cfg.data == "stdlib" and cfg.sample_chars > 0:
         sample = _text_sample(cfg, data)
     return Task(build=build, batch=batch, loss=_lm_loss, seed=cfg.seed, sample=sample,
-                num_heads=m.heads, seq_len=m.seq_len)  # fmt: skip
+                num_heads=m.heads, seq_len=m.seq_len,
+                validation=validation if cfg.data == "stdlib" else None)  # fmt: skip
 
 
 def _lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
