@@ -153,12 +153,18 @@ def _from_plan_file(
 
     if not Path(path).is_file():
         raise ValueError(f"plan file {path} does not exist (write one with `plait plan --out`)")
-    data = read_plan(path)
+    try:
+        data = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"plan file {path} is not JSON ({err})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("model", {}), dict):
+        raise ValueError(f"plan file {path}: its model must be an object of sizes (layers, ...)")
     keys = [f.name for f in dataclasses.fields(ParallelPlan)]
     try:  # type-checked as the config is: a string where a count belongs is an error
         layout = ParallelPlan(**{k: data[k] for k in keys if data.get(k) is not None})
     except ValueError as err:
         raise ValueError(f"plan file {path}: {err}") from None
+    read_plan(path)  # the rest of what a plan file must hold
     out: dict[str, Any] = {f"parallel.{k}": v for k, v in vars(layout).items()}
     if overrides.get("batch_size") is None and "batch_size" not in from_file:
         out["batch_size"] = int(data.get("global_batch", 0)) or None
