@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import math
 import tomllib
+import types
+import typing
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -13,7 +17,15 @@ from typing import Any
 from plait.compression import check_zero, parse_compression
 from plait.schedule.registry import KINDS, schedule_kind
 
-__all__ = ["DATA", "MODELS", "ModelConfig", "ParallelPlan", "TrainConfig", "load_config"]
+__all__ = [
+    "DATA",
+    "MODELS",
+    "ModelConfig",
+    "ParallelPlan",
+    "TrainConfig",
+    "load_config",
+    "read_config_file",
+]
 
 MODELS = {
     "gpt": "plait's reference GPT",
@@ -32,6 +44,70 @@ _LANGUAGE_DATA = ("stdlib", "synthetic")
 _IMAGE_DATA = ("digits", "cifar100", "synthetic")
 
 
+_HINTS: dict[type[Any], dict[str, Any]] = {}
+
+
+def _hints(cls: type[Any]) -> dict[str, Any]:
+    # resolved once per class: the annotations are strings under `from __future__`
+    if cls not in _HINTS:
+        _HINTS[cls] = typing.get_type_hints(cls)
+    return _HINTS[cls]
+
+
+def _describe(hint: Any) -> str:
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) in (types.UnionType, typing.Union):
+        return " or ".join("unset" if a is type(None) else _describe(a) for a in args)
+    if typing.get_origin(hint) is tuple:
+        return "a list of integers"
+    if typing.get_origin(hint) is typing.Literal:
+        return f"one of {list(args)}"
+    names = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
+    return names.get(hint, getattr(hint, "__name__", str(hint)))
+
+
+def _coerce(value: Any, hint: Any) -> tuple[bool, Any]:
+    """(ok, value converted to `hint`): ints widen to floats, lists become tuples; nothing
+    else converts (a bool is not an integer here, a string is not a number)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (types.UnionType, typing.Union):
+        for arg in args:
+            ok, out = (value is None, None) if arg is type(None) else _coerce(value, arg)
+            if ok:
+                return True, out
+        return False, value
+    if origin is tuple:
+        if not isinstance(value, list | tuple):
+            return False, value
+        items = [_coerce(v, args[0]) for v in value]
+        return all(ok for ok, _ in items), tuple(v for _, v in items)
+    if origin is typing.Literal:
+        return value in args, value
+    if hint is float:
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        return number, float(value) if number else value
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool), value
+    if isinstance(hint, type):
+        return isinstance(value, hint), value
+    return True, value  # a hint this checker does not know: the field validates itself
+
+
+def _check_types(obj: Any) -> None:
+    """Every field of the dataclass `obj` holds its declared type, or a ValueError names
+    the field, the value and the type it should have (TOML, JSON and the API alike)."""
+    hints = _hints(type(obj))
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        ok, converted = _coerce(value, hints[f.name])
+        if not ok:
+            raise ValueError(
+                f"{f.name}={value!r} must be {_describe(hints[f.name])}, not {type(value).__name__}"
+            )
+        if converted is not value:
+            object.__setattr__(obj, f.name, converted)
+
+
 def _positive(obj: object, *names: str) -> None:
     for name in names:
         value = getattr(obj, name)
@@ -41,23 +117,30 @@ def _positive(obj: object, *names: str) -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    """Which model, and its shape; a language model's vocabulary comes from the data."""
+    """The reference GPT's shape; the vocabulary comes from the data."""
 
     name: str = field(
         default="gpt",
-        metadata={"help": "model: " + "; ".join(f"{k} ({v})" for k, v in MODELS.items())},
+        metadata={
+            "help": "model: " + "; ".join(f"{k} ({v})" for k, v in MODELS.items()),
+            "flag": "--model",
+            "choices": tuple(MODELS),
+        },
     )
-    layers: int = 4
-    hidden: int = 128
-    heads: int = 4
-    seq_len: int = 64
-    ffn_hidden: int | None = None
-    dropout: float = 0.0
+    layers: int = field(default=4, metadata={"help": "transformer layers"})
+    hidden: int = field(default=128, metadata={"help": "hidden size"})
+    heads: int = field(default=4, metadata={"help": "attention heads"})
+    seq_len: int = field(default=64, metadata={"help": "tokens per sample"})
+    ffn_hidden: int | None = field(
+        default=None, metadata={"help": "MLP width", "default_text": "4 × hidden"}
+    )
+    dropout: float = field(default=0.0, metadata={"help": "dropout probability"})
     width: int = field(
         default=16, metadata={"help": "resnet18: channels of its first stage (64 in the paper)"}
     )
 
     def __post_init__(self) -> None:
+        _check_types(self)
         if self.name not in MODELS:
             raise ValueError(f"model name={self.name!r} is unknown; choose one of {list(MODELS)}")
         _positive(self, "layers", "hidden", "heads", "seq_len", "width")
@@ -88,21 +171,60 @@ class ParallelPlan:
     the engine balance them by the profile).
     """
 
-    dp: int = 1
-    tp: int = 1
-    pp: int = 2
-    schedule: str = "1f1b"
-    microbatches: int = 4
-    chunks: int = 1
-    zero: int = 0
-    recompute: str = "none"
-    sequence_parallel: bool = False
-    dtype: str = "fp32"
-    partition: tuple[int, ...] | None = None
-    # gradient compression of the data-parallel reduction (plait.compression)
-    compress: str = "none"
+    dp: int = field(default=1, metadata={"help": "data-parallel degree"})
+    tp: int = field(default=1, metadata={"help": "tensor-parallel degree"})
+    pp: int = field(
+        default=2,
+        metadata={"help": "pipeline degree (with --nproc and no --pp: nproc / (dp × tp))"},
+    )
+    schedule: str = field(
+        default="1f1b",
+        metadata={
+            "help": "pipeline schedule: "
+            + "; ".join(f"{k.name} ({k.summary})" for k in KINDS.values()),
+            "choices": tuple(KINDS),
+            "metavar": "KIND",
+        },
+    )
+    microbatches: int = field(
+        default=4, metadata={"help": "micro-batches per step and data-parallel replica"}
+    )
+    chunks: int = field(
+        default=1, metadata={"help": "virtual stages per rank (interleaved: 2 or more)"}
+    )
+    zero: int = field(
+        default=0,
+        metadata={
+            "help": "ZeRO stage of data parallelism (2 and 3 through FSDP2)",
+            "choices": (0, 1, 2, 3),
+        },
+    )
+    recompute: str = field(
+        default="none",
+        metadata={"help": "activation recomputation", "choices": ("none", "selective", "full")},
+    )
+    sequence_parallel: bool = field(
+        default=False, metadata={"help": "shard activations along the sequence (needs tp > 1)"}
+    )
+    dtype: str = field(
+        default="fp32",
+        metadata={"help": "training dtype", "choices": ("fp32", "bf16", "fp16")},
+    )
+    partition: tuple[int, ...] | None = field(
+        default=None,
+        metadata={"help": "blocks per (virtual) stage, e.g. 2,2,2", "default_text": "balanced"},
+    )
+    compress: str = field(
+        default="none",
+        metadata={
+            "help": "gradient compression of the data-parallel reduction: none, fp16, bf16, "
+            "powersgd:RANK, threshold:TAU, topk:RATIO or sign (ZeRO-2/3: fp16, bf16 only)",
+            "metavar": "METHOD",
+        },
+    )
 
     def __post_init__(self) -> None:
+        _check_types(self)
         _positive(self, "dp", "tp", "pp", "microbatches", "chunks")
         if self.schedule not in KINDS:
             raise ValueError(f"schedule={self.schedule!r} is unknown; choose one of {list(KINDS)}")
@@ -113,6 +235,17 @@ class ParallelPlan:
             raise ValueError(f"recompute={self.recompute!r} must be one of {RECOMPUTE}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r} must be one of {DTYPES}")
+        if self.zero and self.dp == 1:
+            raise ValueError(
+                f"zero={self.zero} with dp=1 does nothing (ZeRO shards over data-parallel "
+                "replicas): set dp > 1 or zero=0"
+            )
+        if self.microbatches < self.pp:
+            warnings.warn(
+                f"microbatches={self.microbatches} is fewer than pp={self.pp} stages: some "
+                f"stages idle all step; use at least {self.pp} micro-batches",
+                stacklevel=3,
+            )
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("sequence_parallel needs tp > 1: set tp or drop sequence_parallel")
         self._check_asynchronous()
@@ -154,9 +287,12 @@ class TrainConfig:
 
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelPlan = field(default_factory=ParallelPlan)
-    nproc: int | None = None  # default: dp × tp × pp
-    max_steps: int = 300
-    batch_size: int = 32
+    nproc: int | None = field(
+        default=None,
+        metadata={"help": "local worker processes", "default_text": "dp × tp × pp"},
+    )
+    max_steps: int = field(default=300, metadata={"help": "optimizer steps"})
+    batch_size: int = field(default=32, metadata={"help": "samples per step (global batch)"})
     lr: float = field(default=3e-3, metadata={"help": "peak learning rate"})
     weight_decay: float = field(
         default=0.01, metadata={"help": "weight decay (not applied to biases and norm weights)"}
@@ -184,23 +320,71 @@ class TrainConfig:
         default=4,
         metadata={"help": "validation batches (of batch_size) per evaluation; 0: none"},
     )
-    grad_clip: float | None = 1.0
-    # "auto": profile and plan on the workers; a path: a plan file (`plait plan --out`);
-    # None: train under `parallel` as given
-    plan: str | None = None
-    allow_staleness: bool = False  # "auto" may choose an asynchronous schedule
-    seed: int = 0
-    log_every: int = 10
-    sample_chars: int = 200
-    run_dir: str | None = None
-    # fault tolerance: a checkpoint every N steps (None: never), the newest `keep` kept
-    # (None: all), "auto" or a checkpoint folder to resume from, worker restarts allowed,
-    # and how long any wait for another worker may last
-    checkpoint_every: int | None = None
-    keep: int | None = None
-    resume: str | None = None
-    max_restarts: int = 0
-    timeout_s: float = 300.0
+    grad_clip: float | None = field(
+        default=1.0, metadata={"help": "clip the global gradient norm to this value"}
+    )
+    plan: str | None = field(
+        default=None,
+        metadata={
+            "help": "'auto': profile, plan and train; or a plan file from `plait plan --out` "
+            "(its model and layout are adopted)",
+            "metavar": "auto|FILE",
+            "default_text": "auto when no layout is given",
+        },
+    )
+    allow_staleness: bool = field(
+        default=False,
+        metadata={"help": "let --plan auto choose an asynchronous schedule (stale weights)"},
+    )
+    seed: int = field(default=0, metadata={"help": "seed of the model and the data order"})
+    log_every: int = field(
+        default=10, metadata={"help": "flush metrics.jsonl every N steps", "metavar": "N"}
+    )
+    sample_chars: int = field(
+        default=200, metadata={"help": "characters of text sampled after training"}
+    )
+    run_dir: str | None = field(
+        default=None,
+        metadata={
+            "help": "output folder",
+            "metavar": "DIR",
+            "default_text": "a new runs/<time>",
+        },
+    )
+    checkpoint_every: int | None = field(
+        default=None,
+        metadata={
+            "help": "save a checkpoint every N steps (in the background) under RUN_DIR/checkpoints",
+            "metavar": "N",
+        },
+    )
+    keep: int | None = field(
+        default=None, metadata={"help": "keep the newest K checkpoints", "metavar": "K"}
+    )
+    resume: str | None = field(
+        default=None,
+        metadata={
+            "help": "resume from the newest good checkpoint of --run-dir ('auto') or a "
+            "checkpoint folder; any layout loads any checkpoint",
+            "metavar": "auto|PATH",
+        },
+    )
+    max_restarts: int = field(
+        default=0,
+        metadata={
+            "help": "restart the workers up to R times after one dies, resuming from the "
+            "newest good checkpoint (needs --checkpoint-every)",
+            "metavar": "R",
+        },
+    )
+    timeout_s: float = field(
+        default=300.0,
+        metadata={
+            "help": "longest wait for another worker before the run fails naming it",
+            "flag": "--timeout",
+            "metavar": "SECONDS",
+        },
+    )
     verbosity: int = field(
         default=0, metadata={"help": "-1 warnings only, 0 progress lines, 1 debug details too"}
     )
@@ -224,6 +408,7 @@ class TrainConfig:
     )
 
     def __post_init__(self) -> None:
+        _check_types(self)
         par = self.parallel
         if self.nproc is None:
             object.__setattr__(self, "nproc", par.world_size)
@@ -273,6 +458,8 @@ class TrainConfig:
                 f"grad_clip={self.grad_clip} must be positive, or None for no clipping"
             )
         self._check_optimizer()
+        if self.sample_chars < 0:
+            raise ValueError(f"sample_chars={self.sample_chars} must be 0 or more (0: no sample)")
 
     def _check_optimizer(self) -> None:
         for name in ("lr", "weight_decay", "beta1", "beta2", "eps", "momentum", "min_lr"):
@@ -384,28 +571,54 @@ class TrainConfig:
 _SECTIONS: dict[str, type[Any]] = {"model": ModelConfig, "parallel": ParallelPlan}
 
 
-def _build(cls: type[Any], values: dict[str, Any], where: str) -> Any:
+def _table(values: Any, where: str) -> dict[str, Any]:
+    if not isinstance(values, dict):
+        raise ValueError(f"{where} must be a table of settings, not {values!r}")
+    return values
+
+
+def _build(cls: type[Any], values: Any, where: str) -> Any:
+    _table(values, where)
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = set(values) - known
     if unknown:
         raise ValueError(f"unknown key(s) {sorted(unknown)} in {where}; known: {sorted(known)}")
-    return cls(**values)
+    try:
+        return cls(**values)
+    except ValueError as err:
+        raise ValueError(f"{err} (in {where})") from None
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """The settings in a TOML file, or in a JSON one (a run's `config.json`), by suffix."""
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"config file {path} does not exist")
+    if not path.is_file():
+        raise ValueError(f"config file {path} is not a file (a TOML or a run's config.json)")
+    text = path.read_text()
+    try:
+        data = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
+    except (json.JSONDecodeError, tomllib.TOMLDecodeError) as err:
+        kind = "JSON" if path.suffix == ".json" else "TOML"
+        raise ValueError(f"config file {path} is not valid {kind}: {err}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {path} must hold an object of settings")
+    return data
 
 
 def load_config(path: str | Path | None = None, **overrides: Any) -> TrainConfig:
     """A `TrainConfig` from a TOML file (sections [model] and [parallel], the rest top level)
-    with `overrides` applied on top; keys named `model.x` / `parallel.x` go to sections."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
-    sections: dict[str, dict[str, Any]] = {k: dict(data.pop(k, {})) for k in _SECTIONS}
+    or a run's `config.json`, with `overrides` applied on top; keys named `model.x` /
+    `parallel.x` go to sections."""
+    data: dict[str, Any] = read_config_file(path) if path is not None else {}
+    sections: dict[str, Any] = {k: data.pop(k, {}) for k in _SECTIONS}
     for key, value in overrides.items():
         if value is None:
             continue
         section, _, name = key.rpartition(".")
         if section:
-            sections[section][name] = value
+            sections[section] = {**_table(sections[section], f"[{section}]"), name: value}
         else:
             data[key] = value
     built = {k: _build(cls, sections[k], f"[{k}]") for k, cls in _SECTIONS.items()}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import warnings
 
 __all__ = ["main"]
 
@@ -33,13 +34,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("plait")
+    except PackageNotFoundError:  # running from a source tree that was never installed
+        return "unknown (not installed)"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    parser.add_argument("--version", action="version", version=f"plait {_version()}")
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
     from plait.train.launch import Interrupted, WorkerFailed
+
+    # a setting that does nothing warns in one line, like an error, without a source line
+    warnings.formatwarning = lambda message, *_, **__: f"plait {args.command}: warning: {message}\n"
 
     try:
         return int(args.func(args) or 0)

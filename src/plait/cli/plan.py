@@ -7,6 +7,7 @@ import argparse
 import json
 import math
 import time
+from pathlib import Path
 from typing import Any
 
 __all__ = ["add_parser"]
@@ -15,7 +16,7 @@ _GIB = float(1 << 30)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    from plait.cli.profile import add_model_arguments
+    from plait.cli.profile import add_model_arguments, default_dtype
 
     p = sub.add_parser(
         "plan", help="search the best parallel layout and explain it", description=__doc__
@@ -27,7 +28,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     a("--devices", type=int, help="plan for this many devices (default: all of the cluster)")
     a("--global-batch", type=int, required=True, dest="global_batch", help="samples per step")
     a("--top", type=int, default=5, help="plans to show (default 5)")
-    a("--dtype", default="bf16", help="training dtype (default bf16)")
+    a("--dtype", default=default_dtype(), help=f"training dtype (default {default_dtype()})")
     a(
         "--allow-staleness",
         action="store_true",
@@ -40,6 +41,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.set_defaults(func=run)
 
 
+def check_out(path: str) -> None:
+    """`--out FILE` can be written: its folder exists and it is not itself a folder."""
+    out = Path(path)
+    if out.is_dir():
+        raise ValueError(f"--out {path} is a folder: name a file, e.g. {out / 'plan.json'}")
+    if not out.parent.is_dir():
+        raise ValueError(f"--out {path}: folder {out.parent} does not exist; create it first")
+
+
 def run(args: argparse.Namespace) -> int:
     from plait.cli.profile import spec_from_args
     from plait.cluster import load_cluster
@@ -49,6 +59,10 @@ def run(args: argparse.Namespace) -> int:
 
     if args.global_batch < 1 or args.top < 1:
         raise ValueError("--global-batch and --top must be >= 1")
+    if args.devices is not None and args.devices < 1:
+        raise ValueError(f"--devices {args.devices} must be at least 1 (or unset: all)")
+    if args.out:  # checked now, not after the whole search ran
+        check_out(args.out)
     spec = spec_from_args(args)
     cluster = load_cluster(args.cluster, num_nodes=args.nodes)
     model = gpt_spec(

@@ -20,19 +20,32 @@ from plait.cluster import local_cpu, normalize_dtype
 from plait.cost import BlockCost
 from plait.profile import BlockProfile, GPTSpec
 
-__all__ = ["add_model_arguments", "add_parser", "build_limit_bytes", "spec_from_args"]
+__all__ = [
+    "add_model_arguments",
+    "add_parser",
+    "build_limit_bytes",
+    "check_cache_dir",
+    "default_dtype",
+    "spec_from_args",
+]
 
 MODELS = ("gpt",)
 _MEASURABLE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
-    """The model flags `profile` and `simulate` share."""
-    p.add_argument("--model", choices=MODELS, default="gpt", help="model family (default gpt)")
-    p.add_argument("--layers", type=int, default=4, help="transformer layers (default 4)")
-    p.add_argument("--hidden", type=int, default=64, help="hidden size (default 64)")
-    p.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
-    p.add_argument("--seq-len", type=int, default=64, dest="seq_len", help="tokens per sample")
+    """The model flags `profile`, `plan` and `simulate` share; their defaults are those of
+    `plait train` (`ModelConfig`), so every command describes the same default model."""
+    from plait.config import ModelConfig
+
+    m = ModelConfig()
+    p.add_argument("--model", choices=MODELS, default=m.name, help=f"model family ({m.name})")
+    p.add_argument("--layers", type=int, default=m.layers, help=f"layers (default {m.layers})")
+    p.add_argument("--hidden", type=int, default=m.hidden, help=f"hidden size ({m.hidden})")
+    p.add_argument("--heads", type=int, default=m.heads, help=f"attention heads ({m.heads})")
+    p.add_argument(
+        "--seq-len", type=int, default=m.seq_len, dest="seq_len", help=f"tokens ({m.seq_len})"
+    )
     p.add_argument("--vocab", type=int, default=96, help="vocabulary size (default 96)")
     p.add_argument(
         "--ffn-hidden", type=int, default=0, dest="ffn_hidden", help="MLP width (0: 4 × hidden)"
@@ -40,6 +53,19 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--micro-batch-size", type=int, default=1, dest="micro_batch_size", help="samples each"
     )
+
+
+def default_dtype() -> str:
+    """The training dtype every command assumes unless told: `plait train`'s."""
+    from plait.config import ParallelPlan
+
+    return ParallelPlan().dtype
+
+
+def check_cache_dir(path: str | None) -> None:
+    """A profile cache folder that exists must be a folder (checked before measuring)."""
+    if path is not None and Path(path).exists() and not Path(path).is_dir():
+        raise ValueError(f"--cache-dir {path} is a file, not a folder: choose another path")
 
 
 def _flag_error(error: ValueError) -> ValueError:
@@ -91,7 +117,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         description=__doc__.split("\n\n")[1] if __doc__ else None,
     )
     add_model_arguments(p)
-    p.add_argument("--dtype", default="fp32", help="fp32 (default), bf16, fp16, ...")
+    p.add_argument("--dtype", default=default_dtype(), help=f"dtype ({default_dtype()})")
     p.add_argument("--analytic", action="store_true", help="derive costs from sizes; build nothing")
     p.add_argument("--tp", type=int, default=1, help="analytic: tensor-parallel ranks per block")
     p.add_argument(
@@ -189,6 +215,7 @@ def _analytic(spec: GPTSpec, args: argparse.Namespace, dtype: str) -> dict[str, 
 
 
 def run(args: argparse.Namespace) -> int:
+    check_cache_dir(args.cache_dir)
     spec = spec_from_args(args)
     dtype = normalize_dtype(args.dtype)
     for name in ("threads", "repeats"):

@@ -51,10 +51,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.set_defaults(func=run)
 
 
+# the grid has stages rows and about 2 × microbatches columns per window: beyond this it is
+# neither printable nor quick to build and validate
+_LARGEST = 512
+
+
 def run(args: argparse.Namespace) -> int:
     for flag, value in (("--stages", args.stages), ("--microbatches", args.microbatches)):
         if value < 1:
             raise ValueError(f"{flag} {value}: use a positive count")
+        if value > _LARGEST:
+            raise ValueError(
+                f"{flag} {value} is more than this command prints ({_LARGEST}): a grid of "
+                "that size is unreadable; the schedule's shape shows at a few dozen"
+            )
     kind = schedule_kind(args.kind)
     try:
         chunks = kind.chunks(args.chunks)

@@ -18,7 +18,7 @@ import sys
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from plait.cli.profile import add_model_arguments, spec_from_args
+from plait.cli.profile import add_model_arguments, default_dtype, spec_from_args
 from plait.cluster import Cluster, load_cluster, normalize_dtype
 from plait.cost import RECOMPUTE_MODES, BlockCost, StageCost
 from plait.plan import Partition, partition, partition_blocks
@@ -54,7 +54,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     a("--recompute", choices=RECOMPUTE_MODES, default="none", help="activation recomputation")
     a("--sequence-parallel", action="store_true", dest="sequence_parallel")
     a("--zero", type=int, default=0, help="ZeRO stage 0..3 over the data-parallel ranks")
-    a("--dtype", default="bf16", help="training dtype (default bf16)")
+    a("--dtype", default=default_dtype(), help=f"training dtype (default {default_dtype()})")
     a("--optimizer", choices=("adam", "sgd"), default="adam")
     a("--json", action="store_true", help="print one JSON object")
     a("--trace", help="write the predicted timeline as a Chrome/Perfetto trace (JSON)")
@@ -141,6 +141,10 @@ def _check(args: argparse.Namespace, spec: GPTSpec) -> None:
             raise ValueError(f"--{name} {value} must be >= 1")
     if args.zero not in (0, 1, 2, 3):
         raise ValueError(f"--zero {args.zero} must be 0, 1, 2 or 3")
+    if args.zero and args.dp == 1:  # as `plait train` refuses it
+        raise ValueError(f"--zero {args.zero} with --dp 1 does nothing: set --dp > 1 or --zero 0")
+    if args.sequence_parallel and args.tp == 1:
+        raise ValueError("--sequence-parallel needs --tp > 1: set --tp or drop it")
     for flag, size in (("--heads", spec.num_heads), ("--hidden", spec.hidden)):
         if size % args.tp:
             raise ValueError(
@@ -219,7 +223,14 @@ def run(args: argparse.Namespace) -> int:
     _check(args, spec)
     dtype = normalize_dtype(args.dtype)
     plan = _plan(args, spec, dtype)
-    cluster = scaled_cluster(load_cluster(args.cluster), plan.num_devices)
+    given = load_cluster(args.cluster)
+    if given.name == "local-cpu" and plan.num_devices > given.num_devices:
+        # this machine cannot grow nodes the way a preset of a data centre can
+        raise ValueError(
+            f"dp × tp × pp = {plan.num_devices} ranks but cluster 'local-cpu' (this machine) "
+            f"has {given.num_devices} devices: shrink the plan"
+        )
+    cluster = scaled_cluster(given, plan.num_devices)
     cluster.device(0).peak(dtype)  # a device without this dtype fails here, naming it
     blocks = spec.block_costs(
         micro_batch_size=args.micro_batch_size,

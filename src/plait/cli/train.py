@@ -9,8 +9,6 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from plait.schedule.registry import KINDS
-
 if TYPE_CHECKING:
     from plait.train.launch import WorkerFailed, WorkerFailure
 
@@ -25,148 +23,168 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         "arguments: 2 local CPU workers, a 2-stage 1F1B pipeline, 300 steps. Run under torchrun "
         "to span several machines (the launch then comes from torchrun, not --nproc).",
     )
-    p.add_argument("--config", help="TOML file ([model], [parallel] sections, the rest top level)")
-    p.add_argument("--max-steps", type=int, dest="max_steps")
-    p.add_argument("--run-dir", dest="run_dir", help="output folder (default: a new runs/<time>)")
-    p.add_argument("--nproc", type=int, help="local worker processes (default dp × tp × pp)")
-    p.add_argument("--batch-size", type=int, dest="batch_size")
-    p.add_argument("--lr", type=float)
-    p.add_argument("--seed", type=int)
-    p.add_argument("--dp", type=int, dest="parallel.dp", help="data-parallel degree")
-    p.add_argument("--tp", type=int, dest="parallel.tp", help="tensor-parallel degree")
-    p.add_argument("--pp", type=int, dest="parallel.pp", help="pipeline degree")
+    from plait.cli.options import add_config_flags
+    from plait.config import TrainConfig
+
     p.add_argument(
-        "--schedule",
-        dest="parallel.schedule",
-        choices=list(KINDS),
-        metavar="KIND",
-        help="pipeline schedule: " + "; ".join(f"{k.name} ({k.summary})" for k in KINDS.values()),
-    )
-    p.add_argument("--microbatches", type=int, dest="parallel.microbatches")
-    p.add_argument("--chunks", type=int, dest="parallel.chunks", help="virtual stages per rank")
-    p.add_argument(
-        "--zero",
-        type=int,
-        dest="parallel.zero",
-        choices=[0, 1, 2, 3],
-        help="ZeRO stage of data parallelism (2 and 3 through FSDP2)",
-    )
-    p.add_argument("--recompute", dest="parallel.recompute", choices=["none", "selective", "full"])
-    p.add_argument(
-        "--sequence-parallel", action="store_const", const=True, dest="parallel.sequence_parallel"
-    )
-    p.add_argument("--dtype", dest="parallel.dtype", choices=["fp32", "bf16", "fp16"])
-    p.add_argument("--grad-clip", type=float, dest="grad_clip")
-    p.add_argument(
-        "--plan",
-        help="'auto' (default when no layout is given): profile, plan and train; or a plan "
-        "file from `plait plan --out`",
+        "--config",
+        metavar="FILE",
+        help="TOML file ([model], [parallel] sections, the rest top level) or a run's "
+        "config.json (reproduces that run); flags override it",
     )
     p.add_argument(
-        "--allow-staleness",
-        action="store_const",
-        const=True,
-        dest="allow_staleness",
-        help="let --plan auto choose an asynchronous schedule (updates on stale weights)",
+        "--dry-run",
+        action="store_true",
+        dest="dry_run",
+        help="validate the settings, print the resolved configuration and exit",
     )
-    p.add_argument(
-        "--checkpoint-every",
-        type=int,
-        dest="checkpoint_every",
-        metavar="N",
-        help="save a checkpoint every N steps (in the background) under RUN_DIR/checkpoints",
-    )
-    p.add_argument("--keep", type=int, metavar="K", help="keep the newest K checkpoints")
-    p.add_argument(
-        "--resume",
-        metavar="auto|PATH",
-        help="resume from the newest good checkpoint of --run-dir ('auto') or a checkpoint "
-        "folder; any layout loads any checkpoint",
-    )
-    p.add_argument(
-        "--max-restarts",
-        type=int,
-        dest="max_restarts",
-        metavar="R",
-        help="restart the workers up to R times after one dies, resuming from the newest good "
-        "checkpoint (needs --checkpoint-every)",
-    )
-    p.add_argument(
-        "--log-every",
-        type=int,
-        dest="log_every",
-        metavar="N",
-        help="flush metrics.jsonl every N steps (default 10)",
-    )
-    p.add_argument(
-        "--timeout",
-        type=float,
-        dest="timeout_s",
-        metavar="SECONDS",
-        help="longest wait for another worker before the run fails naming it (default 300)",
-    )
-    p.add_argument("--layers", type=int, dest="model.layers")
-    p.add_argument("--hidden", type=int, dest="model.hidden")
-    p.add_argument("--heads", type=int, dest="model.heads")
-    p.add_argument("--seq-len", type=int, dest="model.seq_len")
-    p.add_argument("--sample-chars", type=int, dest="sample_chars")
+    add_config_flags(p, TrainConfig)
     p.set_defaults(func=run)
 
 
 _LAYOUT_FLAGS = ("dp", "tp", "pp", "schedule", "microbatches", "chunks", "zero", "recompute",
-                 "sequence_parallel")  # fmt: skip
+                 "sequence_parallel", "partition")  # fmt: skip
+_NOT_OVERRIDES = ("config", "func", "command", "dry_run")
 
 
-def _resolve(args: argparse.Namespace) -> dict[str, object]:
-    """The validated config: TOML, then flags. With no layout given anywhere, the layout is
-    planned on the workers (`--plan auto`); `--plan FILE` reads one; `--nproc` alone
-    sets the pipeline degree."""
-    import tomllib
-
-    from plait.config import load_config
+def _resolve(args: argparse.Namespace) -> dict[str, Any]:
+    """The validated config: the file, then flags. With no layout given anywhere, the layout
+    is planned on the workers (`--plan auto`); `--plan FILE` adopts a plan's layout and
+    model; `--nproc` without `--pp` sets the pipeline degree. An error that involves a
+    value nobody set says that value was the default."""
+    from plait.config import read_config_file
     from plait.mesh import launched_env
 
-    overrides = {k: v for k, v in vars(args).items() if k not in ("config", "func", "command")}
+    overrides = {k: v for k, v in vars(args).items() if k not in _NOT_OVERRIDES}
     nproc = overrides.pop("nproc", None)
     env = launched_env()
     if nproc is None and env is not None:
         nproc = env.world_size
-    plan = overrides.pop("plan", None)
-    from_file = tomllib.loads(Path(args.config).read_text()) if args.config else {}
-    layout_given = "parallel" in from_file or any(
-        overrides.get(f"parallel.{k}") is not None for k in _LAYOUT_FLAGS
-    )
-    plan = plan or from_file.get("plan") or (None if layout_given else "auto")
+    if nproc is not None and nproc < 1:
+        raise ValueError(f"--nproc {nproc} must be at least 1 (local worker processes)")
+    from_file = read_config_file(args.config) if args.config else {}
+    given = _given(from_file, overrides)
+    layout_given = any(f"parallel.{k}" in given for k in _LAYOUT_FLAGS)
+    plan = overrides.pop("plan", None) or from_file.get("plan")
+    plan = plan or (None if layout_given else "auto")
     if plan not in (None, "auto"):
-        overrides.update(_from_plan_file(str(plan), overrides))
+        adopted = _from_plan_file(str(plan), overrides, from_file)
+        overrides.update(adopted)
+        given |= set(adopted)
     overrides["plan"] = plan
-    cfg = load_config(args.config, **overrides)
+    cfg = _load(args.config, overrides, given)
     if nproc is not None and nproc != cfg.nproc:
         par = cfg.parallel
-        if (
-            (layout_given and plan is None)
-            or plan not in (None, "auto")
-            or nproc % (par.dp * par.tp)
-        ):
-            raise ValueError(
-                f"nproc={nproc} workers but dp × tp × pp = {par.dp} × {par.tp} × {par.pp} = "
-                f"{par.world_size}: make them equal"
+        if "parallel.pp" in given or nproc % (par.dp * par.tp):
+            raise _noting_defaults(
+                ValueError(
+                    f"nproc={nproc} workers but dp × tp × pp = {par.dp} × {par.tp} × {par.pp} "
+                    f"= {par.world_size}: make them equal"
+                ),
+                given,
             )
-        overrides["parallel.pp"] = nproc // (par.dp * par.tp)
-        cfg = load_config(args.config, **overrides)
+        pp = nproc // (par.dp * par.tp)
+        blocks = cfg.model.layers + 2
+        if pp * par.chunks > blocks:
+            raise ValueError(
+                f"nproc={nproc} workers would make a {pp}-stage pipeline (dp × tp = "
+                f"{par.dp * par.tp}), but the model has {blocks} blocks: use at most "
+                f"{blocks // par.chunks * par.dp * par.tp} workers, or more --dp/--tp/--layers"
+            )
+        overrides["parallel.pp"] = pp
+        cfg = _load(args.config, overrides, given | {"parallel.pp"})
     return cfg.to_dict()
 
 
-def _from_plan_file(path: str, overrides: dict[str, object]) -> dict[str, object]:
-    """Config overrides that train under a plan file (its layout and its global batch)."""
-    from plait.plan.io import read_plan
-    from plait.train.autoplan import parallel_plan_from
+def _given(from_file: dict[str, Any], overrides: dict[str, Any]) -> set[str]:
+    """The dotted names of the settings the user set, in the file or as flags."""
+    given = {k for k, v in overrides.items() if v is not None}
+    for key, value in from_file.items():
+        if isinstance(value, dict):
+            given |= {f"{key}.{k}" for k in value}
+        else:
+            given.add(key)
+    return given
 
-    data = read_plan(path)
-    layout = parallel_plan_from(data)
-    out: dict[str, object] = {f"parallel.{k}": v for k, v in vars(layout).items()}
-    if overrides.get("batch_size") is None:
+
+def _load(path: str | None, overrides: dict[str, Any], given: set[str]) -> Any:
+    from plait.config import load_config
+
+    try:
+        return load_config(path, **overrides)
+    except ValueError as err:
+        raise _noting_defaults(err, given) from None
+
+
+def _noting_defaults(err: ValueError, given: set[str]) -> ValueError:
+    """`err` with the defaulted values it mentions named as defaults, with their flags."""
+    import re
+
+    from plait.cli.options import config_flags
+    from plait.config import TrainConfig
+
+    text, defaults = str(err), TrainConfig(plan="auto")
+    noted = []
+    for path, flag in config_flags(TrainConfig).items():
+        name = path.rpartition(".")[2]
+        if path in given or name == "nproc" or not re.search(rf"\b{name}\b", text):
+            continue
+        section, _, _ = path.partition(".")
+        owner = getattr(defaults, section) if "." in path else defaults
+        noted.append(f"{name}={getattr(owner, name)!r} ({flag})")
+    if not noted:
+        return err
+    return ValueError(f"{text} [not given, so the default: {', '.join(noted)}]")
+
+
+_PLAN_MODEL = {"layers": "layers", "hidden": "hidden", "heads": "heads", "seq_len": "seq_len",
+               "ffn_hidden": "ffn_hidden"}  # fmt: skip
+
+
+def _from_plan_file(
+    path: str, overrides: dict[str, Any], from_file: dict[str, Any]
+) -> dict[str, Any]:
+    """Config overrides that train under a plan file: its layout, its global batch and the
+    model it was planned for; a model size set otherwise that differs is an error."""
+    import dataclasses
+
+    from plait.config import ParallelPlan
+    from plait.plan.io import read_plan
+
+    if not Path(path).is_file():
+        raise ValueError(f"plan file {path} does not exist (write one with `plait plan --out`)")
+    try:
+        data = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"plan file {path} is not JSON ({err})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("model", {}), dict):
+        raise ValueError(f"plan file {path}: its model must be an object of sizes (layers, ...)")
+    keys = [f.name for f in dataclasses.fields(ParallelPlan)]
+    try:  # type-checked as the config is: a string where a count belongs is an error
+        layout = ParallelPlan(**{k: data[k] for k in keys if data.get(k) is not None})
+    except ValueError as err:
+        raise ValueError(f"plan file {path}: {err}") from None
+    read_plan(path)  # the rest of what a plan file must hold
+    out: dict[str, Any] = {f"parallel.{k}": v for k, v in vars(layout).items()}
+    if overrides.get("batch_size") is None and "batch_size" not in from_file:
         out["batch_size"] = int(data.get("global_batch", 0)) or None
+    model = data.get("model", {})
+    if not isinstance(model, dict):
+        raise ValueError(f"plan file {path}: model={model!r} must be an object of sizes")
+    mine = dict(from_file.get("model", {}))
+    mine.update(
+        {k[6:]: v for k, v in overrides.items() if k.startswith("model.") and v is not None}
+    )
+    differ = [f"{k}: plan {model[k]}, given {mine[k]}" for k in _PLAN_MODEL
+              if k in model and k in mine and mine[k] != model[k]]  # fmt: skip
+    if differ:
+        raise ValueError(
+            f"plan file {path} was made for another model ({'; '.join(differ)}): drop those "
+            "settings to train the plan's model, or plan again for yours"
+        )
+    for key, field in _PLAN_MODEL.items():
+        if model.get(key) is not None:
+            out[f"model.{field}"] = model[key]
     return out
 
 
@@ -184,6 +202,9 @@ def run(args: argparse.Namespace) -> int:
     run_dir = Path(
         str(cfg["run_dir"] or Path("runs") / (default or time.strftime("%Y%m%d-%H%M%S")))
     )
+    _check_run_dir(run_dir)
+    if args.dry_run:
+        return _dry_run(cfg, run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg["run_dir"] = str(run_dir)
     if env is None or env.rank == 0:
@@ -191,6 +212,7 @@ def run(args: argparse.Namespace) -> int:
     if env is not None:  # inside torchrun: this process is one worker
         summary = train_worker(cfg, str(run_dir))
         if summary is not None:
+            _write_resolved(cfg, summary, run_dir)
             _report(summary, run_dir)
         return 0
     how = "planning the layout first" if cfg["plan"] == "auto" else "layout as given"
@@ -216,8 +238,44 @@ def run(args: argparse.Namespace) -> int:
         print(f"plait train: {err}; workers stopped; {kept}", file=sys.stderr)
         return 128 + err.signum
     summary = next(s for s in results.values() if s is not None)
+    _write_resolved(cfg, summary, run_dir)
     _report(summary, run_dir)
     return 0
+
+
+def _check_run_dir(run_dir: Path) -> None:
+    """The run folder can be made (or reused) here, checked before any work starts."""
+    for folder in (run_dir, *run_dir.parents):
+        if folder.exists():
+            if not folder.is_dir():
+                raise ValueError(
+                    f"--run-dir {run_dir}: {folder} is a file, not a folder; choose another path"
+                )
+            return
+
+
+def _dry_run(cfg: dict[str, Any], run_dir: Path) -> int:
+    """Print what a run would do, having validated it; start nothing."""
+    par = cfg["parallel"]
+    if cfg["plan"] == "auto":
+        how = "layout planned by the workers when they start (--plan auto)"
+    else:
+        layout = ", ".join(f"{k}={v}" for k, v in par.items() if v is not None)
+        how = f"layout {layout}"
+    print(f"plait train --dry-run: valid; {cfg['nproc']} workers, {how}; run folder {run_dir}")
+    print(json.dumps(cfg, indent=2))
+    return 0
+
+
+def _write_resolved(cfg: dict[str, Any], summary: dict[str, Any], run_dir: Path) -> None:
+    """Rewrite config.json as the configuration that ran: the layout the workers trained
+    under (after auto-planning or a plan file), so `--config RUN/config.json` repeats it."""
+    from plait.config import ParallelPlan
+
+    resolved = dict(cfg)
+    resolved["parallel"] = {**vars(ParallelPlan()), **summary["plan"]}
+    resolved["plan"] = None
+    (run_dir / "config.json").write_text(json.dumps(resolved, indent=2))
 
 
 def _check_torchrun_restarts(cfg: dict[str, Any]) -> None:

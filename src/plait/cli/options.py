@@ -1,0 +1,124 @@
+"""The command-line flags generated from the config dataclasses' fields, one per field.
+
+A field `eval_every: int = field(default=10, metadata={"help": ...})` becomes
+`--eval-every N` with that help and its default shown; the flag's value lands in the
+namespace under the field's dotted path (`parallel.pp`), None when not given, so a TOML
+file and the dataclass default stay in charge of what the user did not type. Metadata
+may name the flag (`"flag": "--timeout"`), skip it (`"flag": None`), give `"choices"`,
+a `"metavar"` or a `"default_text"` for the help.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import types
+import typing
+from typing import Any
+
+__all__ = ["add_config_flags", "config_flags"]
+
+
+def config_flags(cls: type[Any], prefix: str = "") -> dict[str, str]:
+    """Dotted field path -> flag, for every field of `cls` (and its section dataclasses)
+    that has one."""
+    hints = typing.get_type_hints(cls)
+    out: dict[str, str] = {}
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
+        if dataclasses.is_dataclass(hint):
+            out.update(config_flags(typing.cast(type, hint), f"{prefix}{f.name}."))
+            continue
+        flag = f.metadata.get("flag", "--" + f.name.replace("_", "-"))
+        if flag is not None:
+            out[prefix + f.name] = flag
+    return out
+
+
+def add_config_flags(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+    cls: type[Any],
+    *,
+    prefix: str = "",
+    skip: tuple[str, ...] = (),
+) -> None:
+    """Add one flag per field of `cls` (sections recursively) to `parser`; `skip` lists
+    dotted paths that the command declares itself."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        path, hint = prefix + f.name, hints[f.name]
+        if dataclasses.is_dataclass(hint):
+            add_config_flags(parser, typing.cast(type, hint), prefix=f"{path}.", skip=skip)
+            continue
+        flag = f.metadata.get("flag", "--" + f.name.replace("_", "-"))
+        if flag is None or path in skip:
+            continue
+        parser.add_argument(flag, dest=path, default=None, **_kind(f, hint))
+
+
+def _default(f: dataclasses.Field[Any]) -> Any:
+    if "default_text" in f.metadata:
+        return f.metadata["default_text"]
+    if f.default is not dataclasses.MISSING:
+        return "unset" if f.default is None else f.default
+    return None
+
+
+def _kind(f: dataclasses.Field[Any], hint: Any) -> dict[str, Any]:
+    """argparse keywords for a field of type `hint`."""
+    help_text = f.metadata.get("help", "")
+    default = _default(f)
+    if default is not None:
+        text = str(default).lower() if isinstance(default, bool) else str(default)
+        help_text = f"{help_text} (default: {text})" if help_text else f"default: {text}"
+    out: dict[str, Any] = {"help": help_text.replace("%", "%%")}
+    base = _without_none(hint)
+    if base is bool:
+        out["action"] = argparse.BooleanOptionalAction
+        return out
+    if typing.get_origin(base) is typing.Literal:
+        out["choices"] = list(typing.get_args(base))
+    elif typing.get_origin(base) is tuple:
+        out["type"] = _int_list
+        out.setdefault("metavar", "N,N,...")
+    elif base in (int, float):
+        out["type"] = int if base is int else _finite
+    if "choices" in f.metadata:
+        out["choices"] = list(f.metadata["choices"])
+        if "type" not in out and out["choices"] and isinstance(out["choices"][0], int):
+            out["type"] = int
+    if "metavar" in f.metadata:
+        out["metavar"] = f.metadata["metavar"]
+    elif "choices" not in out and "metavar" not in out:
+        out["metavar"] = _METAVARS.get(base, "TEXT")
+    return out
+
+
+_METAVARS: dict[Any, str] = {int: "N", float: "X"}
+
+
+def _without_none(hint: Any) -> Any:
+    if typing.get_origin(hint) in (types.UnionType, typing.Union):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        return args[0] if len(args) == 1 else hint
+    return hint
+
+
+def _finite(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a comma-separated list of integers (e.g. 2,3,1)"
+        ) from None
