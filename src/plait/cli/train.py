@@ -39,6 +39,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         help="validate the settings, print the resolved configuration and exit",
     )
     add_config_flags(p, TrainConfig)
+    # shorthands of --verbosity: same dest, so the last one given wins
+    p.add_argument("-q", "--quiet", dest="verbosity", action="store_const", const=-1,
+                   help="warnings only (--verbosity -1)")  # fmt: skip
+    p.add_argument("-v", "--verbose", dest="verbosity", action="store_const", const=1,
+                   help="debug details too (--verbosity 1)")  # fmt: skip
     p.set_defaults(func=run)
 
 
@@ -343,5 +348,5 @@ def _report(summary: dict[str, Any], run_dir: Path) -> None:
     )
     print(
         f"run folder: {run_dir} (config.json, plan.json, schedule.json, metrics.jsonl, "
-        "updates.jsonl, timeline.json, summary.json)"
+        "updates.jsonl, timeline.json, trace.json, timeline.png, summary.json)"
     )
