@@ -88,7 +88,32 @@ def engine_state(engine: Engine, *, for_load: bool = False) -> dict[str, Any]:
         for key, entry in get_optimizer_state_dict(stage, inner, options=_OPTIONS).items():
             optim[rename(key)] = entry
     rank = torch.distributed.get_rank()
-    return {"model": model, "optim": optim, "rng": {f"rank{rank}": torch.get_rng_state()}}
+    state = {"model": model, "optim": optim, "rng": {f"rank{rank}": torch.get_rng_state()}}
+    residuals = _residuals(engine, for_load=for_load)
+    if residuals:
+        state["comm"] = residuals
+    return state
+
+
+def _residuals(engine: Engine, *, for_load: bool) -> dict[str, torch.Tensor]:
+    """This rank's error-feedback residuals of gradient compression (`plait.parallel.compress`),
+    one per bucket, under "rank<r>.<bucket>": they are this replica's, so they load only
+    under the same world size and compression. (PowerSGD's state is torch's own and is not
+    saved: after a resume it starts again with its plain all-reduce steps.)"""
+    from plait.parallel.compress import ErrorFeedback
+
+    hook_state = getattr(engine.grad_sync, "hook_state", None)
+    if not isinstance(hook_state, ErrorFeedback):
+        return {}
+    rank = torch.distributed.get_rank()
+    sizes = engine.grad_sync.bucket_sizes()  # type: ignore[union-attr]
+    out = {}
+    for index, n in sizes.items():
+        held = hook_state.residuals.get(index)
+        if for_load or held is None:
+            held = torch.zeros(n, dtype=torch.float32, device=engine.device)
+        out[f"rank{rank}.{index}"] = held
+    return out
 
 
 def load_engine_state(engine: Engine, state: Mapping[str, Any], *, same_world: bool) -> None:
@@ -105,6 +130,11 @@ def load_engine_state(engine: Engine, state: Mapping[str, Any], *, same_world: b
     rank = f"rank{torch.distributed.get_rank()}"
     if same_world and rank in state.get("rng", {}):
         torch.set_rng_state(state["rng"][rank])
+    hook_state = getattr(engine.grad_sync, "hook_state", None)
+    for key, residual in state.get("comm", {}).items():
+        owner, _, index = key.partition(".")
+        if owner == rank:
+            hook_state.residuals[int(index)] = residual.clone()  # type: ignore[union-attr]
     if engine.grad_sync is not None:
         engine.grad_sync.zero_grad()
 

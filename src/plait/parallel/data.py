@@ -146,6 +146,14 @@ class GradReducer:
 
         return on_grad
 
+    def bucket_sizes(self) -> dict[int, int]:
+        """Entries of every bucket, by index (a hook state's residuals have these sizes)."""
+        return {
+            b.index: sum(_local(p).numel() for p in b.params)
+            for state in self.stages.values()
+            for b in state.buckets
+        }
+
     def before_backward(self, stage: int, *, last: bool) -> None:
         if last:
             state = self.stages[stage]

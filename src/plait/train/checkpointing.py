@@ -32,7 +32,11 @@ def save(
     """Start saving the checkpoint of `step` (the steps done); returns the drain's report
     when an asynchronous stream had to be drained first."""
     drained = None if engine.synchronous else engine.drain()
-    extra: dict[str, Any] = {"world_size": dist.get_world_size()}
+    extra: dict[str, Any] = {
+        "world_size": dist.get_world_size(),
+        "compress": engine.plan.compress,
+        "comm_buckets": _buckets(engine),
+    }
     if engine.scaler is not None:
         extra["loss_scale"] = engine.scaler.state_dict()
     if engine.schedulers:  # every stage has taken the same updates (a drained stream)
@@ -42,6 +46,12 @@ def save(
     if drained is not None:
         engine.restart()
     return drained
+
+
+def _buckets(engine: Engine) -> list[list[int]] | None:
+    """The reducer's buckets as [index, entries] (residuals fit only the same ones)."""
+    sizes = getattr(engine.grad_sync, "bucket_sizes", None)
+    return [[i, n] for i, n in sorted(sizes().items())] if sizes is not None else None
 
 
 def resume(engine: Engine, store: CheckpointStore, target: str) -> Checkpoint | None:
@@ -59,6 +69,12 @@ def resume(engine: Engine, store: CheckpointStore, target: str) -> Checkpoint | 
     state = engine_state(engine, for_load=True)
     if not same_world:  # other ranks' RNG streams: nothing of ours to restore
         state.pop("rng")
+    if (
+        not same_world
+        or found.info.get("compress") != engine.plan.compress
+        or found.info.get("comm_buckets") != _buckets(engine)
+    ):
+        state.pop("comm", None)  # another replica's, method's or bucketing's residuals
     dcp_load(
         state,
         storage_reader=SafeReader(found.path),
