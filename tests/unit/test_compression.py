@@ -105,3 +105,20 @@ def test_the_planner_compresses_only_where_it_pays() -> None:
     # a fast link and slow memory: encoding costs more than the bytes it saves
     _, dp2, _ = _planned(1e11, memory_Bps=2e10)
     assert dp2[0].plan.compress == "none"
+
+
+def test_simulate_and_plan_take_compress(
+    tmp_path: object, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import json
+    from pathlib import Path
+
+    from plait.cli.main import main
+
+    assert main(["simulate", "--cluster", "local-cpu", "--dp", "2", "--zero", "2",
+                 "--compress", "sign"]) == 2  # fmt: skip
+    assert "ZeRO-2/3 reduce by FSDP2" in capsys.readouterr().err
+    out = Path(str(tmp_path)) / "plan.json"
+    assert main(["plan", "--cluster", "local-cpu", "--global-batch", "32",
+                 "--compress", "none,powersgd:4", "--out", str(out)]) == 0  # fmt: skip
+    assert json.loads(out.read_text())["compress"] in ("none", "powersgd:4")

@@ -36,6 +36,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         help="also search asynchronous schedules (pipedream, 2bw, spectrain, ...), whose "
         "updates use stale weights: faster steps, possibly more steps to the same loss",
     )
+    a("--compress", default="none", metavar="METHODS",
+      help="gradient compressions to try for data-parallel plans, comma-separated (e.g. "
+      "none,fp16,powersgd:4); lossy ones change what training converges to")  # fmt: skip
     a("--json", action="store_true", help="print one JSON object")
     a("--out", help="write the best plan as JSON (for `plait train --plan`)")
     p.set_defaults(func=run)
@@ -76,7 +79,12 @@ def run(args: argparse.Namespace) -> int:
     )
     t0 = time.perf_counter()
     orders = ("tp-dp-pp",) if cluster.is_homogeneous else ("tp-dp-pp", "tp-pp-dp")
-    space = SearchSpace(dtype=args.dtype, rank_orders=orders, allow_staleness=args.allow_staleness)
+    space = SearchSpace(
+        dtype=args.dtype,
+        rank_orders=orders,
+        allow_staleness=args.allow_staleness,
+        compress=tuple(c for c in args.compress.split(",") if c),
+    )
     found = search(
         model,
         cluster,

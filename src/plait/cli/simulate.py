@@ -56,6 +56,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     a("--zero", type=int, default=0, help="ZeRO stage 0..3 over the data-parallel ranks")
     a("--dtype", default=default_dtype(), help=f"training dtype (default {default_dtype()})")
     a("--optimizer", choices=("adam", "sgd"), default="adam")
+    a("--compress", default="none", metavar="METHOD",
+      help="gradient compression of the dp reduction: none, fp16, bf16, powersgd:RANK, "
+      "threshold:TAU, topk:RATIO or sign")  # fmt: skip
     a("--json", action="store_true", help="print one JSON object")
     a("--trace", help="write the predicted timeline as a Chrome/Perfetto trace (JSON)")
     a("--plot", help="draw the predicted timeline as a PNG (needs matplotlib)")
@@ -187,6 +190,7 @@ def _plan(args: argparse.Namespace, spec: GPTSpec, dtype: str) -> SimPlan:
         sequence_parallel=args.sequence_parallel,
         optimizer=args.optimizer,
         seq_len=spec.seq_len,
+        compress=args.compress,
     )
 
 
@@ -194,6 +198,7 @@ _FROM_PLAN = {
     "dp": "dp", "tp": "tp", "pp": "pp", "schedule": "schedule", "microbatches": "microbatches",
     "chunks": "chunks", "recompute": "recompute", "zero": "zero", "dtype": "dtype",
     "sequence_parallel": "sequence_parallel", "micro_batch_size": "micro_batch_size",
+    "compress": "compress",
 }  # fmt: skip
 _MODEL_FROM_PLAN = {"layers": "layers", "hidden": "hidden", "heads": "heads",
                     "seq_len": "seq_len", "vocab": "vocab"}  # fmt: skip

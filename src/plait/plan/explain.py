@@ -63,16 +63,23 @@ def compression(search: PlanSearch) -> str:
     plain = next(
         (r for r in search.ranked if r.plan == dataclasses.replace(a.plan, compress="none")), None
     )
-    text = (
-        f"It compresses the data-parallel gradients ({a.plan.compress}), which changes what "
-        "each update applies (error feedback keeps what is not sent for later)"
+    lossy = (
+        "rounds each gradient to 16 bits"
+        if a.plan.compress in ("fp16", "bf16")
+        else "sends an approximation (error feedback keeps the rest for later updates)"
     )
+    text = f"It compresses the data-parallel gradients ({a.plan.compress}): it {lossy}"
     if plain is None:
         return text + "."
+    ratio = plain.step_time_s / a.step_time_s
+    verdict = (
+        "the data-parallel link is slow enough for compression to pay"
+        if ratio > 1.01
+        else "compression gains next to nothing here"
+    )
     return text + (
         f"; uncompressed, the same plan takes {plain.step_time_s:.3g} s per step instead of "
-        f"{a.step_time_s:.3g} s ({plain.step_time_s / a.step_time_s:.2f}×): the data-parallel "
-        "link is slow enough for compression to pay."
+        f"{a.step_time_s:.3g} s ({ratio:.2f}×): {verdict}."
     )
 
 
