@@ -85,6 +85,10 @@ class Interrupted(RuntimeError):
 def _worker(fn: Callable[..., Any], *args: Any) -> Any:
     from torch.distributed.elastic.multiprocessing.errors import record
 
+    # a terminal's Ctrl-C reaches every process of the group: the launcher alone answers
+    # it (and stops the workers), a worker would only print a KeyboardInterrupt traceback
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
     # `record` writes the worker's traceback where the launcher reports it
     return record(fn)(*args)
 
