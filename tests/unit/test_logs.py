@@ -79,7 +79,7 @@ def test_plain_lines_when_not_a_terminal(
             f"step {last}/25 | loss {losses[last - 1]:.3f} | {tokens / mean:,.0f} tok/s | "
             f"{mean * 1e3:.1f} ms/step"
         )
-    assert out == [*expected, "step 25/25 | val_loss 2.5"]
+    assert out == [*expected, "after step 25/25: val_loss 2.5"]
     log.metrics_file.close()
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [*range(steps), 24]

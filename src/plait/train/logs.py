@@ -202,7 +202,8 @@ class RunLogger:
 
     def _say(self, step: int, values: Mapping[str, float]) -> None:
         shown = " | ".join(f"{k} {v:.4g}" for k, v in values.items())
-        message = f"step {step + 1}/{self.cfg.max_steps} | {shown}"
+        # not "step N/M ...": that line is the progress line's, which scripts count
+        message = f"after step {step + 1}/{self.cfg.max_steps}: {shown}"
         if self.progress.bar is not None:
             self.progress.bar.console.print(message)
         else:
