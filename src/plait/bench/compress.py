@@ -148,6 +148,8 @@ def _summarise(config: CompressBenchConfig, reports: list[dict[str, Any]]) -> di
 
 # ------------------------------------------------------------------ in the workers
 _SENT = [0]
+# the position of the input tensor where it is not the first argument
+_INPUT = {"all_gather": 1, "all_gather_into_tensor": 1, "reduce_scatter_tensor": 1}
 
 
 @contextlib.contextmanager
@@ -163,9 +165,7 @@ def _counting() -> Iterator[None]:
     def wrap(name: str, fn: Any) -> Any:
         @functools.wraps(fn)
         def counted(*args: Any, **kwargs: Any) -> Any:
-            tensor = args[1] if name == "all_gather" else (args[1] if "into" in name else args[0])
-            if name == "reduce_scatter_tensor":
-                tensor = args[1]
+            tensor = args[_INPUT.get(name, 0)]  # what this rank hands the collective
             _SENT[0] += tensor.numel() * tensor.element_size()
             return fn(*args, **kwargs)
 
