@@ -68,7 +68,10 @@ def _reference(model: GPT, plan: ParallelPlan, weights: dict[int, dict[str, torc
     return ref.eval()
 
 
-def _check(plan: ParallelPlan) -> None:
+def _check(plan: ParallelPlan, size: int | None = None) -> None:
+    """Evaluation of a batch (its first `size` samples: any count, not only a multiple of
+    dp × microbatches) equals the trained weights' loss and accuracy in one process, and
+    changes neither weights nor gradients."""
     model = _model()
     pristine = copy.deepcopy(model)
     engine = parallelize(
@@ -77,6 +80,7 @@ def _check(plan: ParallelPlan) -> None:
     for step in range(2):  # evaluate trained weights, not the initial ones
         engine.step(_batch(step))
     x, y = _batch(10)
+    x, y = x[:size], y[:size]
     before_w, before_g = _weights(engine), _grads(engine)
     report = engine.evaluate((x, y), {"accuracy": _accuracy})
     ref = _reference(pristine, plan, _weights(engine))
@@ -84,7 +88,7 @@ def _check(plan: ParallelPlan) -> None:
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
         logits = ref(x)
         loss = GPT.loss(logits, y).float().item()
-    where = f"{plan}"
+    where = f"{plan}, {x.shape[0]} samples"
     tol = {"rtol": 2e-2, "atol": 2e-2} if bf16 else TOL  # bf16 rounds where stages meet
     torch.testing.assert_close(report.loss, loss, **tol, msg=where)
     expected = (logits.argmax(-1) == y).float().mean(-1).mean().item()
@@ -156,6 +160,9 @@ def _worker(rank: int, world_size: int) -> None:
         ParallelPlan(pp=4, microbatches=4, schedule="2bw"),
     ):
         _check(plan)
+    for size in (7, 3):  # uneven over dp × microbatches = 4; 3 leaves one replica a sample
+        _check(ParallelPlan(pp=2, dp=2, microbatches=2, zero=3), size)
+        _check(ParallelPlan(pp=2, dp=2, microbatches=2, schedule="interleaved", chunks=2), size)
 
 
 def test_evaluate_equals_a_single_process_forward(tmp_path: Path) -> None:

@@ -333,8 +333,10 @@ def _report(summary: dict[str, Any], run_dir: Path) -> None:
         print("\nthe asynchronous stream, 3 windows with warm-up and drain (unit costs):")
         print(format_grid(compute_only(unroll(schedule, 3).schedule)))
     print(f"\nsample:\n{summary['sample']}\n")
-    for name, value in summary.get("validation", {}).items():  # a classifier's metrics
-        print(f"validation {name}: {value:.4g}")
+    found = summary.get("validation", {})
+    for name, value in found.items():  # a classifier's metrics, over the whole split
+        if name not in ("loss", "samples"):
+            print(f"validation {name}: {value:.4g} ({found['samples']} samples)")
     plan = summary["plan"]
     layout = ", ".join(f"{k}={v}" for k, v in plan.items() if k != "partition")
     print(

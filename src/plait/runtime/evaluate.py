@@ -67,11 +67,14 @@ def evaluate(
     inputs: Sequence[Any] | None,
     targets: Sequence[Any] | None,
     metrics: Mapping[str, MetricFn],
+    count: int | None = None,
 ) -> EvalSums:
-    """Run the forward-only program on `executor`'s stages without gradients, in eval mode
-    (dropout off, batch-norm statistics untouched), under its forward context (autocast)."""
+    """Run the forward-only program over `count` micro-batches (default: a window's) on
+    `executor`'s stages without gradients, in eval mode (dropout off, batch-norm statistics
+    untouched), under its forward context (autocast)."""
     schedule = executor.schedule
-    program = forward_program(schedule, executor.rank, schedule.num_microbatches)
+    count = schedule.num_microbatches if count is None else count
+    program = forward_program(schedule, executor.rank, count)
     transport = Transport(
         schedule, executor.rank, executor.group, timeout_s=executor.transport.timeout_s
     )

@@ -159,6 +159,7 @@ class PipelineExecutor:
         self._meta: dict[int, BoundaryMeta] = {}  # stage -> meta of its input boundary
         self._meta_key: object = None
         self._negotiated = False
+        self._agreed: object = None
         self._exact_split: dict[int, bool] = {}
         self._state = _Stream()
         self._first_stage = min(mine)
@@ -200,18 +201,24 @@ class PipelineExecutor:
         inputs: Sequence[Any] | None,
         targets: Sequence[Any] | None,
         metrics: Mapping[str, MetricFn],
+        *,
+        count: int | None = None,
+        agreed: object = None,
     ) -> EvalSums:
-        """A forward-only pass over one window's micro-batches on the current weights (see
-        `plait.runtime.evaluate`); the training stream must have nothing in flight."""
-        m = self.schedule.num_microbatches
+        """A forward-only pass over `count` micro-batches of one shape (default: a window's)
+        on the current weights (see `plait.runtime.evaluate`); the training stream must have
+        nothing in flight. `agreed` names the micro-batches' shape on every rank of the
+        pipeline (e.g. their size): when it changes, all of them describe their boundaries
+        again, as ranks without inputs cannot see the shape change themselves."""
+        m = self.schedule.num_microbatches if count is None else count
         if self.needs_inputs and (inputs is None or len(inputs) != m):
             raise ValueError(f"rank {self.rank} holds a first stage and needs {m} inputs")
         if self.needs_targets and (targets is None or len(targets) != m):
             raise ValueError(f"rank {self.rank} holds a last stage and needs {m} targets")
         if self.windows and not self.stream.drained and self.schedule.reach:
             raise RuntimeError("an asynchronous stream is in flight: drain() before evaluate")
-        self._negotiate(inputs)
-        return evaluate(self, inputs, targets, metrics)
+        self._negotiate(inputs, agreed)
+        return evaluate(self, inputs, targets, metrics, m)
 
     def restart(self) -> None:
         """Begin a new stream after `drain`: window 0 again, weight versions from 0."""
@@ -249,12 +256,14 @@ class PipelineExecutor:
         return result
 
     # ------------------------------------------------------------- negotiation
-    def _negotiate(self, inputs: Sequence[Any] | None) -> None:
-        """Learn every boundary's structure and shapes once per input shape."""
+    def _negotiate(self, inputs: Sequence[Any] | None, agreed: object = None) -> None:
+        """Learn every boundary's structure and shapes once per input shape (and again
+        whenever `agreed`, a shape every rank of the pipeline was told, changes)."""
         key = BoundaryMeta.of(inputs[0]) if inputs is not None else None
-        if self._negotiated and (key is None or key == self._meta_key):
+        same = key is None or key == self._meta_key
+        if self._negotiated and same and agreed == self._agreed:
             return
-        self._negotiated, self._meta_key = True, key
+        self._negotiated, self._meta_key, self._agreed = True, key, agreed
         sample = inputs[0] if inputs is not None else None
         try:
             self._meta = negotiate(

@@ -195,30 +195,50 @@ class Engine:
         self, batch: tuple[Any, Any], metrics: dict[str, MetricFn] | None = None
     ) -> EvalReport:
         """The loss (and `metrics`, each returning a sum over a micro-batch's samples) of the
-        global `batch` = (inputs, targets), split as `step` splits it, by a forward-only pass
-        through the pipeline on the newest weights: no gradient, no update. An asynchronous
-        stream in flight is drained first and restarted after (as a checkpoint save does),
-        so its later windows begin with a warm-up again; the drain's report is returned."""
+        global `batch` = (inputs, targets) of any size, by a forward-only pass through the
+        pipeline on the newest weights: no gradient, no update. Each data-parallel replica
+        takes an equal share (the first one also the `size % dp` left over), cut into at
+        most `microbatches` micro-batches, equal but the last (`_eval_parts`); no sample is
+        dropped or counted twice. An asynchronous stream in flight is
+        drained first and restarted after (as a checkpoint save does), so its later windows
+        begin with a warm-up again; the drain's report is returned."""
         drained = None
         if not self.synchronous and self.executor.windows and not self.executor.stream.drained:
             drained = self.drain()
         inputs, targets = batch
-        m = self.plan.microbatches
-        micro_in = split_microbatches(_to(self._shard(inputs), self.device), m)
-        micro_tg = split_microbatches(_to(self._shard(targets), self.device), m)
-        sums = self.executor.evaluate(
-            micro_in if self.executor.needs_inputs else None,
-            micro_tg if self.executor.needs_targets else None,
-            metrics or {},
-        )
-        values = sums.values / self.plan.tp  # tp replicas of a last stage count once
+        values: torch.Tensor | None = None
+        size, dp, m = _batch_size(targets), self.plan.dp, self.plan.microbatches
+        parts = _eval_parts(size, dp, self.dp_index, m)
+        for k, (first, count, each, counted) in enumerate(parts):
+            starts = [first + i * each for i in range(count)]
+            micro_in = micro_tg = None
+            if self.executor.needs_inputs:
+                micro_in = [_to(_rows(inputs, at, each), self.device) for at in starts]
+            if self.executor.needs_targets:
+                micro_tg = [_to(_rows(targets, at, each), self.device) for at in starts]
+            # every replica runs these programs in this order (ZeRO-3 gathers weights in
+            # each forward and each boundary probe), keyed alike: shapes are described
+            # anew on all replicas at once, or on none
+            found = self.executor.evaluate(
+                micro_in,
+                micro_tg,
+                metrics or {},
+                count=count,
+                agreed=(k, size, dp, m),
+            )
+            sums = found.values * counted
+            values = sums if values is None else values + sums
+        names = tuple(metrics or {})
+        if values is None:  # an empty batch
+            values = torch.zeros(2 + len(names), device=self.device, dtype=torch.float64)
+        values = values / self.plan.tp  # tp replicas of a last stage count once
         dist.all_reduce(values)
         if drained is not None:
             self.restart()
         samples = max(1.0, float(values[1]))
         return EvalReport(
             loss=float(values[0] / samples),
-            metrics={n: float(v / samples) for n, v in zip(sums.names, values[2:], strict=True)},
+            metrics={n: float(v / samples) for n, v in zip(names, values[2:], strict=True)},
             samples=round(float(values[1])),
             drained=drained,
         )
@@ -469,4 +489,40 @@ def _optimizer(
         optimizer_class=type(optimizer),
         process_group=mesh.get_group("dp"),
         **settings,
+    )
+
+
+def _batch_size(value: Any) -> int:
+    """Samples in a batch: dim 0 of its first tensor."""
+    leaves = [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
+    if not leaves:
+        raise ValueError("a batch must hold at least one tensor (its dim 0 counts samples)")
+    return int(leaves[0].shape[0])
+
+
+def _eval_parts(size: int, dp: int, index: int, m: int) -> list[tuple[int, int, int, bool]]:
+    """(first sample, micro-batches, samples each, counted) of each forward-only program
+    that replica `index` of `dp` runs to evaluate `size` samples with `m` micro-batches.
+    Every replica runs as many forwards (ZeRO-3 gathers weights in each): replica 0 takes
+    the `size % dp` samples left over into its last micro-batch; with fewer samples than
+    replicas, each replica computes them all and only replica 0 counts them."""
+    share, tail = divmod(size, dp)
+    if share == 0:
+        return [(0, 1, size, index == 0)] if size else []
+    each = -(-share // m)
+    count = -(-share // each)
+    first = index * share + (tail if index else 0)
+    if not tail and share % each == 0:
+        return [(first, count, each, True)]
+    # two programs on every replica, whatever its own last size: each describes its
+    # boundaries anew, and ZeRO-3's probes gather weights there
+    last = share - (count - 1) * each + (0 if index else tail)
+    full = [(first, count - 1, each, True)] if count > 1 else []
+    return [*full, (first + (count - 1) * each, 1, last, True)]
+
+
+def _rows(value: Any, start: int, count: int) -> Any:
+    """Samples start..start+count of every tensor of `value` (dim 0)."""
+    return pytree.tree_map(
+        lambda t: t[start : start + count] if isinstance(t, torch.Tensor) else t, value
     )

@@ -22,13 +22,7 @@ from plait.train.engine import Engine, StepReport, parallelize
 from plait.train.logs import RecentSteps, RunLogger, setup
 from plait.train.optim import optimizer_factory, scheduler_factory
 from plait.train.profiling import StepProfiler
-from plait.train.task import (
-    CustomTask,
-    Task,
-    finish_with_validation,
-    gathered_model,
-    task_from_config,
-)
+from plait.train.task import CustomTask, Task, gathered_model, task_from_config
 from plait.train.validate import Validation, due, summarise, validate
 
 __all__ = ["config_from_dict", "train_worker"]
@@ -82,7 +76,7 @@ def train_worker(
         times.append(time.perf_counter() - t0)
         recent.add(step, report.result)
         if due(cfg, step + 1):
-            val = validate(engine, task, cfg, step)
+            val = validate(engine, task, cfg, step, whole=step + 1 == cfg.max_steps)
         if log is not None:
             log.step(step, report, times[-1], val if val is not None and val.step == step else None)
         if store is not None:
@@ -98,13 +92,15 @@ def train_worker(
     records = _gather(_records(report.result))
     traced = _gather(recent.rows())
     memory = max(_gather(_peak_memory_bytes()))
-    full = gathered_model(engine, task, cfg.parallel.partition, env.rank)
-    if log is None or full is None:
+    sample = ""
+    if task.sample is not None:  # the text of the whole model, gathered on rank 0
+        full = gathered_model(engine, task, cfg.parallel.partition, env.rank)
+        sample = task.sample(full) if full is not None else ""
+    if log is None:
         return None
-    sample = task.sample(full) if task.sample is not None else ""
     summary = log.finish(engine.schedule, times, records, sample, memory, traced)
     summarise(Path(run_dir), summary, val)
-    return finish_with_validation(summary, full, task, Path(run_dir))
+    return summary
 
 
 def _layout(

@@ -12,9 +12,7 @@ sum), so they add up over batches and ranks; the mean is that sum over the sampl
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Callable, Iterable, Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,8 +27,6 @@ __all__ = [
     "Task",
     "accuracy",
     "custom_task",
-    "evaluate",
-    "finish_with_validation",
     "gathered_model",
     "task_from_config",
 ]
@@ -290,34 +286,3 @@ def _full_state(module: nn.Module) -> dict[str, torch.Tensor]:
         full = t.full_tensor() if hasattr(t, "full_tensor") else t
         state[name.replace("_checkpoint_wrapped_module.", "")] = full.detach().cpu()
     return state
-
-
-@torch.no_grad()
-def evaluate(model: nn.Module, task: Task) -> dict[str, float]:
-    """Each metric's mean over the validation split, and the number of samples."""
-    if task.validation is None or not task.metrics:
-        return {}
-    was_training = model.training
-    model.eval()
-    sums = dict.fromkeys(task.metrics, 0.0)
-    count = 0
-    for inputs, targets in task.validation():
-        output = model(inputs)
-        for name, fn in task.metrics.items():
-            sums[name] += fn(output, targets)
-        count += len(targets)
-    model.train(was_training)
-    return {**{k: v / max(count, 1) for k, v in sums.items()}, "samples": float(count)}
-
-
-def finish_with_validation(
-    summary: dict[str, Any], model: nn.Module, task: Task, run_dir: Path
-) -> dict[str, Any]:
-    """`summary` with the trained model's validation metrics (`validation`), rewritten to
-    the run folder's summary.json; unchanged when the task has none."""
-    found = evaluate(model, task)
-    if not found:
-        return summary
-    summary = {**summary, "validation": found}
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    return summary

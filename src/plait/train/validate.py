@@ -1,8 +1,10 @@
-"""Validation during training: the loss over a fixed set of held-out batches, on every worker.
+"""Validation during training: the loss over held-out batches, on every worker, through
+the same pipeline as training (`Engine.evaluate`, forward only).
 
-The batches are the first `eval_batches` of the task's validation split, in order, so
-every evaluation of a run (and of a resumed run) sees the same samples; a classifier's
-metrics (accuracy) come with the loss.
+A periodic evaluation (`eval_every`) reads the first `eval_batches` of the task's
+validation split, in order, so every evaluation of a run (and of a resumed run) sees the
+same samples; the one after the last step reads the whole split, and its figures are the
+run's `validation` in summary.json. A classifier's metrics (accuracy) come with the loss.
 """
 
 from __future__ import annotations
@@ -45,15 +47,19 @@ def due(cfg: TrainConfig, done: int) -> bool:
     return done == cfg.max_steps or (every is not None and done % every == 0)
 
 
-def validate(engine: Engine, task: Task, cfg: TrainConfig, step: int) -> Validation | None:
-    """The validation loss after step `step` (a collective: every worker calls it); None
-    when the task has no validation split."""
+def validate(
+    engine: Engine, task: Task, cfg: TrainConfig, step: int, *, whole: bool = False
+) -> Validation | None:
+    """The validation loss after step `step` over the first `eval_batches` batches, or the
+    `whole` split (a collective: every worker calls it); None when the task has no
+    validation split."""
     if task.validation is None:
         return None
     total = samples = 0.0
     sums = dict.fromkeys(task.metrics, 0.0)
     drained = []
-    for batch in itertools.islice(task.validation(), cfg.eval_batches):
+    batches = task.validation()
+    for batch in batches if whole else itertools.islice(batches, cfg.eval_batches):
         report = engine.evaluate(batch, cast(dict[str, Any], task.metrics) or None)
         total += report.loss * report.samples
         samples += report.samples
@@ -68,8 +74,10 @@ def validate(engine: Engine, task: Task, cfg: TrainConfig, step: int) -> Validat
 
 
 def summarise(run_dir: Path, summary: dict[str, Any], last: Validation | None) -> None:
-    """Add the last validation loss to the run's summary (and its summary.json)."""
+    """Add the last validation to the run's summary (and its summary.json): `val_loss`,
+    `val_step`, and `validation` with the loss, each metric and the samples it covered."""
     if last is None:
         return
     summary["val_loss"], summary["val_step"] = last.loss, last.step
+    summary["validation"] = {"loss": last.loss, **last.metrics, "samples": last.samples}
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
