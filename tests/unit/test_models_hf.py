@@ -164,3 +164,13 @@ def test_gpt2_with_linears_computes_what_conv1d_computes(attn: str) -> None:
     grads = _conv1d_layout({n: p.grad for n, p in converted.named_parameters()})  # type: ignore[misc]
     for name, p in original.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_gpt2_tensor_parallel_refusals_name_the_fix() -> None:
+    layer = gpt2_blocks_model(tiny_gpt2_config(num_heads=4)).blocks()[1]
+    with pytest.raises(ValueError, match=r"sequence_parallel is not supported.*drop it"):
+        layer.tp_plan(True)  # type: ignore[operator]
+    with pytest.raises(ValueError, match="tp=3 must divide the GPT-2 layer's 4 heads"):
+        layer.tp_prepare(3)  # type: ignore[operator]
+    layer.tp_prepare(2)  # type: ignore[operator]
+    assert layer.get_submodule("block.attn").split_size == 32 // 2  # q, k, v: hidden/tp each
