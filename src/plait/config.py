@@ -438,10 +438,15 @@ class TrainConfig:
                 f"batch_size={self.batch_size} is not divisible by dp × microbatches = "
                 f"{par.dp * par.microbatches}: use a multiple"
             )
-        if par.tp > 1 and self.model.name in ("resnet18", "hf-gpt2"):
+        if par.tp > 1 and self.model.name == "resnet18":
             raise ValueError(
                 f"tp={par.tp} with model {self.model.name!r}: its layers have no "
                 "tensor-parallel plan in plait yet; use tp=1 (dp and pp work)"
+            )
+        if par.sequence_parallel and self.model.name in ("hf-gpt2", "hf-llama"):
+            raise ValueError(
+                f"sequence_parallel with model {self.model.name!r}: its tensor-parallel plan "
+                "keeps whole sequences on every rank; drop sequence_parallel"
             )
         kv_heads = self.model.heads // 2 if self.model.heads % 2 == 0 else self.model.heads
         if self.model.name == "hf-llama" and kv_heads % par.tp:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -118,3 +119,58 @@ def test_tied_embeddings_are_refused_unless_allowed() -> None:
 def test_unsupported_attention_names_the_fix() -> None:
     with pytest.raises(ValueError, match=r"attn_implementation='flex_attention'.*'sdpa'"):
         _attention(SimpleNamespace(_attn_implementation="flex_attention"))
+
+
+def _conv1d_layout(grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Tensors named as in the converted GPT-2 (q, k, v and nn.Linear, weight [out, in]),
+    renamed and reshaped as the original `Conv1D` layers hold them (weight [in, out])."""
+    out = {}
+    for name, t in grads.items():
+        if ".c_attn.q." in name:
+            parts = [grads[name.replace(".q.", f".{n}.")] for n in "qkv"]
+            joined = torch.cat([p.t() for p in parts], 1) if t.ndim == 2 else torch.cat(parts)
+            out[name.replace(".c_attn.q.", ".c_attn.")] = joined
+        elif ".c_attn." not in name:
+            is_linear = name.endswith(".weight") and (".c_proj." in name or ".c_fc." in name)
+            out[name] = t.t() if is_linear else t
+    return out
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_gpt2_with_linears_computes_what_conv1d_computes(attn: str) -> None:
+    """The conversion to q, k, v and nn.Linear changes neither the logits nor the gradients
+    of an untouched copy of the same Hugging Face model; it draws no random numbers."""
+    torch.manual_seed(0)
+    original = transformers.GPT2LMHeadModel(tiny_gpt2_config(vocab_size=VOCAB,
+                                                             attn_implementation=attn))  # fmt: skip
+    converted = copy.deepcopy(original)
+    rng = torch.get_rng_state()
+    model = gpt2_blocks_from_hf(converted)
+    assert torch.equal(rng, torch.get_rng_state())
+    assert {id(p) for p in model.parameters()} == {id(p) for p in converted.parameters()}
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(4))
+
+    expected = original(ids).logits
+    logits = model(ids)
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(converted(ids).logits, expected, rtol=1e-5, atol=1e-5)
+    weights = _conv1d_layout({n: p.detach() for n, p in converted.named_parameters()})
+    assert weights.keys() == dict(original.named_parameters()).keys()
+    for name, p in original.named_parameters():
+        torch.testing.assert_close(weights[name], p.detach(), rtol=0, atol=0, msg=name)
+
+    HFBlocksModel.loss(expected[:, :-1], ids[:, 1:]).backward()
+    HFBlocksModel.loss(logits[:, :-1], ids[:, 1:]).backward()
+    grads = _conv1d_layout({n: p.grad for n, p in converted.named_parameters()})  # type: ignore[misc]
+    for name, p in original.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_gpt2_tensor_parallel_refusals_name_the_fix() -> None:
+    layer = gpt2_blocks_model(tiny_gpt2_config(num_heads=4)).blocks()[1]
+    with pytest.raises(ValueError, match=r"sequence_parallel is not supported.*drop it"):
+        layer.tp_plan(True)  # type: ignore[operator]
+    with pytest.raises(ValueError, match="tp=3 must divide the GPT-2 layer's 4 heads"):
+        layer.tp_prepare(3)  # type: ignore[operator]
+    layer.tp_prepare(2)  # type: ignore[operator]
+    assert layer.get_submodule("block.attn").split_size == 32 // 2  # q, k, v: hidden/tp each

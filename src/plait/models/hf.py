@@ -18,6 +18,19 @@ What each block rebuilds from the Hugging Face forward, and its limits:
   block from its own copy of the model's `LlamaRotaryEmbedding` (a parameter-free buffer),
   rather than sent across every stage boundary as (hidden, cos, sin): it costs one small
   outer product per layer and keeps boundaries to one tensor.
+- GPT-2's `Conv1D` layers (weight [in, out]) become `nn.Linear` (weight [out, in], the same
+  numbers transposed), and its fused `c_attn` (one [hidden, 3 * hidden] weight producing
+  [q | k | v]) becomes `_FusedQKV`: three `nn.Linear` q, k, v whose outputs it
+  concatenates. The Hugging Face forward is unchanged: it splits `c_attn`'s output by
+  `attn.split_size` and reshapes heads with -1. Why: DTensor's `ColwiseParallel` and
+  `RowwiseParallel` shard `nn.Linear` only, and a column shard of the fused weight would
+  give one rank the q of some heads with the k of others; q, k and v sharded apart give
+  each rank whole heads (Megatron-LM, Shoeybi et al. 2019). The conversion is done in place,
+  for every layout (tp=1 too), so a checkpoint's parameter names and values do not depend
+  on tp and load under any dp/tp/pp. Its cost: the Hugging Face model passed in is changed
+  (convert before building an optimizer over it), and its `save_pretrained` writes
+  `attn.c_attn.{q,k,v}.weight` and Linear-shaped weights, which `GPT2LMHeadModel`'s own
+  loader does not read back.
 - Tied input/output embeddings (GPT-2's default) would make the first and last blocks
   share one weight; a pipeline that puts them on different ranks keeps two copies whose
   gradients nobody sums. Such models are refused unless `allow_tied=True`; the tiny
@@ -116,6 +129,8 @@ class HFBlocksModel(nn.Module):
 
 
 class _GPT2Embedding(nn.Module):
+    replicated_under_tp = True  # small next to the layers: every tp rank computes it whole
+
     def __init__(self, wte: nn.Embedding, wpe: nn.Embedding, drop: nn.Module) -> None:
         super().__init__()
         self.wte, self.wpe, self.drop = wte, wpe, drop
@@ -125,11 +140,76 @@ class _GPT2Embedding(nn.Module):
         return self.drop(hidden + self.wpe(_positions(hidden)))
 
 
+class _FusedQKV(nn.Module):
+    """GPT-2's `c_attn` as three linears, q, k and v, each [hidden] -> [hidden] (whole heads,
+    so tensor parallelism can shard each by columns), returning [q | k | v] as `Conv1D` did."""
+
+    def __init__(self, q: nn.Linear, k: nn.Linear, v: nn.Linear) -> None:
+        super().__init__()
+        self.q, self.k, self.v = q, k, v
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        # each [batch, seq, hidden/tp]; the attention splits them apart by `split_size`
+        return torch.cat([self.q(hidden), self.k(hidden), self.v(hidden)], dim=-1)
+
+
+def _linear(conv: Any, first: int, last: int) -> nn.Linear:
+    """Output features first..last-1 of a `Conv1D` (weight [in, out]) as an `nn.Linear`."""
+    weight, bias = conv.weight, conv.bias  # [in, out], [out]
+    # built on the meta device, so converting draws nothing from the random generator
+    linear = nn.Linear(weight.shape[0], last - first, device="meta")
+    linear.weight = nn.Parameter(
+        weight.detach()[:, first:last].t().contiguous(), requires_grad=weight.requires_grad
+    )
+    linear.bias = nn.Parameter(bias.detach()[first:last].clone(), requires_grad=bias.requires_grad)
+    return linear
+
+
+def _linears_for_conv1d(block: Any) -> None:
+    """Replace the `Conv1D` layers of one `GPT2Block` in place (see the module docstring)."""
+    attn, mlp = block.attn, block.mlp
+    if isinstance(attn.c_attn, _FusedQKV):
+        return  # converted already: the same Hugging Face model cut into blocks again
+    width = attn.split_size  # hidden
+    attn.c_attn = _FusedQKV(*(_linear(attn.c_attn, i * width, (i + 1) * width) for i in range(3)))
+    for owner in (attn, mlp):
+        owner.c_proj = _linear(owner.c_proj, 0, owner.c_proj.weight.shape[1])
+    mlp.c_fc = _linear(mlp.c_fc, 0, mlp.c_fc.weight.shape[1])
+
+
 class _GPT2Layer(nn.Module):
     def __init__(self, block: nn.Module, attn_implementation: str) -> None:
         super().__init__()
         self.block = block
         self.attn_implementation = attn_implementation
+
+    def tp_prepare(self, tp: int) -> None:
+        """Under tensor parallelism each rank's q, k and v are hidden/tp wide: the attention
+        splits `c_attn`'s output by that width (heads it reshapes with -1)."""
+        attn: Any = self.block.attn  # transformers' GPT2Attention
+        if attn.num_heads % tp:
+            raise ValueError(
+                f"tp={tp} must divide the GPT-2 layer's {attn.num_heads} heads: use a tp "
+                "that divides the head count, or tp=1"
+            )
+        attn.split_size = attn.embed_dim // tp
+
+    @staticmethod
+    def tp_plan(sequence_parallel: bool) -> dict[str, Any]:
+        """Megatron's sharding of a GPT-2 block: q, k, v and c_fc by columns (whole heads),
+        both c_proj by rows (their biases and the layer norms stay whole on every rank). Each
+        sub-layer all-reduces once in forward; in backward the MLP once and the attention
+        three times, as q, k and v each reduce their input's gradient. Needs `tp_prepare`."""
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+        if sequence_parallel:
+            raise ValueError(
+                "sequence_parallel is not supported for Hugging Face GPT-2 layers: drop it"
+            )
+        attn, mlp = "block.attn.", "block.mlp."
+        col = [attn + "c_attn." + n for n in ("q", "k", "v")] + [mlp + "c_fc"]
+        plan: dict[str, Any] = {n: ColwiseParallel() for n in col}
+        return {**plan, attn + "c_proj": RowwiseParallel(), mlp + "c_proj": RowwiseParallel()}
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         mask = _causal_mask(self.attn_implementation, hidden)
@@ -204,13 +284,16 @@ def _check_untied(embedding: nn.Embedding, lm_head: nn.Module, allow_tied: bool)
 
 
 def gpt2_blocks_from_hf(model: Any, *, allow_tied: bool = False) -> HFBlocksModel:
-    """Blocks sharing the modules of a `GPT2LMHeadModel`: wte+wpe, one per `GPT2Block`, head."""
+    """Blocks sharing the modules of a `GPT2LMHeadModel`: wte+wpe, one per `GPT2Block`, head.
+    Changes `model` in place: its `Conv1D` layers become `nn.Linear` (module docstring)."""
     config = model.config
     if getattr(config, "add_cross_attention", False):
         raise ValueError("add_cross_attention=True: the GPT-2 blocks are decoder-only")
     gpt = model.transformer
     _check_untied(gpt.wte, model.lm_head, allow_tied)
     impl = _attention(config)
+    for block in gpt.h:
+        _linears_for_conv1d(block)
     layers: list[nn.Module] = [_GPT2Embedding(gpt.wte, gpt.wpe, gpt.drop)]
     layers += [_GPT2Layer(block, impl) for block in gpt.h]
     layers.append(_Head(gpt.ln_f, model.lm_head))

@@ -6,7 +6,10 @@ first linear column-parallel, the attention output and the MLP's second linear
 row-parallel, so each block needs one all-reduce in forward and one in backward per
 sub-layer). Blocks that are cheap enough to compute whole on every tensor-parallel rank
 say so with `replicated_under_tp = True` (embeddings and the head of the reference GPT).
-Any other block with parameters is an error: plait does not guess a plan.
+Any other block with parameters is an error: plait does not guess a plan. A block whose
+modules must know the tp degree before they are sharded (Hugging Face GPT-2's attention
+splits its fused q|k|v output by a width it stores) also has a `tp_prepare(tp: int)` method,
+called just before its plan is applied.
 
 Sequence parallelism (Korthikanti et al. 2022) shards the layer norms' activations along
 the sequence inside each block; block boundaries stay whole-sequence, so pipeline stages
@@ -32,7 +35,11 @@ def apply_tensor_parallel(
     for block in blocks:
         plan_fn = getattr(block, "tp_plan", None)
         if plan_fn is not None:
-            parallelize_module(block, tp_mesh, plan_fn(sequence_parallel))
+            plan = plan_fn(sequence_parallel)
+            prepare = getattr(block, "tp_prepare", None)
+            if prepare is not None:
+                prepare(tp_mesh.size())
+            parallelize_module(block, tp_mesh, plan)
         elif getattr(block, "replicated_under_tp", False) or not any(
             p.requires_grad for p in block.parameters()
         ):
