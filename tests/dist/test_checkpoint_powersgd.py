@@ -84,3 +84,27 @@ def _powersgd_resume(rank: int, world: int, tmp: str) -> None:
 
 def test_a_resumed_powersgd_run_equals_the_uninterrupted_one(tmp_path: Path) -> None:
     run_world(tmp_path, 2, _powersgd_resume, str(tmp_path))
+
+
+def test_plait_train_resumed_under_powersgd_logs_the_same_losses(tmp_path: Path) -> None:
+    """`plait train --compress powersgd:2`: 6 steps straight (checkpoints after 4 and 6),
+    and 6 steps resumed from the checkpoint after step 4, log the very same losses."""
+    import json
+
+    from plait.cli.main import main
+
+    small = ["--layers", "2", "--hidden", "64", "--seq-len", "32", "--batch-size", "16",
+             "--sample-chars", "0", "--dp", "2", "--pp", "1", "--compress", "powersgd:2",
+             "--dtype", "fp32", "--max-steps", "6"]  # fmt: skip
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    assert main(["train", *small, "--run-dir", str(straight), "--checkpoint-every", "4"]) == 0
+    checkpoint = straight / "checkpoints" / "step-00000004"
+    assert main(["train", *small, "--run-dir", str(resumed), "--resume", str(checkpoint)]) == 0
+
+    def losses(run_dir: Path) -> dict[int, float]:
+        rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+    after = losses(resumed)
+    assert sorted(after) == [4, 5]
+    assert after == {step: loss for step, loss in losses(straight).items() if step >= 4}
