@@ -104,6 +104,8 @@ def test_profile_writes_the_figures_and_simulate_and_plan_use_them(
     written = json.loads(out)["device"]["codec_s_per_entry"]
     assert sorted(written) == ["powersgd:2", "sign"]
     assert read_codec_profile(profile) == written  # the round trip keeps them
+    code, out, _ = _run(capsys, *measure, "--codec", "sign,powersgd:2", "--json")
+    assert code == 0 and json.loads(out)["device"]["codec_s_per_entry"] == written  # cached
 
     simulate = ["simulate", *SMALL, "--cluster", "local-cpu", "--dp", "2", "--dtype", "fp32",
                 "--compress", "sign", "--json"]  # fmt: skip
