@@ -70,14 +70,14 @@ def _powersgd_resume(rank: int, world: int, tmp: str) -> None:
 
     # a checkpoint without the state (as saved before it was kept) loads; PowerSGD restarts
     old_root = Path(tmp) / "without-state"
-    residuals = checkpoint_state._residuals
-    checkpoint_state._residuals = lambda engine, for_load: {}  # type: ignore[assignment]
+    comm_state = checkpoint_state._comm_state
+    checkpoint_state._comm_state = lambda engine, for_load: {}  # type: ignore[assignment]
     try:
         old = CheckpointStore(old_root)
         save(straight, old, STEPS, {"plan": PLAN})
         old.wait()
     finally:
-        checkpoint_state._residuals = residuals  # type: ignore[assignment]
+        checkpoint_state._comm_state = comm_state  # type: ignore[assignment]
     assert _powersgd(_resume(old_root)).iter == 0
     dist.barrier()
 

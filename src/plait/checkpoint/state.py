@@ -12,7 +12,10 @@ stage's state with wrapper prefixes (recomputation, FSDP) removed; this module r
 its keys from the stage's to the model's. ZeRO-1's optimizer
 (`ZeroRedundancyOptimizer`) is saved through its local optimizer, which holds the state of
 this rank's share of the parameters: each rank writes its share, and a new layout reads
-its new share. RNG states are saved per rank and restored only on the same world size.
+its new share. RNG states are saved per rank and restored only on the same world size;
+so is gradient compression's state (error-feedback residuals, PowerSGD's factors and step
+count), and only under the same compression and buckets too: otherwise, or when the
+checkpoint lacks it, it starts afresh (PowerSGD with its plain all-reduce steps).
 An asynchronous stream is drained before a save, so no stashed weight version exists then.
 """
 
@@ -90,13 +93,13 @@ def engine_state(engine: Engine, *, for_load: bool = False) -> dict[str, Any]:
             optim[rename(key)] = entry
     rank = torch.distributed.get_rank()
     state = {"model": model, "optim": optim, "rng": {f"rank{rank}": torch.get_rng_state()}}
-    residuals = _residuals(engine, for_load=for_load)
-    if residuals:
-        state["comm"] = residuals
+    comm = _comm_state(engine, for_load=for_load)
+    if comm:
+        state["comm"] = comm
     return state
 
 
-def _residuals(engine: Engine, *, for_load: bool) -> dict[str, Any]:
+def _comm_state(engine: Engine, *, for_load: bool) -> dict[str, Any]:
     """This rank's gradient compression state (`plait.parallel.compress`): error-feedback
     residuals, one per bucket, under "rank<r>.<bucket>", or PowerSGD's state as one blob
     under "rank<r>.powersgd". They are this replica's, so they load only under the same
@@ -151,7 +154,7 @@ def load_engine_state(engine: Engine, state: Mapping[str, Any], *, same_world: b
 
 
 def _load_comm(engine: Engine, comm: Mapping[str, Any], rank: str) -> None:
-    """Restore this rank's gradient compression state saved by `_residuals`."""
+    """Restore this rank's gradient compression state saved by `_comm_state`."""
     from plait.parallel.compress import load_powersgd_state
 
     hook_state = getattr(engine.grad_sync, "hook_state", None)
