@@ -72,13 +72,16 @@ def _positive(owner: str, name: str, value: float) -> None:
 @dataclass(frozen=True, kw_only=True)
 class Device:
     """One accelerator: peak FLOP/s per dtype, the fraction of peak large matmuls achieve,
-    memory capacity, and memory bandwidth (which bounds the optimizer step)."""
+    memory capacity, memory bandwidth (which bounds the optimizer step), and the measured
+    seconds per gradient entry of each gradient compression's encode + decode, by
+    `--compress` value (`plait.profile.codec`; empty: the cost model estimates them)."""
 
     name: str
     peak_flops: Mapping[str, float] = field(hash=False)
     efficiency: float = 1.0
     memory_bytes: int
     memory_bandwidth_Bps: float = 1e11
+    codec_s_per_entry: Mapping[str, float] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
         owner = f"device {self.name!r}"
@@ -92,6 +95,12 @@ class Device:
             raise ValueError(f"{owner}: efficiency={self.efficiency} must lie in (0, 1]")
         _positive(owner, "memory_bytes", self.memory_bytes)
         _positive(owner, "memory_bandwidth_Bps", self.memory_bandwidth_Bps)
+        codec = {str(k): float(v) for k, v in self.codec_s_per_entry.items()}
+        for key, value in codec.items():
+            if not math.isfinite(value):
+                raise ValueError(f"{owner}: codec_s_per_entry[{key}]={value!r} must be finite")
+            _positive(owner, f"codec_s_per_entry[{key}]", value)
+        object.__setattr__(self, "codec_s_per_entry", codec)
 
     def peak(self, dtype: str) -> float:
         """Peak FLOP/s in `dtype` (fp32 falls back on nothing: name what the device has)."""

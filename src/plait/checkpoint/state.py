@@ -12,14 +12,18 @@ stage's state with wrapper prefixes (recomputation, FSDP) removed; this module r
 its keys from the stage's to the model's. ZeRO-1's optimizer
 (`ZeroRedundancyOptimizer`) is saved through its local optimizer, which holds the state of
 this rank's share of the parameters: each rank writes its share, and a new layout reads
-its new share. RNG states are saved per rank and restored only on the same world size.
+its new share. RNG states are saved per rank and restored only on the same world size;
+so is gradient compression's state (error-feedback residuals, PowerSGD's factors and step
+count), and only under the same compression and buckets too: otherwise, or when the
+checkpoint lacks it, it starts afresh (PowerSGD with its plain all-reduce steps).
 An asynchronous stream is drained before a save, so no stashed weight version exists then.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+import sys
+from collections.abc import Collection, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -37,7 +41,7 @@ from plait.blocks import as_blocks
 if TYPE_CHECKING:
     from plait.train.engine import Engine
 
-__all__ = ["block_names", "engine_state", "load_engine_state"]
+__all__ = ["block_names", "drop_unsaved_comm", "engine_state", "load_engine_state"]
 
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 _STAGE_KEY = re.compile(r"^(state\.|param_groups\.)?blocks\.(\d+)\.(.+)$")
@@ -89,23 +93,29 @@ def engine_state(engine: Engine, *, for_load: bool = False) -> dict[str, Any]:
             optim[rename(key)] = entry
     rank = torch.distributed.get_rank()
     state = {"model": model, "optim": optim, "rng": {f"rank{rank}": torch.get_rng_state()}}
-    residuals = _residuals(engine, for_load=for_load)
-    if residuals:
-        state["comm"] = residuals
+    comm = _comm_state(engine, for_load=for_load)
+    if comm:
+        state["comm"] = comm
     return state
 
 
-def _residuals(engine: Engine, *, for_load: bool) -> dict[str, torch.Tensor]:
-    """This rank's error-feedback residuals of gradient compression (`plait.parallel.compress`),
-    one per bucket, under "rank<r>.<bucket>": they are this replica's, so they load only
-    under the same world size and compression. (PowerSGD's state is torch's own and is not
-    saved: after a resume it starts again with its plain all-reduce steps.)"""
-    from plait.parallel.compress import ErrorFeedback
+def _comm_state(engine: Engine, *, for_load: bool) -> dict[str, Any]:
+    """This rank's gradient compression state (`plait.parallel.compress`): error-feedback
+    residuals, one per bucket, under "rank<r>.<bucket>", or PowerSGD's state as one blob
+    under "rank<r>.powersgd". They are this replica's, so they load only under the same
+    world size, compression and buckets (`plait.train.checkpointing.resume`)."""
+    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
+
+    from plait.parallel.compress import ErrorFeedback, powersgd_state_bytes
 
     hook_state = getattr(engine.grad_sync, "hook_state", None)
+    rank = torch.distributed.get_rank()
+    if isinstance(hook_state, PowerSGDState):
+        shapes = engine.grad_sync.bucket_shapes()  # type: ignore[union-attr]
+        blob = b"" if for_load else powersgd_state_bytes(hook_state, shapes)
+        return {f"rank{rank}.powersgd": blob}
     if not isinstance(hook_state, ErrorFeedback):
         return {}
-    rank = torch.distributed.get_rank()
     sizes = engine.grad_sync.bucket_sizes()  # type: ignore[union-attr]
     out = {}
     for index, n in sizes.items():
@@ -114,6 +124,14 @@ def _residuals(engine: Engine, *, for_load: bool) -> dict[str, torch.Tensor]:
             held = torch.zeros(n, dtype=torch.float32, device=engine.device)
         out[f"rank{rank}.{index}"] = held
     return out
+
+
+def drop_unsaved_comm(state: dict[str, Any], saved_keys: Collection[str]) -> None:
+    """Leave out of `state` the compression state a checkpoint lacks (saved before it was
+    checkpointed, as PowerSGD's was not at first): that state starts afresh."""
+    comm = state.get("comm", {})
+    if any(f"comm.{key}" not in saved_keys for key in comm):
+        state.pop("comm")
 
 
 def load_engine_state(engine: Engine, state: Mapping[str, Any], *, same_world: bool) -> None:
@@ -130,13 +148,27 @@ def load_engine_state(engine: Engine, state: Mapping[str, Any], *, same_world: b
     rank = f"rank{torch.distributed.get_rank()}"
     if same_world and rank in state.get("rng", {}):
         torch.set_rng_state(state["rng"][rank])
-    hook_state = getattr(engine.grad_sync, "hook_state", None)
-    for key, residual in state.get("comm", {}).items():
-        owner, _, index = key.partition(".")
-        if owner == rank:
-            hook_state.residuals[int(index)] = residual.clone()  # type: ignore[union-attr]
+    _load_comm(engine, state.get("comm", {}), rank)
     if engine.grad_sync is not None:
         engine.grad_sync.zero_grad()
+
+
+def _load_comm(engine: Engine, comm: Mapping[str, Any], rank: str) -> None:
+    """Restore this rank's gradient compression state saved by `_comm_state`."""
+    from plait.parallel.compress import load_powersgd_state
+
+    hook_state = getattr(engine.grad_sync, "hook_state", None)
+    for key, value in comm.items():
+        owner, _, index = key.partition(".")
+        if owner != rank:
+            continue
+        if index == "powersgd":
+            shapes = engine.grad_sync.bucket_shapes()  # type: ignore[union-attr]
+            if not load_powersgd_state(hook_state, value, shapes, engine.device):
+                print(f"plait: {rank}'s PowerSGD state was saved for other parameter shapes; "
+                      "it starts afresh", file=sys.stderr, flush=True)  # fmt: skip
+        else:
+            hook_state.residuals[int(index)] = value.clone()  # type: ignore[union-attr]
 
 
 def _first_block(stage: nn.Module) -> int:

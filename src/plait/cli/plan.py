@@ -39,6 +39,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     a("--compress", default="none", metavar="METHODS",
       help="gradient compressions to try for data-parallel plans, comma-separated (e.g. "
       "none,fp16,powersgd:4); lossy ones change what training converges to")  # fmt: skip
+    a("--profile", help="a profile `plait profile --json` wrote: its measured encode/decode "
+      "times of --compress replace the estimate from memory bandwidth")  # fmt: skip
     a("--json", action="store_true", help="print one JSON object")
     a("--out", help="write the best plan as JSON (for `plait train --plan`)")
     p.set_defaults(func=run)
@@ -68,6 +70,10 @@ def run(args: argparse.Namespace) -> int:
         check_out(args.out)
     spec = spec_from_args(args)
     cluster = load_cluster(args.cluster, num_nodes=args.nodes)
+    if args.profile:
+        from plait.profile.codec import read_codec_profile, with_codec
+
+        cluster = with_codec(cluster, read_codec_profile(args.profile))
     model = gpt_spec(
         num_layers=spec.num_layers,
         hidden=spec.hidden,
@@ -104,6 +110,9 @@ def run(args: argparse.Namespace) -> int:
     }
     plans = [plan_to_dict(r, model=model_desc, cluster=cluster.name) for r in found.top]
     why = explain(found)
+    codec = _codec_line(found.best.plan.compress, cluster)
+    if codec:
+        why = f"{why} {codec}"
     if args.out:
         write_plan(args.out, plans[0])
     if args.json:
@@ -130,6 +139,15 @@ def run(args: argparse.Namespace) -> int:
         f"in {seconds:.2f} s" + (f"; best plan written to {args.out}" if args.out else "")
     )
     return 0
+
+
+def _codec_line(compress: str, cluster: Any) -> str:
+    """Where the best plan's encode/decode time comes from; empty when it compresses nothing."""
+    from plait.cost.compress import codec_source
+
+    if compress == "none":
+        return ""
+    return f"Its {compress} encode/decode time: {codec_source(compress, cluster.device(0))}."
 
 
 def _table(found: Any, describe: Any) -> None:

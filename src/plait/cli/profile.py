@@ -19,6 +19,7 @@ from typing import Any
 from plait.cluster import local_cpu, normalize_dtype
 from plait.cost import BlockCost
 from plait.profile import BlockProfile, GPTSpec
+from plait.profile.codec import DEFAULT_CODECS
 
 __all__ = [
     "add_model_arguments",
@@ -126,6 +127,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--threads", type=int, default=1, help="measured: intra-op threads (1)")
     p.add_argument("--warmup", type=int, default=2, help="measured: untimed runs per block")
     p.add_argument("--repeats", type=int, default=5, help="measured: timed runs (median)")
+    p.add_argument(
+        "--codec",
+        default=",".join(DEFAULT_CODECS),
+        metavar="METHODS",
+        help="measured: gradient compressions whose encode/decode time to measure, "
+        "comma-separated ('none': measure none); `plait simulate/plan --profile` use them",
+    )
     p.add_argument("--no-cache", action="store_true", dest="no_cache", help="measure again")
     p.add_argument("--cache-dir", dest="cache_dir", help="profile cache folder")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -166,12 +174,41 @@ def _measure(spec: GPTSpec, args: argparse.Namespace, dtype: str) -> dict[str, A
         memory_bytes=_memory_bytes(),
     )
     costs = profile.costs(device, dtype)
+    codec, codec_cached = _codec(args)
     return {
         "source": "measured",
-        "cached": profile.cached,
-        "device": {"name": device.name, "flops": flops, "dtype": dtype},
+        "cached": profile.cached and codec_cached,
+        "device": {
+            "name": device.name,
+            "flops": flops,
+            "dtype": dtype,
+            "codec_s_per_entry": codec,
+        },
         "blocks": [_measured_row(b, c) for b, c in zip(profile.blocks, costs, strict=True)],
     }
+
+
+def _codec_methods(text: str) -> list[str]:
+    """The `--codec` methods (checked before anything is measured)."""
+    from plait.compression import parse_compression
+
+    methods = [str(parse_compression(m)) for m in text.split(",") if m.strip()]
+    return [m for m in methods if m != "none"]
+
+
+def _codec(args: argparse.Namespace) -> tuple[dict[str, float], bool]:
+    """Seconds per gradient entry of each `--codec` method's encode + decode (cached)."""
+    from plait.profile import default_cache_dir, threads
+    from plait.profile.codec import cached_codec_costs
+
+    methods = _codec_methods(args.codec)
+    if not methods:
+        return {}, True
+    folder = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
+    with threads(args.threads):
+        return cached_codec_costs(
+            methods, repeats=args.repeats, cache_dir=None if args.no_cache else folder
+        )
 
 
 def _measured_row(block: BlockProfile, cost: BlockCost) -> dict[str, Any]:
@@ -223,6 +260,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--{name} {getattr(args, name)} must be >= 1")
     if args.warmup < 0:
         raise ValueError(f"--warmup {args.warmup} must be >= 0")
+    _codec_methods(args.codec)
     analytic = args.analytic
     if not analytic and dtype not in _MEASURABLE:
         raise ValueError(
@@ -298,3 +336,10 @@ def _print(out: dict[str, Any]) -> None:
             f"measured on {device['name']} ({device['flops'] / 1e9:.1f} GFLOP/s matmul)"
             + (", read from the cache" if out["cached"] else "")
         )
+        codec = device.get("codec_s_per_entry", {})
+        if codec:
+            console.print(
+                "gradient compression encode + decode, ns per entry: "
+                + ", ".join(f"{k} {v * 1e9:.3g}" for k, v in codec.items())
+                + " (`plait simulate/plan --profile FILE` use them: save this with --json)"
+            )

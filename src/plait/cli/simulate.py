@@ -59,6 +59,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     a("--compress", default="none", metavar="METHOD",
       help="gradient compression of the dp reduction: none, fp16, bf16, powersgd:RANK, "
       "threshold:TAU, topk:RATIO or sign")  # fmt: skip
+    a("--profile", help="a profile `plait profile --json` wrote: its measured encode/decode "
+      "times of --compress replace the estimate from memory bandwidth")  # fmt: skip
     a("--json", action="store_true", help="print one JSON object")
     a("--trace", help="write the predicted timeline as a Chrome/Perfetto trace (JSON)")
     a("--plot", help="draw the predicted timeline as a PNG (needs matplotlib)")
@@ -236,6 +238,10 @@ def run(args: argparse.Namespace) -> int:
             f"has {given.num_devices} devices: shrink the plan"
         )
     cluster = scaled_cluster(given, plan.num_devices)
+    if args.profile:
+        from plait.profile.codec import read_codec_profile, with_codec
+
+        cluster = with_codec(cluster, read_codec_profile(args.profile))
     cluster.device(0).peak(dtype)  # a device without this dtype fails here, naming it
     blocks = spec.block_costs(
         micro_batch_size=args.micro_batch_size,
@@ -321,6 +327,7 @@ def to_dict(prediction: Prediction, spec: GPTSpec) -> dict[str, Any]:
             "boundaries": list(prediction.partition.boundaries),
         },
         "plan": asdict(r.plan),
+        "codec": _codec_row(r.plan.compress, cluster),
         "model": _model_row(spec),
         "cluster": {
             "name": cluster.name,
@@ -328,6 +335,21 @@ def to_dict(prediction: Prediction, spec: GPTSpec) -> dict[str, Any]:
             "devices_per_node": group.devices_per_node,
             "device": group.device.name,
         },
+    }
+
+
+def _codec_row(compress: str, cluster: Cluster) -> dict[str, Any] | None:
+    """Where the encode/decode time of the gradient compression comes from."""
+    from plait.cost.compress import codec_figure, codec_source
+
+    if compress == "none":
+        return None
+    device = cluster.device(0)
+    measured = codec_figure(compress, device.codec_s_per_entry)
+    return {
+        "source": "measured" if measured else "analytic",
+        "s_per_entry": measured[0] if measured else None,
+        "text": codec_source(compress, device),
     }
 
 
@@ -374,3 +396,5 @@ def _print(summary: dict[str, Any]) -> None:
         table.add_row(str(m["pp_rank"]), *(f"{v:.2f}" for v in values), style=style)
     console.print(table)
     console.print(f"blocks per stage: {summary['partition']['sizes']}")
+    if summary["codec"] is not None:
+        console.print(f"{plan['compress']} encode/decode: {summary['codec']['text']}")

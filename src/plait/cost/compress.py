@@ -15,9 +15,13 @@ Per method, for `n` data-parallel ranks reducing `N` gradient entries:
 - `sign`: an all-gather of N/8 bytes of signs and one 4-byte scale.
 
 Encode and decode are memory-bound passes over the N fp32 entries (their count per
-method below, from the hooks' code), charged at the device's memory bandwidth; a
-profile (`codec_s_per_entry`, seconds per entry measured by `plait bench compress`)
-replaces that estimate when given.
+method below, from the hooks' code), charged at the device's memory bandwidth, unless
+the device carries measured seconds per entry (`Device.codec_s_per_entry`, which
+`plait profile` measures by running the hooks themselves: `plait.profile.codec`): then
+the codec costs that figure × N. A figure is looked up by the `--compress` value
+(`powersgd:4`), else by the method's name, else from the same method measured at other
+parameters: PowerSGD's a line through its ranks (its matmuls grow linearly with the
+rank), the others the nearest parameter measured. `codec_source` says which was used.
 """
 
 from __future__ import annotations
@@ -30,6 +34,9 @@ from plait.compression import Compression, check_zero, parse_compression
 from plait.cost.comm import Collective, collective_time, dp_sync_time
 
 __all__ = [
+    "codec_figure",
+    "codec_source",
+    "codec_time",
     "compressed_collectives",
     "compressed_sync_time",
     "gradient_sync_time",
@@ -121,15 +128,97 @@ def compressed_sync_time(
         matrix_dim=matrix_dim, density=density,
     )  # fmt: skip
     wire = sum(collective_time(col, dp, link) for col in collectives)
-    if codec_s_per_entry is not None and c.method in codec_s_per_entry:
-        codec = codec_s_per_entry[c.method] * num_entries
-    else:
-        codec = _PASSES[c.method] * num_entries * 4 / device.memory_bandwidth_Bps
-        if c.method == "powersgd":
-            side = matrix_dim if matrices is None else max(1, max(min(a, b) for a, b in matrices))
-            flops = 4 * num_entries * min(int(c.value or 1), side)
-            codec += flops / (_fp32_flops(device) * device.efficiency)
+    codec = codec_time(
+        c, num_entries, device=device, matrices=matrices, matrix_dim=matrix_dim,
+        codec_s_per_entry=codec_s_per_entry,
+    )  # fmt: skip
     return wire + codec
+
+
+def codec_time(
+    compression: Compression | str,
+    num_entries: float,
+    *,
+    device: Device,
+    matrices: Sequence[tuple[int, int]] | None = None,
+    matrix_dim: int = 1024,
+    codec_s_per_entry: Mapping[str, float] | None = None,
+) -> float:
+    """Seconds of one step's encode + decode of `num_entries` gradients on `device`: the
+    measured figure (`codec_s_per_entry`, else the device's) × entries, or the estimate."""
+    c = parse_compression(compression) if isinstance(compression, str) else compression
+    figures = device.codec_s_per_entry if codec_s_per_entry is None else codec_s_per_entry
+    found = codec_figure(c, figures)
+    if found is not None:
+        return found[0] * num_entries
+    codec = _PASSES[c.method] * num_entries * 4 / device.memory_bandwidth_Bps
+    if c.method == "powersgd":
+        side = matrix_dim if matrices is None else max(1, max(min(a, b) for a, b in matrices))
+        flops = 4 * num_entries * min(int(c.value or 1), side)
+        codec += flops / (_fp32_flops(device) * device.efficiency)
+    return codec
+
+
+def codec_figure(
+    compression: Compression | str, figures: Mapping[str, float]
+) -> tuple[float, str] | None:
+    """(seconds per entry, which measurement gave it) for `compression` from measured
+    `figures` keyed by `--compress` value or method; None when none fits (the module
+    docstring gives the order of the look-up)."""
+    c = parse_compression(compression) if isinstance(compression, str) else compression
+    if c.method == "none":
+        return None
+    for key in (str(c), c.method):
+        if key in figures:
+            return figures[key], f"measured at {key}"
+    same = sorted(
+        (x.value, v) for x, v in ((_parsed(k), v) for k, v in figures.items())
+        if x is not None and x.method == c.method and x.value is not None
+    )  # fmt: skip
+    if not same or c.value is None:
+        return None
+    label = ", ".join(f"{c.method}:{_shown(c.method, p)}" for p, _ in same)
+    if c.method == "powersgd" and len(same) >= 2:
+        slope, at_zero = _line(same)
+        fitted = at_zero + slope * c.value
+        if fitted > 0:
+            return fitted, f"a line through {label}"
+    value = c.value
+    p, seconds = min(same, key=lambda item: abs(math.log(item[0] / value)))
+    return seconds, f"measured at {c.method}:{_shown(c.method, p)}"
+
+
+def codec_source(compression: Compression | str, device: Device) -> str:
+    """Where `codec_time` takes `compression`'s encode/decode time on `device` from, in
+    words (for `plait simulate` and `plait plan`)."""
+    c = parse_compression(compression) if isinstance(compression, str) else compression
+    found = codec_figure(c, device.codec_s_per_entry)
+    if found is not None:
+        return f"{found[0] * 1e9:.3g} ns per entry, {found[1]} (the profile's measurement)"
+    return (
+        f"estimated from {device.name}'s memory bandwidth (no measured figure: "
+        "`plait profile --json > FILE` measures it, `--profile FILE` uses it)"
+    )
+
+
+def _parsed(key: str) -> Compression | None:
+    try:
+        return parse_compression(key)
+    except ValueError:
+        return None  # a bare method name with a parameter (`powersgd`): exact look-up only
+
+
+def _shown(method: str, value: float) -> str:
+    return str(int(value)) if method == "powersgd" else f"{value:g}"
+
+
+def _line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """(slope, intercept) of the least-squares line through (x, y) points."""
+    xs, ys = [x for x, _ in points], [y for _, y in points]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in points) / sxx if sxx else 0.0
+    return slope, my - slope * mx
 
 
 def _fp32_flops(device: Device) -> float:

@@ -29,10 +29,20 @@ The sparse methods exchange different amounts per rank, so they all-gather (size
 instead of all-reducing, and block until done: they trade the reducer's overlap for
 fewer bytes. Every hook counts the bytes it hands to collectives in `state.bytes_sent`
 (the tensors' sizes, padding included).
+
+Both kinds of state are training state, saved per rank in checkpoints
+(`plait.checkpoint.state`): `ErrorFeedback.state_dict` its residuals, and
+`powersgd_state_bytes` what torch's `PowerSGDState` carries from step to step (the error
+feedback per bucket, the warm-start factors P and Q, the step count, which decides when
+compression starts, and the NumPy generator that seeds new factors), as one serialised
+blob: its factors' sizes follow from the parameters' shapes and the rank, and exist only
+once compression has started, so the blob is read whole rather than into preallocated
+tensors. It holds the buckets' shapes, and loads only into a state whose buckets have them.
 """
 
 from __future__ import annotations
 
+import io
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,6 +57,8 @@ __all__ = [
     "ErrorFeedback",
     "HookBucket",
     "hook_for",
+    "load_powersgd_state",
+    "powersgd_state_bytes",
     "sign_hook",
     "threshold_hook",
     "topk_hook",
@@ -236,3 +248,49 @@ def hook_for(compression: Compression | str, group: dist.ProcessGroup) -> tuple[
         return powerSGD_hook.powerSGD_hook, state
     hooks = {"threshold": threshold_hook, "topk": topk_hook, "sign": sign_hook}
     return hooks[c.method], ErrorFeedback(group, c.value)
+
+
+def powersgd_state_bytes(state: Any, shapes: dict[int, list[list[int]]]) -> bytes:
+    """torch's `PowerSGDState` as bytes (its process group left out, as its own
+    `__getstate__` does), with `shapes`, each bucket's parameters' shapes, that it fits."""
+    kind, key, position, has_gauss, gauss = state.rng.get_state()
+    blob = {
+        "shapes": {int(i): [list(map(int, s)) for s in v] for i, v in shapes.items()},
+        "rank": int(state.matrix_approximation_rank),
+        "iter": int(state.iter),
+        "error": dict(state.error_dict),
+        "p": dict(state.p_memory_dict),
+        "q": dict(state.q_memory_dict),
+        "rng": (str(kind), torch.from_numpy(key.astype("int64")), int(position),
+                int(has_gauss), float(gauss)),
+        "stats": (int(state.total_numel_before_compression),
+                  int(state.total_numel_after_compression), int(state.next_stats_report)),
+    }  # fmt: skip
+    out = io.BytesIO()
+    torch.save(blob, out)
+    return out.getvalue()
+
+
+def load_powersgd_state(
+    state: Any, data: bytes, shapes: dict[int, list[list[int]]], device: torch.device
+) -> bool:
+    """Restore `state` from `powersgd_state_bytes`, its tensors onto `device`; False
+    (`state` untouched: PowerSGD starts afresh) when the blob was saved for other
+    buckets' shapes or another rank."""
+    import numpy as np
+
+    blob = torch.load(io.BytesIO(data), weights_only=True, map_location=device)
+    ours = {int(i): [list(map(int, s)) for s in v] for i, v in shapes.items()}
+    if blob["shapes"] != ours or blob["rank"] != state.matrix_approximation_rank:
+        return False
+    state.iter = blob["iter"]
+    state.error_dict = {int(i): t for i, t in blob["error"].items()}
+    state.p_memory_dict = {int(i): t for i, t in blob["p"].items()}
+    state.q_memory_dict = {int(i): t for i, t in blob["q"].items()}
+    kind, key, position, has_gauss, gauss = blob["rng"]
+    state.rng.set_state((kind, key.cpu().numpy().astype(np.uint32), position, has_gauss, gauss))
+    before, after, report = blob["stats"]
+    state.total_numel_before_compression = before
+    state.total_numel_after_compression = after
+    state.next_stats_report = report
+    return True

@@ -154,6 +154,14 @@ class GradReducer:
             for b in state.buckets
         }
 
+    def bucket_shapes(self) -> dict[int, list[list[int]]]:
+        """Each bucket's local parameter shapes, by index (PowerSGD's factors follow them)."""
+        return {
+            b.index: [list(_local(p).shape) for p in b.params]
+            for state in self.stages.values()
+            for b in state.buckets
+        }
+
     def before_backward(self, stage: int, *, last: bool) -> None:
         if last:
             state = self.stages[stage]

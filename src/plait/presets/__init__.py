@@ -11,6 +11,7 @@ reads this machine. Unknown keys and bad values raise `ValueError` naming key an
 from __future__ import annotations
 
 import math
+import re
 import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import fields, replace
@@ -66,7 +67,7 @@ _DEVICE_KEYS = {"name", "peak_flops", "efficiency", "memory_bytes", "memory_gib"
 _KEYS = {
     "cluster": {"name", "inter_node", "nodes"},
     "link": {"latency_s", "bandwidth_Bps"},
-    "device": _DEVICE_KEYS | {"memory_bandwidth_Bps"},
+    "device": _DEVICE_KEYS | {"memory_bandwidth_Bps", "codec_s_per_entry"},
     "node": {"preset", "count", "devices_per_node", "device", "intra_node", "processors",
              "sharing_efficiency"},
 }  # fmt: skip
@@ -166,7 +167,7 @@ def cluster_from_toml(data: Mapping[str, Any], *, default_name: str = "cluster")
 
 def _toml(value: object) -> str:
     if isinstance(value, Mapping):
-        return "{ " + ", ".join(f"{k} = {_toml(v)}" for k, v in value.items()) + " }"
+        return "{ " + ", ".join(f"{_key(k)} = {_toml(v)}" for k, v in value.items()) + " }"
     if isinstance(value, str):
         return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
     if isinstance(value, float) and math.isinf(value):
@@ -175,6 +176,11 @@ def _toml(value: object) -> str:
         short = next(f"{value:.{p}e}" for p in range(17) if float(f"{value:.{p}e}") == value)
         return min(repr(value), short, key=len)
     return repr(value)
+
+
+def _key(name: str) -> str:
+    """A TOML key: bare when it can be (`bf16`), quoted otherwise (`"powersgd:4"`)."""
+    return name if re.fullmatch(r"[A-Za-z0-9_-]+", name) else _toml(name)
 
 
 def cluster_to_toml(cluster: Cluster) -> str:
@@ -187,7 +193,7 @@ def cluster_to_toml(cluster: Cluster) -> str:
             lines += [f"processors = {group.processors}"]
             lines += [f"sharing_efficiency = {_toml(group.sharing_efficiency)}"]
         lines += [f"intra_node = {_toml(_fields(group.intra_node))}", "", "[nodes.device]"]
-        lines += [f"{k} = {_toml(v)}" for k, v in _fields(group.device).items()]
+        lines += [f"{k} = {_toml(v)}" for k, v in _fields(group.device).items() if v != {}]
     return "\n".join(lines) + "\n"
 
 

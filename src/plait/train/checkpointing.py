@@ -20,7 +20,8 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from plait.checkpoint import Checkpoint, CheckpointStore, engine_state, find, load_engine_state
-from plait.checkpoint.safe import SafeLoadPlanner, SafeReader
+from plait.checkpoint.safe import SafeLoadPlanner, SafeReader, read_metadata
+from plait.checkpoint.state import drop_unsaved_comm
 from plait.train.engine import Engine, StepReport
 
 __all__ = ["resume", "save"]
@@ -75,9 +76,11 @@ def resume(engine: Engine, store: CheckpointStore, target: str) -> Checkpoint | 
         or found.info.get("comm_buckets") != _buckets(engine)
     ):
         state.pop("comm", None)  # another replica's, method's or bucketing's residuals
+    metadata = read_metadata(found.path)
+    drop_unsaved_comm(state, metadata.state_dict_metadata)
     dcp_load(
         state,
-        storage_reader=SafeReader(found.path),
+        storage_reader=SafeReader(found.path, metadata),
         planner=SafeLoadPlanner(),
         process_group=store.group,
     )
