@@ -318,10 +318,14 @@ class TrainConfig:
     )
     eval_batches: int = field(
         default=4,
-        metadata={"help": "validation batches (of batch_size) per evaluation; 0: none"},
+        metadata={
+            "help": "validation batches (of batch_size) per evaluation during the run (the one "
+            "after the last step reads the whole split); 0: none"
+        },
     )
     grad_clip: float | None = field(
-        default=1.0, metadata={"help": "clip the global gradient norm to this value"}
+        default=1.0,
+        metadata={"help": "clip the global gradient norm to this value; 0: no clipping"},
     )
     plan: str | None = field(
         default=None,
@@ -458,10 +462,12 @@ class TrainConfig:
             raise ValueError(
                 f"tp={par.tp} must divide heads={self.model.heads} and hidden={self.model.hidden}"
             )
-        if self.grad_clip is not None and not self.grad_clip > 0:
+        if self.grad_clip is not None and not self.grad_clip >= 0:
             raise ValueError(
-                f"grad_clip={self.grad_clip} must be positive, or None for no clipping"
+                f"grad_clip={self.grad_clip} must be positive, or 0 (or None) for no clipping"
             )
+        if self.grad_clip == 0:  # the flag's and TOML's way to say "none"
+            object.__setattr__(self, "grad_clip", None)
         self._check_optimizer()
         if self.sample_chars < 0:
             raise ValueError(f"sample_chars={self.sample_chars} must be 0 or more (0: no sample)")

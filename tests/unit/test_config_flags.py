@@ -162,3 +162,15 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
 def test_field_names_of_the_sections_are_kept() -> None:
     names = {f.name for f in dataclasses.fields(TrainConfig)}
     assert {"model", "parallel", "nproc", "plan", "run_dir", "timeout_s"} <= names
+
+
+def test_grad_clip_zero_turns_clipping_off_from_the_command_line(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert load_config(grad_clip=0.0).grad_clip is None
+    assert main(["train", "--dry-run", "--grad-clip", "0"]) == 0
+    printed = capsys.readouterr().out
+    assert json.loads(printed[printed.index("{") :])["grad_clip"] is None
+    with pytest.raises(ValueError, match="grad_clip=-1.0 must be positive, or 0"):
+        load_config(grad_clip=-1.0)
