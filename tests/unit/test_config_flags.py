@@ -172,5 +172,5 @@ def test_grad_clip_zero_turns_clipping_off_from_the_command_line(
     assert main(["train", "--dry-run", "--grad-clip", "0"]) == 0
     printed = capsys.readouterr().out
     assert json.loads(printed[printed.index("{") :])["grad_clip"] is None
-    with pytest.raises(ValueError, match="grad_clip=-1.0 must be positive, or 0"):
+    with pytest.raises(ValueError, match=r"grad_clip=-1\.0 must be positive, or 0"):
         load_config(grad_clip=-1.0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -202,6 +203,8 @@ def run(args: argparse.Namespace) -> int:
     env = launched_env()
     if env is not None:
         _check_torchrun_restarts(cfg)
+    local = os.environ.get("LOCAL_WORLD_SIZE") if env is not None else None
+    _check_memory(cfg, int(local or cfg["nproc"]))
     # every worker of a torchrun launch must agree on the folder: name it after the launch
     default = run_id() if env is not None else None
     run_dir = Path(
@@ -248,6 +251,14 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_memory(cfg: dict[str, Any], local_workers: int) -> None:
+    """Refuse a batch or sequence the workers cannot hold (a prediction, before they start)."""
+    from plait.train.loop import config_from_dict
+    from plait.train.memcheck import check_memory
+
+    check_memory(config_from_dict(cfg), local_workers)
+
+
 def _check_run_dir(run_dir: Path) -> None:
     """The run folder can be made (or reused) here, checked before any work starts."""
     for folder in (run_dir, *run_dir.parents):
@@ -286,8 +297,6 @@ def _write_resolved(cfg: dict[str, Any], summary: dict[str, Any], run_dir: Path)
 def _check_torchrun_restarts(cfg: dict[str, Any]) -> None:
     """Under torchrun, torchrun restarts the workers (plait's workers only resume): a
     `--max-restarts` that torchrun was not given would silently not happen."""
-    import os
-
     wanted = int(str(cfg.get("max_restarts") or 0))
     given = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
     if wanted > given:

@@ -122,9 +122,11 @@ def local_cluster(
     """The local workers as the planner sees them: one core each, or, when they outnumber
     the `cores` (default: those this process may use), pinned to core i mod cores as
     `plait.mesh.init_worker` pins them and time-sharing it (`NodeGroup.processors`)."""
+    from plait.train.memcheck import worker_memory_bytes
+
     cores = cores or _cores()
     cluster = measured_cluster(
-        name="local-workers", flops={dtype: _SPEED}, memory_bytes=2**34,
+        name="local-workers", flops={dtype: _SPEED}, memory_bytes=int(worker_memory_bytes(world)),
         devices_per_node=world, intra_node=link,
     )  # fmt: skip
     if world <= cores:

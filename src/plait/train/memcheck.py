@@ -1,0 +1,131 @@
+"""Will the run fit? A memory estimate taken before any worker starts.
+
+A batch or sequence far too large for the machine otherwise shows up minutes later as an
+out-of-memory kill of one worker (on a CPU, the kernel's OOM killer takes the whole
+machine's memory down first). This check predicts the largest worker's peak with the
+simulator's memory model (`plait.sim`: model state by ZeRO stage, activations held by
+the schedule's micro-batches in flight) for the transformer models, and refuses a run
+whose prediction exceeds what each worker has: a CPU worker's share of the memory now
+available, or a GPU's memory.
+
+Under `--plan auto` the layout is not known yet, so the check asks whether the most
+frugal layout of the workers fits (a pipeline as deep as the model allows, micro-batches
+of one sample, full recomputation, ZeRO-3 over any data-parallel ranks); if even that
+does not, no plan will. Models outside the cost model (ResNet-18, a user's module) are
+not checked. The prediction leaves out allocator fragmentation and framework workspace,
+so a run it passes can still run out of memory near the limit; a run it refuses would
+need more than the memory there is.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import cast
+
+from plait.cluster import GIB
+from plait.config import TrainConfig
+from plait.cost.blocks import Recompute
+from plait.cost.memory import Optimizer
+
+__all__ = ["MemoryEstimate", "check_memory", "estimate_memory", "worker_memory_bytes"]
+
+_VOCAB = {"stdlib": 256, "synthetic": 64}  # at most the corpus's characters, or exactly
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """The predicted peak of the largest worker, and what the prediction assumed."""
+
+    peak_bytes: float
+    model_state_bytes: float
+    activation_bytes: float
+    layout: str  # the layout predicted (the frugal one under --plan auto)
+
+
+def worker_memory_bytes(nproc: int) -> float:
+    """What one of `nproc` local workers may use: a GPU's memory, or an even share of the
+    memory available now (the workers share it)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return float(torch.cuda.get_device_properties(0).total_memory)
+    return _available_bytes() / max(1, nproc)
+
+
+def _available_bytes() -> float:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return float(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return 8.0 * GIB
+
+
+def estimate_memory(cfg: TrainConfig, nproc: int) -> MemoryEstimate | None:
+    """The largest worker's predicted peak under `cfg` on `nproc` workers; None for a
+    model the cost model does not describe."""
+    from plait.cli.simulate import predict
+    from plait.cluster import local_cpu
+    from plait.profile import GPTSpec
+    from plait.schedule import schedule_kind
+    from plait.sim import SimPlan
+
+    m, par = cfg.model, cfg.parallel
+    if m.name not in ("gpt", "hf-gpt2", "hf-llama") or cfg.data not in _VOCAB:
+        return None
+    spec = GPTSpec(num_layers=m.layers, hidden=m.hidden, num_heads=m.heads, seq_len=m.seq_len,
+                   vocab_size=_VOCAB[cfg.data], ffn_hidden=m.ffn_hidden or 0)  # fmt: skip
+    optimizer: Optimizer = "adam" if cfg.optimizer == "adamw" else "sgd"
+    if cfg.plan == "auto":
+        pp = max(k for k in range(1, min(nproc, m.layers + 2) + 1) if nproc % k == 0)
+        dp = nproc // pp
+        size = 1 if cfg.batch_size % dp == 0 else cfg.batch_size // dp
+        plan = SimPlan(dp=dp, pp=pp, num_microbatches=max(1, cfg.batch_size // (dp * size)),
+                       micro_batch_size=size, recompute="full", zero_stage=3 if dp > 1 else 0,
+                       dtype=par.dtype, optimizer=optimizer, seq_len=m.seq_len)  # fmt: skip
+    else:
+        chunks = schedule_kind(par.schedule).chunks(par.chunks)
+        plan = SimPlan(dp=par.dp, tp=par.tp, pp=par.pp, schedule=par.schedule,
+                       num_microbatches=par.microbatches,
+                       micro_batch_size=max(1, cfg.batch_size // (par.dp * par.microbatches)),
+                       num_chunks=chunks, recompute=cast(Recompute, par.recompute),
+                       zero_stage=par.zero,
+                       dtype=par.dtype, sequence_parallel=par.sequence_parallel,
+                       optimizer=optimizer, seq_len=m.seq_len)  # fmt: skip
+    blocks = spec.block_costs(micro_batch_size=plan.micro_batch_size, dtype=plan.dtype,
+                              tp=plan.tp, sequence_parallel=plan.sequence_parallel)  # fmt: skip
+    cluster = local_cpu(devices=plan.num_devices)  # memory is judged here, not by the cluster
+    result = predict(blocks, cluster, plan).result
+    worst = max(result.ranks, key=lambda r: r.memory.total).memory
+    state = worst.params + worst.grads + worst.optimizer + worst.weight_copies
+    layout = (f"dp={plan.dp} tp={plan.tp} pp={plan.pp} microbatches={plan.num_microbatches} "
+              f"recompute={plan.recompute} zero={plan.zero_stage}")  # fmt: skip
+    return MemoryEstimate(worst.total, state, worst.total - state, layout)
+
+
+def check_memory(cfg: TrainConfig, nproc: int, available: float | None = None) -> None:
+    """Refuse a run whose largest worker is predicted to need more memory than it has
+    (`available` bytes per worker; default `worker_memory_bytes`)."""
+    found = estimate_memory(cfg, nproc)
+    if found is None:
+        return
+    have = worker_memory_bytes(nproc) if available is None else available
+    if found.peak_bytes <= have:
+        return
+    m = cfg.model
+    which = ("even the most frugal layout of the workers (" + found.layout + ")"
+             if cfg.plan == "auto" else "the largest worker")  # fmt: skip
+    raise ValueError(
+        f"batch_size={cfg.batch_size} × seq_len={m.seq_len} (hidden {m.hidden}, "
+        f"{m.layers} layers): {which} needs about {found.peak_bytes / GIB:.1f} GiB "
+        f"({found.model_state_bytes / GIB:.1f} model state, "
+        f"{found.activation_bytes / GIB:.1f} activations) but each of {nproc} workers has "
+        f"{have / GIB:.1f} GiB: use a smaller --batch-size or --seq-len, more "
+        "--microbatches, --recompute full, or more workers"
+    )

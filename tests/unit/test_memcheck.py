@@ -1,0 +1,73 @@
+"""The memory estimate taken before workers start: model state exact, activations within
+the span a forward pass really saves, and an impossible batch refused in one line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from plait.cli.main import main
+from plait.config import load_config
+from plait.train.memcheck import check_memory, estimate_memory
+from plait.train.task import task_from_config
+
+
+@pytest.mark.parametrize("sizes", [{}, {"model.hidden": 256, "model.layers": 6, "model.heads": 8}])
+def test_estimate_matches_the_model_it_would_train(sizes: dict[str, int]) -> None:
+    cfg = load_config(data="synthetic", **{"parallel.pp": 1, "parallel.microbatches": 1}, **sizes)
+    found = estimate_memory(cfg, 1)
+    assert found is not None
+    task = task_from_config(cfg)
+    model = task.model()
+    params = sum(p.numel() for p in model.parameters())
+    # fp32 AdamW: weights, gradients and two moments, 16 bytes a parameter
+    assert found.model_state_bytes == params * 16
+    saved: dict[int, int] = {}
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in weights:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    inputs, targets = task.batch(0)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        task.loss(model(inputs), targets)
+    # what backward keeps, plus the working set of one block: above it, not far above
+    assert sum(saved.values()) <= found.activation_bytes <= 2 * sum(saved.values())
+
+
+def test_an_impossible_batch_is_refused_before_any_worker_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    argv = ["train", "--dry-run", "--pp", "2", "--batch-size", "512", "--seq-len", "2048",
+            "--hidden", "1024", "--layers", "24", "--heads", "16"]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "batch_size=512 × seq_len=2048" in err and "use a smaller --batch-size" in err
+    assert len(err.splitlines()) == 1 and list(tmp_path.iterdir()) == []
+
+
+def test_auto_planning_is_refused_only_when_no_layout_can_fit() -> None:
+    sizes = {"model.hidden": 256, "model.layers": 4, "model.heads": 8, "batch_size": 64}
+    cfg = load_config(data="synthetic", plan="auto", **sizes)
+    found = estimate_memory(cfg, 2)
+    assert found is not None and "recompute=full" in found.layout
+    check_memory(cfg, 2, available=found.peak_bytes)  # exactly enough
+    with pytest.raises(ValueError, match="even the most frugal layout"):
+        check_memory(cfg, 2, available=found.peak_bytes * 0.99)
+    # a fixed layout holds more: every micro-batch's activations, no recomputation
+    fixed = load_config(data="synthetic", **{**sizes, "parallel.pp": 2})
+    held = estimate_memory(fixed, 2)
+    assert held is not None and held.peak_bytes > found.peak_bytes
+
+
+def test_models_outside_the_cost_model_are_not_judged() -> None:
+    pytest.importorskip("sklearn")
+    cfg = load_config(data="digits", **{"model.name": "resnet18", "parallel.pp": 1})
+    assert estimate_memory(cfg, 1) is None
+    check_memory(cfg, 1, available=1.0)  # nothing to say: no error
