@@ -174,3 +174,18 @@ def test_grad_clip_zero_turns_clipping_off_from_the_command_line(
     assert json.loads(printed[printed.index("{") :])["grad_clip"] is None
     with pytest.raises(ValueError, match=r"grad_clip=-1\.0 must be positive, or 0"):
         load_config(grad_clip=-1.0)
+
+
+def test_dry_run_plans_when_the_layout_is_left_to_the_planner(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import re
+
+    monkeypatch.chdir(tmp_path)
+    small = ["--layers", "2", "--hidden", "32", "--seq-len", "16", "--batch-size", "8"]
+    assert main(["train", "--dry-run", "--nproc", "2", *small]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    found = re.search(r"would choose dp=(\d+), tp=(\d+), pp=(\d+)", first)
+    assert found is not None, first
+    dp, tp, pp = map(int, found.groups())
+    assert dp * tp * pp == 2 and list(tmp_path.iterdir()) == []

@@ -274,13 +274,29 @@ def _dry_run(cfg: dict[str, Any], run_dir: Path) -> int:
     """Print what a run would do, having validated it; start nothing."""
     par = cfg["parallel"]
     if cfg["plan"] == "auto":
-        how = "layout planned by the workers when they start (--plan auto)"
+        how = _preview(cfg)
     else:
         layout = ", ".join(f"{k}={v}" for k, v in par.items() if v is not None)
         how = f"layout {layout}"
     print(f"plait train --dry-run: valid; {cfg['nproc']} workers, {how}; run folder {run_dir}")
     print(json.dumps(cfg, indent=2))
     return 0
+
+
+def _preview(cfg: dict[str, Any]) -> str:
+    """The layout `--plan auto` would choose, planned here; for a model that needs a
+    custom task (a user's module) the workers plan it."""
+    from plait.train.autoplan import preview_plan
+    from plait.train.loop import config_from_dict
+
+    chosen = preview_plan(config_from_dict(cfg), int(cfg["nproc"]))
+    layout = ", ".join(f"{k}={chosen[k]}" for k in ("dp", "tp", "pp", "schedule", "microbatches",
+                                                     "chunks", "zero", "recompute"))  # fmt: skip
+    step = chosen["predicted"]["step_time_s"]
+    return (
+        f"--plan auto would choose {layout} (predicted {step * 1e3:.1f} ms a step; the "
+        "workers measure their links and plan again when they start)"
+    )
 
 
 def _write_resolved(cfg: dict[str, Any], summary: dict[str, Any], run_dir: Path) -> None:

@@ -33,6 +33,8 @@ __all__ = [
     "measure_collectives",
     "measured_spec",
     "parallel_plan_from",
+    "plan_samples",
+    "preview_plan",
 ]
 
 
@@ -171,6 +173,36 @@ def fit_sharing_efficiency(
     return fit_efficiency(predicted, measured_s)
 
 
+def plan_samples(task: Any, batch_size: int, world: int) -> list[tuple[Any, Any]]:
+    """Micro-batches of step 0 at two sizes (one sample, and a worker's whole share) for
+    the planner to learn how block costs grow with the micro-batch size."""
+    largest = max(1, batch_size // world)
+    inputs, targets = task.batch(0)
+    return [(inputs[:b], targets[:b]) for b in sorted({1, largest})]
+
+
+def _search(
+    model: nn.Module,
+    samples: list[tuple[Any, Any]],
+    loss_fn: Any,
+    link: Link,
+    world: int,
+    *,
+    num_heads: int,
+    seq_len: int,
+    global_batch: int,
+    dtype: str,
+    allow_staleness: bool,
+) -> dict[str, Any]:
+    with torch.random.fork_rng():
+        spec = measured_spec(model, samples, loss_fn, num_heads=num_heads,
+                             seq_len=seq_len, dtype=dtype)  # fmt: skip
+    cluster = local_cluster(world, link, dtype)
+    space = SearchSpace(dtype=dtype, allow_staleness=allow_staleness)
+    found = search(spec, cluster, global_batch=global_batch, space=space)
+    return plan_to_dict(found.best, cluster=cluster.name)
+
+
 def auto_plan(
     model: nn.Module,
     samples: list[tuple[Any, Any]],
@@ -189,12 +221,30 @@ def auto_plan(
     link = measure_collectives()
     box: list[Any] = [None]
     if dist.get_rank() == 0:
-        with torch.random.fork_rng():
-            spec = measured_spec(model, samples, loss_fn, num_heads=num_heads,
-                                 seq_len=seq_len, dtype=dtype)  # fmt: skip
-            cluster = local_cluster(world, link, dtype)
-            space = SearchSpace(dtype=dtype, allow_staleness=allow_staleness)
-            found = search(spec, cluster, global_batch=global_batch, space=space)
-            box[0] = plan_to_dict(found.best, cluster=cluster.name)
+        box[0] = _search(model, samples, loss_fn, link, world, num_heads=num_heads,
+                         seq_len=seq_len, global_batch=global_batch, dtype=dtype,
+                         allow_staleness=allow_staleness)  # fmt: skip
     dist.broadcast_object_list(box, src=0)
     return dict(box[0])
+
+
+def preview_plan(cfg: Any, world: int) -> dict[str, Any]:
+    """What `--plan auto` would choose for `cfg` (a TrainConfig) on `world` local workers,
+    planned in this process before any worker starts (`plait train --dry-run`): the blocks
+    are profiled here on one thread as a worker would run them, but the collectives are
+    the local-cpu preset's loopback figures, not measured; the workers measure them and
+    may choose another plan when the two plans are close."""
+    from plait.cluster import local_cpu
+    from plait.train.task import task_from_config
+
+    task = task_from_config(cfg)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _search(task.model(), plan_samples(task, cfg.batch_size, world), task.loss,
+                       local_cpu(devices=1).groups[0].intra_node, world,
+                       num_heads=task.num_heads, seq_len=task.seq_len,
+                       global_batch=cfg.batch_size, dtype=cfg.parallel.dtype,
+                       allow_staleness=cfg.allow_staleness)  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)

@@ -152,15 +152,11 @@ def _planned(
     cfg: TrainConfig, model: nn.Module, task: Task, run_dir: Path, rank: int
 ) -> TrainConfig:
     """`cfg` under the plan the workers agree on (profiled and searched on rank 0)."""
-    from plait.train.autoplan import auto_plan, parallel_plan_from
+    from plait.train.autoplan import auto_plan, parallel_plan_from, plan_samples
 
-    largest = max(1, cfg.batch_size // dist.get_world_size())
-    sizes = sorted({1, largest})
-    inputs, targets = task.batch(0)
-    samples = [(inputs[:b], targets[:b]) for b in sizes]
     chosen = auto_plan(
         model,
-        samples,
+        plan_samples(task, cfg.batch_size, dist.get_world_size()),
         task.loss,
         num_heads=task.num_heads,
         seq_len=task.seq_len,
