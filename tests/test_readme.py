@@ -2,8 +2,11 @@
 
 Each `./run train` command is checked whole with `--dry-run` (settings validated and
 resolved, nothing trained); the ones the README once got wrong also train for real, with
-`--max-steps 2`. `plait plan`, `simulate`, `profile` and `schedule` run as written. The
-API snippet runs under the launcher it names. What is skipped says why.
+`--max-steps 2`, and the checkpointed run that `plait checkpoint` reads trains for real on
+a small model. `plait plan`, `simulate`, `profile` and `schedule` run as written; every
+bench and experiment runs in its shortest form: the README's flags, then the ones below
+that shrink the model and the number of steps (a later flag wins). The API snippet runs
+under the launcher it names.
 """
 
 from __future__ import annotations
@@ -25,12 +28,31 @@ ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 # trained for real (2 steps): examples that once failed as written
 TRAINED = ("--nproc 4 --dp 2 --tp 2 --zero 3", "--plan plan.json")
-SKIPPED = {
-    "test": "runs the test suite itself",
-    "bench": "a bench measures plait against its peers for minutes",
-    "experiment": "an experiment trains many models for minutes",
-    "checkpoint": "reads the checkpoint of a 60-step run that the dry runs do not write",
-}
+SKIPPED = {"test": "runs the test suite itself"}
+_TINY = ["--layers", "1", "--hidden", "32", "--seq-len", "16"]
+# the shortest form of each bench and experiment: appended to the README's own flags
+SHORTEST = {
+    "bench pipeline": ["--steps", "1", "--warmup", "0", *_TINY, "--heads", "2",
+                       "--batch-size", "8"],
+    "bench dp": ["--workers", "2", "--steps", "1", "--warmup", "0", *_TINY, "--heads", "2",
+                 "--batch-size", "8"],
+    "bench async": ["--steps", "1", "--warmup", "0", "--rounds", "1", *_TINY, "--heads", "2",
+                    "--batch-size", "8"],
+    "bench planner": ["--workers", "2", *_TINY, "--heads", "2", "--batch-size", "8",
+                      "--steps", "1", "--warmup", "0"],
+    "bench compress": ["--workers", "2", "--methods", "none,fp16", "--steps", "5", "--warmup",
+                       "0", *_TINY, "--batch-size", "8"],
+    "bench sim-accuracy": ["--worlds", "2", "--schedules", "1f1b", "--microbatches", "2",
+                           "--steps", "1", "--rounds", "1", "--warmup", "0",
+                           "--profile-repeats", "1", "--layers", "2", "--hidden", "32",
+                           "--seq-len", "16", "--micro-batch-size", "2"],
+    "bench faults": ["--trials", "1", "--steps", "4", "--every", "2"],
+    "experiment staleness": ["--stages", "1,2", "--microbatches", "2", "--budget", "4"],
+}  # fmt: skip
+# the checkpointed run `plait checkpoint` reads, trained for real on a small model
+CHECKPOINTED = "--run-dir runs/ck"
+_SMALL = ["--layers", "2", "--hidden", "32", "--heads", "2", "--seq-len", "16",
+          "--batch-size", "8", "--sample-chars", "0", "--eval-batches", "0"]  # fmt: skip
 
 
 def _commands() -> list[str]:
@@ -66,16 +88,37 @@ def test_the_readme_has_commands_to_check() -> None:
     assert sum(c.startswith("./run train") for c in COMMANDS) >= 8
 
 
-@pytest.mark.parametrize("command", COMMANDS)
-def test_readme_command(command: str, workdir: Path) -> None:
+def test_every_bench_and_experiment_has_a_shortest_form() -> None:
+    named = {" ".join(_words(c)[:2]) for c in COMMANDS if _words(c)[0] in ("bench", "experiment")}
+    assert named and named <= set(SHORTEST), sorted(named - set(SHORTEST))
+
+
+def _words(command: str) -> list[str]:
     words = shlex.split(command)[1:]
-    if words[0] == "plait":
-        words = words[1:]
+    return words[1:] if words[0] == "plait" else words
+
+
+PLAIT = [sys.executable, "-m", "plait.cli.main"]
+
+
+@pytest.fixture(scope="module")
+def checkpointed(workdir: Path) -> Path:
+    """The README's checkpointed run (`--run-dir runs/ck`), trained as written but small."""
+    for command in (c for c in COMMANDS if CHECKPOINTED in c):
+        _run([*PLAIT, *_words(command), *_SMALL], workdir, timeout=400)
+    return workdir / "runs" / "ck"
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_readme_command(command: str, workdir: Path, request: pytest.FixtureRequest) -> None:
+    words = _words(command)
     if words[0] in SKIPPED:
         pytest.skip(SKIPPED[words[0]])
-    plait = [sys.executable, "-m", "plait.cli.main"]
+    plait = PLAIT
+    if words[0] == "checkpoint":
+        request.getfixturevalue("checkpointed")
     if words[0] != "train":
-        _run([*plait, *words], workdir)
+        _run([*plait, *words, *SHORTEST.get(" ".join(words[:2]), [])], workdir, timeout=400)
         return
     _run([*plait, *words, "--dry-run"], workdir)
     if any(part in command for part in TRAINED):
