@@ -719,11 +719,19 @@ def test_values_that_mean_off_are_accepted(
     assert _tree(workdir) == before
 
 
-def test_a_plan_file_as_plait_plan_writes_it_is_accepted(
-    workdir: Path, capsys: pytest.CaptureFixture[str]
+# a plan written by hand: no micro-batch size (train divides the global batch), no model
+HAND_PLAN = {"dp": 1, "tp": 1, "pp": 2, "schedule": "gpipe", "microbatches": 2, "chunks": 1,
+             "zero": 0, "recompute": "full", "dtype": "fp32", "partition": [1, 5],
+             "global_batch": 8}  # fmt: skip
+
+
+@pytest.mark.parametrize("plan", [GOOD_PLAN, HAND_PLAN], ids=["as written", "by hand"])
+def test_a_good_plan_file_is_accepted(
+    plan: dict[str, Any], workdir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    (workdir / "p.json").write_text(json.dumps(GOOD_PLAN))
-    for argv in (("train", "--dry-run", "--plan", "p.json"), ("simulate", "--plan", "p.json")):
+    (workdir / "p.json").write_text(json.dumps(plan))
+    simulate = ("simulate", "--plan", "p.json", "--cluster", "local-cpu")
+    for argv in (("train", "--dry-run", "--plan", "p.json"), simulate):
         code, caught = _run(argv)
         assert code == 0, capsys.readouterr().err
         assert not caught, [str(w.message) for w in caught]

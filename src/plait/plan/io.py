@@ -112,7 +112,9 @@ def _check_batch_and_partition(plan: SimPlan, data: dict[str, Any]) -> None:
     """The batch and the split a plan file states agree with its layout: commands that
     derive them from the layout would otherwise ignore a wrong one silently."""
     batch = data.get("global_batch")
-    if batch is not None and "pipelines" not in data and batch != plan.global_batch_size:
+    # a hand-written plan may leave micro_batch_size out: train derives it from the batch
+    derived = "micro_batch_size" not in data or "pipelines" in data
+    if batch is not None and not derived and batch != plan.global_batch_size:
         raise ValueError(
             f"global_batch={batch!r} is not dp × microbatches × micro_batch_size = "
             f"{plan.global_batch_size}; write plans with `plait plan --out`"
