@@ -104,6 +104,10 @@ def _check_types(obj: Any) -> None:
             raise ValueError(
                 f"{f.name}={value!r} must be {_describe(hints[f.name])}, not {type(value).__name__}"
             )
+        if isinstance(converted, float) and not math.isfinite(converted):
+            raise ValueError(f"{f.name}={value!r} must be a finite number")
+        if converted == "":  # an empty flag or TOML string is a slip, never a choice
+            raise ValueError(f"{f.name}='' is empty: give a value, or leave {f.name} unset")
         if converted is not value:
             object.__setattr__(obj, f.name, converted)
 
@@ -144,6 +148,12 @@ class ModelConfig:
         if self.name not in MODELS:
             raise ValueError(f"model name={self.name!r} is unknown; choose one of {list(MODELS)}")
         _positive(self, "layers", "hidden", "heads", "seq_len", "width")
+        if self.ffn_hidden is not None and self.ffn_hidden < 1:
+            raise ValueError(
+                f"ffn_hidden={self.ffn_hidden} must be a positive integer, or unset (4 × hidden)"
+            )
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"dropout={self.dropout} must lie in [0, 1) (a probability)")
         if self.hidden % self.heads:
             raise ValueError(
                 f"hidden={self.hidden} is not a multiple of heads={self.heads}: change one of them"
@@ -157,6 +167,21 @@ class ModelConfig:
     @property
     def is_language_model(self) -> bool:
         return self.name not in ("resnet18", "custom")
+
+
+# the ModelConfig fields each model never reads (a custom model comes built: not checked)
+_MODEL_UNUSED = {
+    "gpt": ("width",), "hf-gpt2": ("width",), "hf-llama": ("width",),
+    "resnet18": ("layers", "hidden", "heads", "seq_len", "ffn_hidden", "dropout"),
+}  # fmt: skip
+
+
+def _warn_unused(obj: Any, names: tuple[str, ...], why: str) -> None:
+    """Warn about each of `names` set to other than its default: it has no effect (`why`)."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if f.name in names and f.default is not dataclasses.MISSING and value != f.default:
+            warnings.warn(f"{f.name}={value!r} has no effect {why}: drop it", stacklevel=3)
 
 
 RECOMPUTE = ("none", "selective", "full")
@@ -471,6 +496,7 @@ class TrainConfig:
         self._check_optimizer()
         if self.sample_chars < 0:
             raise ValueError(f"sample_chars={self.sample_chars} must be 0 or more (0: no sample)")
+        self._check_paths()
 
     def _check_optimizer(self) -> None:
         for name in ("lr", "weight_decay", "beta1", "beta2", "eps", "momentum", "min_lr"):
@@ -575,6 +601,41 @@ class TrainConfig:
                     f"{self.max_steps}: profile steps below {self.max_steps}"
                 )
 
+    def _check_paths(self) -> None:
+        """A checkpoint to resume from exists; a TensorBoard folder is not a file."""
+        if self.resume not in (None, "auto") and not Path(self.resume).is_dir():
+            raise ValueError(
+                f"resume={self.resume!r}: no such checkpoint folder; give a checkpoint "
+                "(RUN_DIR/checkpoints/step-NNNNNNNN) or 'auto' with run_dir"
+            )
+        if self.tensorboard is not None and Path(self.tensorboard).is_file():
+            raise ValueError(f"tensorboard={self.tensorboard!r} is a file: give a folder")
+
+    def _warn_unused(self) -> None:
+        """Settings accepted but read by nothing in this run warn, naming what would use them.
+        Called where a config is made from the user's input (`load_config`), not on every
+        copy: workers rebuilding the launcher's config would repeat each warning."""
+        model = self.model.name
+        _warn_unused(self.model, _MODEL_UNUSED.get(model, ()), f"with model {model!r}")
+        samples = self.model.is_language_model and self.data == "stdlib"  # see train.task
+        for names, idle, why in (
+            (("momentum",), self.optimizer == "adamw", "with optimizer='adamw' (SGD's)"),
+            (("beta1", "beta2", "eps"), self.optimizer == "sgd", "with optimizer='sgd' (AdamW's)"),
+            (("min_lr",), self.lr_schedule == "constant", "with lr_schedule='constant'"),
+            (("keep",), self.checkpoint_every is None, "without checkpoint_every (no saves)"),
+            (("eval_every",), self.eval_batches == 0, "with eval_batches=0 (no validation)"),
+            (("allow_staleness",), self.plan != "auto", "unless plan='auto' (the planner's)"),
+            (("sample_chars",), not samples, "unless a language model trains on data='stdlib'"),
+        ):
+            if idle:
+                _warn_unused(self, names, why)
+        if self.resume == "auto" and self.run_dir is None:
+            warnings.warn(
+                "resume='auto' without run_dir: a new run folder holds no checkpoint to resume; "
+                "set run_dir to the run to continue",
+                stacklevel=3,
+            )
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -602,6 +663,8 @@ def _build(cls: type[Any], values: Any, where: str) -> Any:
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
     """The settings in a TOML file, or in a JSON one (a run's `config.json`), by suffix."""
+    if not str(path).strip():  # Path("") would be the working directory
+        raise ValueError("config file '' is an empty path: give a TOML file or a run's config.json")
     path = Path(path)
     if not path.exists():
         raise ValueError(f"config file {path} does not exist")
@@ -615,13 +678,16 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
         raise ValueError(f"config file {path} is not valid {kind}: {err}") from None
     if not isinstance(data, dict):
         raise ValueError(f"config file {path} must hold an object of settings")
+    for key, value in data.items():  # `plan = ""` would read as no plan given at all
+        if value == "":
+            raise ValueError(f"config file {path}: {key}='' is empty: give a value or drop it")
     return data
 
 
 def load_config(path: str | Path | None = None, **overrides: Any) -> TrainConfig:
     """A `TrainConfig` from a TOML file (sections [model] and [parallel], the rest top level)
     or a run's `config.json`, with `overrides` applied on top; keys named `model.x` /
-    `parallel.x` go to sections."""
+    `parallel.x` go to sections. A setting that would have no effect in the run warns."""
     data: dict[str, Any] = read_config_file(path) if path is not None else {}
     sections: dict[str, Any] = {k: data.pop(k, {}) for k in _SECTIONS}
     for key, value in overrides.items():
@@ -634,4 +700,5 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> TrainConfig
             data[key] = value
     built = {k: _build(cls, sections[k], f"[{k}]") for k, cls in _SECTIONS.items()}
     result: TrainConfig = _build(TrainConfig, {**data, **built}, "the top level")
+    result._warn_unused()
     return result

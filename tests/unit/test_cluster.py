@@ -114,7 +114,7 @@ def test_round_trip_of_mixed_cluster() -> None:
         ("colour = 'red'\n[[nodes]]\npreset = 'dgx-h100'", "unknown key 'colour'"),
         ("[[nodes]]\npreset = 'dgx-a42'", "preset = 'dgx-a42' is unknown"),
         ("[[nodes]]\npreset = 'dgx-h100'\ndevices_per_node = 4", "cannot be combined"),
-        ("[[nodes]]\npreset = 'dgx-h100'\ncount = 0", "num_nodes=0"),
+        ("[[nodes]]\npreset = 'dgx-h100'\ncount = 0", "count = 0"),
         ("[[nodes]]\npreset = 'dgx-h100'\ncount = 2", "no inter_node link"),
         (
             "[[nodes]]\ndevices_per_node = 2\nintra_node = { latency_s = 0, bandwidth_Bps = -1 }"

@@ -54,9 +54,20 @@ class AsyncBenchConfig:
 
         if "1f1b" not in self.schedules:
             raise ValueError(f"schedules={list(self.schedules)}: include 1f1b, the baseline")
-        for name in ("num_stages", "num_microbatches", "num_steps", "rounds"):
+        from plait.models import GPTConfig
+
+        for name in ("num_stages", "num_microbatches", "num_steps", "rounds", "batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.num_warmup < 0:
+            raise ValueError(f"num_warmup={self.num_warmup} must be >= 0")
+        GPTConfig(
+            vocab_size=self.vocab_size,
+            seq_len=self.seq_len,
+            num_layers=self.num_layers,
+            hidden=self.hidden,
+            num_heads=self.num_heads,
+        )  # validates the model size
         if self.batch_size % self.num_microbatches:
             raise ValueError(
                 f"batch_size={self.batch_size} is not divisible by num_microbatches="

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import math
 import statistics
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -77,6 +78,18 @@ class CompressBenchConfig:
             raise ValueError(f"optimizer={self.optimizer!r}: give adamw or sgd")
         if self.num_steps < 5:
             raise ValueError(f"num_steps={self.num_steps}: the loss is the mean of the last 5")
+        if not 0 <= self.num_warmup < self.num_steps:
+            raise ValueError(f"num_warmup={self.num_warmup} must lie in [0, num_steps)")
+        if self.batch_size < 1 or not (math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"batch_size={self.batch_size} must be >= 1, lr={self.lr} positive")
+        from plait.models import GPTConfig
+
+        GPTConfig(
+            seq_len=self.seq_len,
+            num_layers=self.num_layers,
+            hidden=self.hidden,
+            num_heads=self.num_heads,
+        )  # validates the model size
 
 
 def run_bench(config: CompressBenchConfig) -> dict[str, Any]:

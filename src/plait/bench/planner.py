@@ -43,6 +43,9 @@ class PlannerBenchConfig:
     def __post_init__(self) -> None:
         if self.workers < 2 or self.steps < 1 or self.warmup < 0:
             raise ValueError("--workers must be >= 2, --steps >= 1 and --warmup >= 0")
+        for name in ("layers", "hidden", "heads", "seq_len", "batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)} must be >= 1")
         if self.hidden % self.heads:
             raise ValueError(f"--hidden {self.hidden} must be a multiple of --heads {self.heads}")
 

@@ -79,10 +79,11 @@ class AccuracyConfig:
         if not self.schedules or not set(self.schedules) <= set(known):
             raise ValueError(f"schedules {list(self.schedules)}: choose from {list(known)}")
         counts = (*self.microbatches, self.num_steps, self.profile_repeats, self.num_warmup + 1,
-                  self.rounds)  # fmt: skip
+                  self.rounds, self.micro_batch_size)  # fmt: skip
         if not (self.microbatches and self.worlds) or min(counts) < 1 or min(self.worlds) < 2:
             raise ValueError(
-                f"microbatches={list(self.microbatches)}, steps and profile repeats must be "
+                f"microbatches={list(self.microbatches)}, steps, profile repeats and "
+                f"micro_batch_size={self.micro_batch_size} must be "
                 f">= 1, warm-up >= 0, worlds={list(self.worlds)} >= 2"
             )
         from plait.schedule import schedule_kind
@@ -338,6 +339,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--json", action="store_true", help="print one JSON object instead of a table")
 
 
+def _check_outputs(args: argparse.Namespace) -> None:
+    """`--plot FILE` and `--trace-dir DIR` can be written where they point."""
+    if args.plot and (Path(args.plot).is_dir() or not Path(args.plot).parent.is_dir()):
+        raise ValueError(f"--plot {args.plot}: name a PNG file in an existing folder")
+    if args.trace_dir and Path(args.trace_dir).is_file():
+        raise ValueError(f"--trace-dir {args.trace_dir} is a file: name a folder")
+
+
 def run(args: argparse.Namespace) -> int:
     config = AccuracyConfig(schedules=tuple(s for s in args.schedules.split(",") if s),
                             microbatches=args.microbatches, worlds=args.worlds,
@@ -345,6 +354,7 @@ def run(args: argparse.Namespace) -> int:
                             profile_repeats=args.profile_repeats, num_layers=args.layers,
                             hidden=args.hidden, seq_len=args.seq_len,
                             micro_batch_size=args.micro_batch_size)  # fmt: skip
+    _check_outputs(args)  # before the measuring, not after it
     load_before, cores = os.getloadavg()[0], len(os.sched_getaffinity(0))
     runs, calibration = run_bench(config)
     median, worst = statistics.median(e := [abs(r.error) for r in runs]), max(e)

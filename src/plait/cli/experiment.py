@@ -74,6 +74,9 @@ def _run_staleness(args: argparse.Namespace) -> int:
 
     config = staleness.StalenessConfig(**_config_fields(args))
     if args.plot:  # fail before a long run, not after it
+        from plait.cli.plan import check_out
+
+        check_out(args.plot, "--plot")
         try:
             staleness.require_matplotlib()
         except RuntimeError as err:

@@ -84,6 +84,8 @@ def _kind(f: dataclasses.Field[Any], hint: Any) -> dict[str, Any]:
         out.setdefault("metavar", "N,N,...")
     elif base in (int, float):
         out["type"] = int if base is int else _finite
+    elif base is str:
+        out["type"] = _text
     if "choices" in f.metadata:
         out["choices"] = list(f.metadata["choices"])
         if "type" not in out and out["choices"] and isinstance(out["choices"][0], int):
@@ -113,6 +115,12 @@ def _finite(text: str) -> float:
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
     return value
+
+
+def _text(text: str) -> str:
+    if not text.strip():  # an unset shell variable, most likely: never a setting
+        raise argparse.ArgumentTypeError("an empty value; give one, or leave the flag out")
+    return text
 
 
 def _int_list(text: str) -> tuple[int, ...]:

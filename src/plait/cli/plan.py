@@ -46,13 +46,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.set_defaults(func=run)
 
 
-def check_out(path: str) -> None:
+def check_out(path: str, flag: str = "--out") -> None:
     """`--out FILE` can be written: its folder exists and it is not itself a folder."""
     out = Path(path)
     if out.is_dir():
-        raise ValueError(f"--out {path} is a folder: name a file, e.g. {out / 'plan.json'}")
+        raise ValueError(f"{flag} {path} is a folder: name a file, e.g. {out / 'plan.json'}")
     if not out.parent.is_dir():
-        raise ValueError(f"--out {path}: folder {out.parent} does not exist; create it first")
+        raise ValueError(f"{flag} {path}: folder {out.parent} does not exist; create it first")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -68,6 +68,16 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--devices {args.devices} must be at least 1 (or unset: all)")
     if args.out:  # checked now, not after the whole search ran
         check_out(args.out)
+    if args.micro_batch_size != 1:  # the search chooses micro-batch sizes itself
+        raise ValueError(
+            f"--micro-batch-size {args.micro_batch_size} has no effect on `plait plan`, which "
+            "searches micro-batch sizes itself: drop it"
+        )
+    if args.nodes is not None and args.cluster == "local-cpu":  # as `plait simulate` says
+        raise ValueError(
+            f"--nodes {args.nodes} with cluster 'local-cpu' (this machine), which cannot grow "
+            "nodes: drop --nodes, or describe the nodes in a cluster TOML file"
+        )
     spec = spec_from_args(args)
     cluster = load_cluster(args.cluster, num_nodes=args.nodes)
     if args.profile:

@@ -124,10 +124,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument(
         "--sequence-parallel", action="store_true", dest="sequence_parallel", help="analytic"
     )
-    p.add_argument("--threads", type=int, default=1, help="measured: intra-op threads (1)")
-    p.add_argument("--warmup", type=int, default=2, help="measured: untimed runs per block")
-    p.add_argument("--repeats", type=int, default=5, help="measured: timed runs (median)")
-    p.add_argument(
+    d, a = _MEASURED_DEFAULTS, p.add_argument
+    a("--threads", type=int, default=d["threads"], help="measured: intra-op threads (1)")
+    a("--warmup", type=int, default=d["warmup"], help="measured: untimed runs per block")
+    a("--repeats", type=int, default=d["repeats"], help="measured: timed runs (median)")
+    a(
         "--codec",
         default=",".join(DEFAULT_CODECS),
         metavar="METHODS",
@@ -138,6 +139,29 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--cache-dir", dest="cache_dir", help="profile cache folder")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
+
+
+_MEASURED_DEFAULTS = {"threads": 1, "warmup": 2, "repeats": 5}
+
+
+def _check_mode(args: argparse.Namespace, analytic: bool) -> None:
+    """Flags of the other mode (measured or analytic) do nothing: refuse them by name."""
+    if args.tp < 1:
+        raise ValueError(f"--tp {args.tp} must be >= 1")
+    if not analytic and (args.tp != 1 or args.sequence_parallel):
+        flag = f"--tp {args.tp}" if args.tp != 1 else "--sequence-parallel"
+        raise ValueError(f"{flag} applies to analytic costs only: add --analytic, or drop it")
+    if args.analytic:
+        given = [f"--{k} {getattr(args, k)}" for k, v in _MEASURED_DEFAULTS.items()
+                 if getattr(args, k) != v]  # fmt: skip
+        if args.no_cache:
+            given.append("--no-cache")
+        if args.cache_dir:
+            given.append(f"--cache-dir {args.cache_dir}")
+        if args.codec != ",".join(DEFAULT_CODECS):
+            given.append(f"--codec {args.codec}")
+        if given:
+            raise ValueError(f"{given[0]} has no effect with --analytic (nothing is measured)")
 
 
 def _measure(spec: GPTSpec, args: argparse.Namespace, dtype: str) -> dict[str, Any]:
@@ -223,8 +247,6 @@ def _measured_row(block: BlockProfile, cost: BlockCost) -> dict[str, Any]:
 
 
 def _analytic(spec: GPTSpec, args: argparse.Namespace, dtype: str) -> dict[str, Any]:
-    if args.tp < 1:
-        raise ValueError(f"--tp {args.tp} must be >= 1")
     try:
         blocks = spec.block_costs(
             micro_batch_size=args.micro_batch_size,
@@ -275,6 +297,7 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         analytic = True
+    _check_mode(args, analytic)
     out = _analytic(spec, args, dtype) if analytic else _measure(spec, args, dtype)
     out.update(
         model={**_spec_dict(spec), "num_params": spec.num_params()},

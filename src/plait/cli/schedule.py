@@ -65,6 +65,9 @@ def run(args: argparse.Namespace) -> int:
                 f"{flag} {value} is more than this command prints ({_LARGEST}): a grid of "
                 "that size is unreadable; the schedule's shape shows at a few dozen"
             )
+    if args.json and (args.windows is not None or args.program):  # JSON is one lowered window
+        flag = f"--windows {args.windows}" if args.windows is not None else "--program"
+        raise ValueError(f"{flag} has no effect with --json, which prints one window: drop one")
     kind = schedule_kind(args.kind)
     try:
         chunks = kind.chunks(args.chunks)

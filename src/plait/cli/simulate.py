@@ -18,6 +18,7 @@ import sys
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from plait.cli.plan import check_out
 from plait.cli.profile import add_model_arguments, default_dtype, spec_from_args
 from plait.cluster import Cluster, load_cluster, normalize_dtype
 from plait.cost import RECOMPUTE_MODES, BlockCost, StageCost
@@ -150,6 +151,15 @@ def _check(args: argparse.Namespace, spec: GPTSpec) -> None:
         raise ValueError(f"--zero {args.zero} with --dp 1 does nothing: set --dp > 1 or --zero 0")
     if args.sequence_parallel and args.tp == 1:
         raise ValueError("--sequence-parallel needs --tp > 1: set --tp or drop it")
+    if args.compress != "none" and args.dp == 1:  # as `plait train` refuses it
+        raise ValueError(f"--compress {args.compress} with --dp 1: no reduction to compress")
+    dtype = normalize_dtype(args.dtype)
+    why = schedule_kind(args.schedule).unsupported(tp=args.tp, zero=args.zero, dtype=dtype)
+    if why is not None:  # what `plait train` cannot run is no layout to predict
+        raise ValueError(f"--schedule {args.schedule} (asynchronous) with {why}")
+    for flag, path in (("--trace", args.trace), ("--plot", args.plot)):
+        if path:  # checked now, not after simulating
+            check_out(path, flag)
     for flag, size in (("--heads", spec.num_heads), ("--hidden", spec.hidden)):
         if size % args.tp:
             raise ValueError(

@@ -19,6 +19,16 @@ PLAN_KEYS = (
 )  # fmt: skip
 
 
+_KINDS: dict[str, type] = {
+    **dict.fromkeys(("dp", "tp", "pp", "microbatches", "chunks", "zero", "micro_batch_size",
+                     "global_batch"), int),
+    **dict.fromkeys(("schedule", "recompute", "dtype", "rank_order", "compress"), str),
+    "sequence_parallel": bool,
+    "model": dict,
+}  # fmt: skip
+_KIND_NAMES = {int: "an integer", str: "a string", bool: "true or false", dict: "an object"}
+
+
 def plan_to_dict(
     ranked: RankedPlan, *, model: dict[str, Any] | None = None, cluster: str | None = None
 ) -> dict[str, Any]:
@@ -56,6 +66,11 @@ def plan_from_dict(data: dict[str, Any]) -> SimPlan:
     missing = [k for k in ("dp", "tp", "pp", "schedule", "microbatches") if k not in data]
     if missing:
         raise ValueError(f"plan file lacks keys {missing}; write plans with `plait plan --out`")
+    for key, kind in _KINDS.items():  # int() would read "2" and 2.7 as counts, bool() "no"
+        value = data.get(key)
+        wrong = not isinstance(value, kind) or isinstance(value, bool) != (kind is bool)
+        if value is not None and wrong:
+            raise ValueError(f"{key}={value!r} must be {_KIND_NAMES[kind]}")
     return SimPlan(
         dp=int(data["dp"]), tp=int(data["tp"]), pp=int(data["pp"]),
         schedule=str(data["schedule"]), num_microbatches=int(data["microbatches"]),
@@ -74,6 +89,8 @@ def write_plan(path: str | Path, data: dict[str, Any]) -> None:
 
 
 def read_plan(path: str | Path) -> dict[str, Any]:
+    if Path(path).is_dir():
+        raise ValueError(f"plan file {path} is a folder: give the file `plait plan --out` wrote")
     try:
         data = json.loads(Path(path).read_text())
     except FileNotFoundError:
@@ -84,5 +101,36 @@ def read_plan(path: str | Path) -> dict[str, Any]:
         raise ValueError(f"plan file {path} is not JSON ({err})") from None
     if not isinstance(data, dict):
         raise ValueError(f"plan file {path} must hold a JSON object")
-    plan_from_dict(data)  # validates
+    try:
+        _check_batch_and_partition(plan_from_dict(data), data)
+    except (TypeError, ValueError) as err:  # int("two") says neither the file nor the key
+        raise ValueError(f"plan file {path}: {err}") from None
     return data
+
+
+def _check_batch_and_partition(plan: SimPlan, data: dict[str, Any]) -> None:
+    """The batch and the split a plan file states agree with its layout: commands that
+    derive them from the layout would otherwise ignore a wrong one silently."""
+    batch = data.get("global_batch")
+    # a hand-written plan may leave micro_batch_size out: train derives it from the batch
+    derived = "micro_batch_size" not in data or "pipelines" in data
+    if batch is not None and not derived and batch != plan.global_batch_size:
+        raise ValueError(
+            f"global_batch={batch!r} is not dp × microbatches × micro_batch_size = "
+            f"{plan.global_batch_size}; write plans with `plait plan --out`"
+        )
+    sizes = data.get("partition")
+    if sizes is None:
+        return
+    stages = plan.pp * plan.num_chunks
+    ok = isinstance(sizes, list) and all(isinstance(n, int) and n >= 1 for n in sizes)
+    if not ok or len(sizes) != stages:
+        raise ValueError(
+            f"partition={sizes!r} must give >= 1 block to each of the {stages} stages "
+            f"(pp={plan.pp} × chunks={plan.num_chunks})"
+        )
+    layers = data.get("model", {}).get("layers")
+    if isinstance(layers, int) and sum(sizes) != layers + 2:
+        raise ValueError(
+            f"partition={sizes!r} must add up to the model's {layers + 2} blocks (layers + 2)"
+        )

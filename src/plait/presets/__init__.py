@@ -125,6 +125,8 @@ def _device(where: str, data: Any) -> Device:
 def _node_group(where: str, data: Any) -> NodeGroup:
     table = _table(where, data, "node")
     count = table.get("count", 1)
+    if not isinstance(count, int) or count < 1:  # NodeGroup would call it num_nodes
+        raise ValueError(f"{where}.count = {count!r} must be a whole number of nodes >= 1")
     if "preset" in table:
         preset, extra = table["preset"], sorted(set(table) - {"preset", "count"})
         if preset not in preset_names():
