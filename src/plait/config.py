@@ -32,6 +32,7 @@ MODELS = {
     "resnet18": "ResNet-18 for small images",
     "hf-gpt2": "Hugging Face GPT-2 from a config, needs plait[hf]",
     "hf-llama": "Hugging Face Llama from a config, needs plait[hf]",
+    "moe-gpt": "plait's GPT with mixture-of-experts feed-forward layers",
     "custom": "a model given to plait.train.run (Python only)",
 }
 DATA = {
@@ -142,6 +143,28 @@ class ModelConfig:
     width: int = field(
         default=16, metadata={"help": "resnet18: channels of its first stage (64 in the paper)"}
     )
+    experts: int = field(default=4, metadata={"help": "moe-gpt: experts per MoE layer"})
+    top_k: int = field(
+        default=2, metadata={"help": "moe-gpt: experts per token (1: Switch, 2: GShard)"}
+    )
+    capacity_factor: float = field(
+        default=1.25,
+        metadata={
+            "help": "moe-gpt: expert capacity = factor · tokens · top_k / experts; 0: dropless"
+        },
+    )
+    moe_every: int = field(
+        default=2, metadata={"help": "moe-gpt: every k-th layer is a MoE layer, others dense"}
+    )
+    shared_expert: bool = field(
+        default=False, metadata={"help": "moe-gpt: a dense FFN every token also passes through"}
+    )
+    aux_loss_coef: float = field(
+        default=0.01, metadata={"help": "moe-gpt: weight of the load-balancing loss"}
+    )
+    z_loss_coef: float = field(
+        default=0.001, metadata={"help": "moe-gpt: weight of the router z-loss"}
+    )
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -158,6 +181,23 @@ class ModelConfig:
             raise ValueError(
                 f"hidden={self.hidden} is not a multiple of heads={self.heads}: change one of them"
             )
+        self._check_moe()
+
+    def _check_moe(self) -> None:
+        _positive(self, "experts", "top_k", "moe_every")
+        if self.name == "moe-gpt" and self.top_k > self.experts:
+            raise ValueError(
+                f"top_k={self.top_k} exceeds experts={self.experts}: use top_k <= experts"
+            )
+        for name in ("capacity_factor", "aux_loss_coef", "z_loss_coef"):
+            value = getattr(self, name)
+            if not 0 <= value < math.inf:
+                raise ValueError(f"{name}={value} must be a finite number >= 0")
+        if self.name == "moe-gpt" and self.moe_every > self.layers:
+            raise ValueError(
+                f"moe_every={self.moe_every} with layers={self.layers} leaves no MoE layer: "
+                "use moe_every <= layers"
+            )
 
     @property
     def num_blocks(self) -> int:
@@ -170,9 +210,12 @@ class ModelConfig:
 
 
 # the ModelConfig fields each model never reads (a custom model comes built: not checked)
+_MOE = ("experts", "top_k", "capacity_factor", "moe_every", "shared_expert", "aux_loss_coef",
+        "z_loss_coef")  # fmt: skip
 _MODEL_UNUSED = {
-    "gpt": ("width",), "hf-gpt2": ("width",), "hf-llama": ("width",),
-    "resnet18": ("layers", "hidden", "heads", "seq_len", "ffn_hidden", "dropout"),
+    "gpt": ("width", *_MOE), "hf-gpt2": ("width", *_MOE), "hf-llama": ("width", *_MOE),
+    "resnet18": ("layers", "hidden", "heads", "seq_len", "ffn_hidden", "dropout", *_MOE),
+    "moe-gpt": ("width",),
 }  # fmt: skip
 
 
@@ -467,7 +510,7 @@ class TrainConfig:
                 f"batch_size={self.batch_size} is not divisible by dp × microbatches = "
                 f"{par.dp * par.microbatches}: use a multiple"
             )
-        if par.tp > 1 and self.model.name == "resnet18":
+        if par.tp > 1 and self.model.name in ("resnet18", "moe-gpt"):
             raise ValueError(
                 f"tp={par.tp} with model {self.model.name!r}: its layers have no "
                 "tensor-parallel plan in plait yet; use tp=1 (dp and pp work)"

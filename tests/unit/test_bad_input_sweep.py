@@ -81,14 +81,16 @@ _INT_MIN: dict[str, int | None] = {
     "keep": 1, "max_restarts": 0, "verbosity": -1, "trace_steps": 1, "model.layers": 1,
     "model.hidden": 1, "model.heads": 1, "model.seq_len": 1, "model.ffn_hidden": 1,
     "model.width": 1, "parallel.dp": 1, "parallel.tp": 1, "parallel.pp": 1,
-    "parallel.microbatches": 1, "parallel.chunks": 1,
+    "parallel.microbatches": 1, "parallel.chunks": 1, "model.experts": 1, "model.top_k": 1,
+    "model.moe_every": 1,
 }  # fmt: skip
 # ... the range of each number: (lowest, whether the lowest itself is allowed, highest or None)
 _FLOAT_RANGE: dict[str, tuple[float, bool, float | None]] = {
     "lr": (0.0, False, None), "weight_decay": (0.0, True, None), "beta1": (0.0, True, 1.0),
     "beta2": (0.0, True, 1.0), "eps": (0.0, False, None), "momentum": (0.0, True, None),
     "min_lr": (0.0, True, None), "grad_clip": (0.0, True, None), "timeout_s": (0.0, False, None),
-    "model.dropout": (0.0, True, 1.0),
+    "model.dropout": (0.0, True, 1.0), "model.capacity_factor": (0.0, True, None),
+    "model.aux_loss_coef": (0.0, True, None), "model.z_loss_coef": (0.0, True, None),
 }  # fmt: skip
 # ... and the free-text settings with a closed vocabulary (an unknown word is an error; any
 # free text, a path included, must not be empty)

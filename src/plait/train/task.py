@@ -97,7 +97,8 @@ def _language_task(cfg: TrainConfig) -> Task:
     sample = None
     if cfg.data == "stdlib" and cfg.sample_chars > 0:
         sample = _text_sample(cfg, data)
-    return Task(build=build, batch=batch, loss=_lm_loss, seed=cfg.seed, sample=sample,
+    loss = _moe_loss if m.name == "moe-gpt" else _lm_loss
+    return Task(build=build, batch=batch, loss=loss, seed=cfg.seed, sample=sample,
                 num_heads=m.heads, seq_len=m.seq_len,
                 validation=validation if cfg.data == "stdlib" else None)  # fmt: skip
 
@@ -107,12 +108,23 @@ def _lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="mean")
 
 
+def _moe_loss(out: tuple[torch.Tensor, torch.Tensor], targets: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy plus the router losses the MoE layers carried to the head."""
+    from plait.models import MoEGPT
+
+    return MoEGPT.loss(out, targets)
+
+
 def _language_model(cfg: TrainConfig, vocab: int) -> Callable[[], nn.Module]:
     m = cfg.model
     if m.name == "gpt":
         from plait.models import GPT
 
         return lambda: GPT(_gpt_config(cfg, vocab))
+    if m.name == "moe-gpt":
+        from plait.models import MoEGPT
+
+        return lambda: MoEGPT(_moe_config(cfg, vocab))
     from plait.models import hf
 
     if m.name == "hf-gpt2":
@@ -140,11 +152,27 @@ def _gpt_config(cfg: TrainConfig, vocab_size: int) -> Any:
                      dropout=m.dropout)  # fmt: skip
 
 
+def _moe_config(cfg: TrainConfig, vocab_size: int) -> Any:
+    from plait.models import MoEConfig
+
+    m = cfg.model
+    return MoEConfig(vocab_size=vocab_size, seq_len=m.seq_len, num_layers=m.layers,
+                     hidden=m.hidden, num_heads=m.heads, ffn_hidden=m.ffn_hidden,
+                     dropout=m.dropout, num_experts=m.experts, top_k=m.top_k,
+                     capacity_factor=m.capacity_factor, moe_every=m.moe_every,
+                     shared_expert=m.shared_expert, aux_loss_coef=m.aux_loss_coef,
+                     z_loss_coef=m.z_loss_coef)  # fmt: skip
+
+
 def _text_sample(cfg: TrainConfig, corpus: Any) -> Callable[[nn.Module], str]:
     def sample(model: nn.Module) -> str:
         from plait.models.gpt import generate
 
         g = torch.Generator().manual_seed(cfg.seed)
+        if cfg.model.name == "moe-gpt":  # `generate` wants logits, not (logits, aux)
+            from plait.models.moe import LogitsOnly
+
+            model = LogitsOnly(model)  # type: ignore[arg-type]
         if not hasattr(model, "cfg"):  # `generate` reads the window from a GPT's config
             model.cfg = dataclasses.make_dataclass("Window", [("seq_len", int)])(cfg.model.seq_len)
         ids = generate(model, corpus.encode("def "), cfg.sample_chars, generator=g)  # type: ignore[arg-type]
