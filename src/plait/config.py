@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from plait.compression import check_zero, parse_compression
+from plait.layout import RANK_ORDERS, check_ep, check_rank_order
 from plait.schedule.registry import KINDS, schedule_kind
 
 __all__ = [
@@ -282,6 +283,20 @@ class ParallelPlan:
         default=None,
         metadata={"help": "blocks per (virtual) stage, e.g. 2,2,2", "default_text": "balanced"},
     )
+    ep: int = field(
+        default=1,
+        metadata={
+            "help": "expert-parallel degree: experts spread over ep of the dp ranks (must "
+            "divide dp; needs a model with experts)"
+        },
+    )
+    rank_order: str = field(
+        default="tp-dp-pp",
+        metadata={
+            "help": "how global ranks are laid out over the axes, innermost first",
+            "choices": RANK_ORDERS,
+        },
+    )
     compress: str = field(
         default="none",
         metadata={
@@ -318,6 +333,8 @@ class ParallelPlan:
             raise ValueError("sequence_parallel needs tp > 1: set tp or drop sequence_parallel")
         self._check_asynchronous()
         self._check_compression()
+        check_ep(self.ep, self.dp)
+        check_rank_order(self.rank_order)
         if self.partition is not None:
             object.__setattr__(self, "partition", tuple(self.partition))
             if len(self.partition) != self.num_stages or min(self.partition) < 1:
@@ -509,6 +526,11 @@ class TrainConfig:
             raise ValueError(
                 f"batch_size={self.batch_size} is not divisible by dp × microbatches = "
                 f"{par.dp * par.microbatches}: use a multiple"
+            )
+        if par.ep > 1 and self.model.name != "moe-gpt":
+            raise ValueError(
+                f"ep={par.ep} with model {self.model.name!r}: expert parallelism spreads the "
+                "experts of a mixture-of-experts model; use --model moe-gpt or ep=1"
             )
         if par.tp > 1 and self.model.name in ("resnet18", "moe-gpt"):
             raise ValueError(

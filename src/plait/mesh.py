@@ -11,7 +11,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from plait.layout import check_ep, check_rank_order, rank_grid
+
 __all__ = [
+    "Meshes",
     "ParallelDims",
     "WorkerEnv",
     "cpu_cores_for",
@@ -25,45 +28,104 @@ __all__ = [
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """The degrees of the parallel axes; `build_mesh` lays them out as a DeviceMesh.
+    """The degrees of the parallel axes; `build_mesh` lays them out as DeviceMeshes.
 
-    Ranks are laid out (pp, dp, tp) with tp innermost, so that the workers of one
-    tensor-parallel group have consecutive ranks, which a launcher places on one node.
+    The world is pp × dp × tp ranks, placed as `rank_order` says (innermost axis first;
+    `plait.layout`). The default "tp-dp-pp" keeps a tensor-parallel group on consecutive
+    ranks, which a launcher places on one node. `ep` is not a factor of the world: expert
+    parallelism borrows data-parallel ranks (dp = edp × ep, as torchtitan borrows
+    dp_shard × cp), so ep must divide dp.
     """
 
     dp: int = 1
     tp: int = 1
     pp: int = 1
+    ep: int = 1
+    rank_order: str = "tp-dp-pp"
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        check_ep(self.ep, self.dp)
+        check_rank_order(self.rank_order)
 
     @property
     def world_size(self) -> int:
         return self.dp * self.tp * self.pp
+
+    @property
+    def edp(self) -> int:
+        """Expert-data-parallel degree: the replicas of each expert (dp / ep)."""
+        return self.dp // self.ep
 
     def check(self, world_size: int, *, local_world_size: int | None = None) -> None:
         """Raise ValueError unless the degrees fit `world_size` workers (and nodes)."""
         if self.world_size != world_size:
             raise ValueError(
                 f"dp × tp × pp = {self.dp} × {self.tp} × {self.pp} = {self.world_size} does not "
-                f"match the {world_size} workers: choose degrees whose product is {world_size}"
+                f"match the {world_size} workers: choose degrees whose product is {world_size} "
+                f"(ep={self.ep} borrows data-parallel ranks and adds none)"
             )
         if local_world_size and local_world_size % self.tp and self.tp > 1:
             raise ValueError(
                 f"tp={self.tp} does not divide the {local_world_size} workers of a node: tensor "
                 "parallelism must stay inside a node; use a tp that divides it"
             )
+        across_nodes = local_world_size is not None and local_world_size < world_size
+        if self.tp > 1 and across_nodes and self.rank_order.split("-")[0] != "tp":
+            raise ValueError(
+                f"rank_order={self.rank_order!r} with tp={self.tp} spreads a tensor-parallel "
+                "group over non-consecutive ranks, across nodes: use a rank_order starting "
+                "with tp (tp-dp-pp or tp-pp-dp)"
+            )
 
-    def build_mesh(self, device_type: str) -> DeviceMesh:
-        from torch.distributed.device_mesh import init_device_mesh
+    def rank_grid(self) -> list[list[list[int]]]:
+        """`grid[pp_index][dp_index][tp_index]`: the global rank at each coordinate."""
+        return rank_grid(self.rank_order, pp=self.pp, dp=self.dp, tp=self.tp)
 
+    def expert_grid(self) -> list[list[list[list[int]]]]:
+        """`grid[pp_index][edp_index][ep_index][tp_index]`: the same ranks, dp read as
+        edp × ep with ep innermost (`plait.layout.expert_index`)."""
+        return [
+            [plane[e * self.ep : (e + 1) * self.ep] for e in range(self.edp)]
+            for plane in self.rank_grid()
+        ]
+
+    def build_mesh(self, device_type: str) -> Meshes:
+        """The main mesh ("pp", "dp", "tp") and, with ep > 1, the expert view of the same
+        ranks ("pp", "edp", "ep", "tp"). Collective: every rank calls it."""
         self.check(dist.get_world_size(), local_world_size=_local_world_size())
-        return init_device_mesh(
-            device_type, (self.pp, self.dp, self.tp), mesh_dim_names=("pp", "dp", "tp")
+        main = DeviceMesh(
+            device_type, torch.tensor(self.rank_grid()), mesh_dim_names=("pp", "dp", "tp")
         )
+        expert = None
+        if self.ep > 1:
+            expert = DeviceMesh(
+                device_type,
+                torch.tensor(self.expert_grid()),
+                mesh_dim_names=("pp", "edp", "ep", "tp"),
+            )
+        return Meshes(main=main, expert=expert)
+
+
+@dataclass(frozen=True)
+class Meshes:
+    """The runtime's meshes: `main` for pipeline, data and tensor parallelism; `expert`, the
+    same ranks with dp split into (edp, ep), when experts are spread (ep > 1), else None."""
+
+    main: DeviceMesh
+    expert: DeviceMesh | None = None
+
+    def ep_group(self) -> dist.ProcessGroup | None:
+        """The ranks that hold different experts and exchange tokens (all-to-all); None
+        when ep = 1 (every rank holds every expert: nothing to exchange)."""
+        return self.expert.get_group("ep") if self.expert is not None else None
+
+    def expert_dp_group(self) -> dist.ProcessGroup:
+        """The ranks that hold the same experts: expert gradients are averaged over it
+        (the whole data-parallel group when ep = 1)."""
+        return self.main.get_group("dp") if self.expert is None else self.expert.get_group("edp")
 
 
 def _local_world_size() -> int | None:

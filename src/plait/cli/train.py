@@ -152,10 +152,7 @@ def _from_plan_file(
 ) -> dict[str, Any]:
     """Config overrides that train under a plan file: its layout, its global batch and the
     model it was planned for; a model size set otherwise that differs is an error."""
-    import dataclasses
-
-    from plait.config import ParallelPlan
-    from plait.plan.io import read_plan
+    from plait.plan.io import parallel_plan_of, read_plan
 
     if not Path(path).is_file():
         raise ValueError(f"plan file {path} does not exist (write one with `plait plan --out`)")
@@ -165,9 +162,8 @@ def _from_plan_file(
         raise ValueError(f"plan file {path} is not JSON ({err})") from None
     if not isinstance(data, dict) or not isinstance(data.get("model", {}), dict):
         raise ValueError(f"plan file {path}: its model must be an object of sizes (layers, ...)")
-    keys = [f.name for f in dataclasses.fields(ParallelPlan)]
     try:  # type-checked as the config is: a string where a count belongs is an error
-        layout = ParallelPlan(**{k: data[k] for k in keys if data.get(k) is not None})
+        layout = parallel_plan_of(data)
     except ValueError as err:
         raise ValueError(f"plan file {path}: {err}") from None
     read_plan(path)  # the rest of what a plan file must hold

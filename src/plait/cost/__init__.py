@@ -10,8 +10,11 @@ from plait.cost.blocks import (
     stage_costs,
 )
 from plait.cost.comm import (
+    COLLECTIVE_AXES,
     COLLECTIVE_KINDS,
+    AxisLinks,
     Collective,
+    CollectiveAxis,
     CollectiveKind,
     all_gather_time,
     all_reduce_time,
@@ -32,10 +35,13 @@ from plait.cost.transformer import (
 )
 
 __all__ = [
+    "COLLECTIVE_AXES",
     "COLLECTIVE_KINDS",
     "RECOMPUTE_MODES",
+    "AxisLinks",
     "BlockCost",
     "Collective",
+    "CollectiveAxis",
     "CollectiveKind",
     "ModelState",
     "Optimizer",

@@ -17,7 +17,7 @@ from itertools import pairwise
 from typing import Literal
 
 from plait.cluster import Device, Link
-from plait.cost.comm import Collective, collective_time
+from plait.cost.comm import AxisLinks, Collective
 
 __all__ = [
     "RECOMPUTE_MODES",
@@ -204,15 +204,15 @@ class StageCost:
         recompute: Recompute = "none",
         tp: int = 1,
         tp_link: Link | None = None,
+        links: AxisLinks | None = None,
     ) -> StageTimes:
-        """Per-micro-batch seconds on `device`, collectives over `tp` ranks on `tp_link`."""
+        """Per-micro-batch seconds on `device`; each collective runs over its axis's group
+        in `links` (without it: over `tp` ranks on `tp_link`, the tensor-parallel group)."""
         check_recompute(recompute)
         rate = device.achievable_flops(dtype)
-
-        def comm(collectives: Sequence[Collective]) -> float:
-            if tp == 1 or tp_link is None:
-                return 0.0
-            return sum(collective_time(c, tp, tp_link) for c in collectives)
+        if links is None:
+            links = AxisLinks({"tp": tp}, {"tp": tp_link})
+        comm = links.time
 
         fwd_comm = comm([c for b in self.blocks for c in b.forward_comm])
         bwd_comm = comm([c for b in self.blocks for c in b.backward_comm])

@@ -15,15 +15,18 @@ the inter-node link's speed, which is pessimistic for large groups on few nodes.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Literal
 
 from plait.cluster import Cluster, Link
 
 __all__ = [
+    "COLLECTIVE_AXES",
     "COLLECTIVE_KINDS",
+    "AxisLinks",
     "Collective",
+    "CollectiveAxis",
     "CollectiveKind",
     "all_gather_time",
     "all_reduce_time",
@@ -41,18 +44,45 @@ CollectiveKind = Literal["all_reduce", "reduce_scatter", "all_gather", "all_to_a
 COLLECTIVE_KINDS: tuple[str, ...] = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
 
 
+CollectiveAxis = Literal["tp", "dp", "ep", "pp"]
+COLLECTIVE_AXES: tuple[str, ...] = ("tp", "dp", "ep", "pp")
+
+
 @dataclass(frozen=True, kw_only=True)
 class Collective:
-    """One collective a block issues over its tensor-parallel group, for one micro-batch."""
+    """One collective a block issues over the group of one parallel `axis` (tensor
+    parallel by default; "ep" for the token all-to-all of experts), for one micro-batch."""
 
     kind: CollectiveKind
     num_bytes: float
+    axis: CollectiveAxis = "tp"
 
     def __post_init__(self) -> None:
         if self.kind not in COLLECTIVE_KINDS:
             raise ValueError(f"collective kind {self.kind!r} is unknown; use {COLLECTIVE_KINDS}")
+        if self.axis not in COLLECTIVE_AXES:
+            raise ValueError(f"collective axis {self.axis!r} is unknown; use {COLLECTIVE_AXES}")
         if not self.num_bytes >= 0:
             raise ValueError(f"collective {self.kind}: num_bytes={self.num_bytes} must be >= 0")
+
+
+@dataclass(frozen=True)
+class AxisLinks:
+    """The group a collective of each axis runs over, as the cost model sees it: its
+    degree (ranks) and its link (`Cluster.group_link` of the group). An axis left out, of
+    degree 1 or without a link costs nothing."""
+
+    degrees: Mapping[str, int] = field(default_factory=dict)
+    links: Mapping[str, Link | None] = field(default_factory=dict)
+
+    def time(self, collectives: Sequence[Collective]) -> float:
+        """Seconds of `collectives`, one after another, each over its axis's group."""
+        total = 0.0
+        for c in collectives:
+            n, link = self.degrees.get(c.axis, 1), self.links.get(c.axis)
+            if n > 1 and link is not None:
+                total += collective_time(c, n, link)
+        return total
 
 
 def _check(n: int, num_bytes: float) -> None:

@@ -26,6 +26,7 @@ average, as under DDP.
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,6 +54,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 @dataclass
 class _Bucket:
     params: list[nn.Parameter]
+    group: Any = None  # the process group its parameters are averaged over
+    world: int = 1  # that group's size, the divisor of the average
     index: int = 0  # unique over the reducer's stages: a hook's state is keyed by it
     ready: int = 0
     queued: bool = False  # complete, waiting for its hook (hooks run at `finish`)
@@ -104,13 +107,19 @@ class _StageBuckets:
 
 class GradReducer:
     """Averages the gradients of each stage's parameters over the data-parallel `group`;
-    a wait for a reduction longer than `timeout_s` seconds raises `PipelineTimeout`."""
+    a wait for a reduction longer than `timeout_s` seconds raises `PipelineTimeout`.
+
+    `param_groups` gives some parameters another group (expert parameters: the ranks that
+    hold the same experts, `plait.mesh.Meshes.expert_dp_group`); each is averaged over its
+    own group (divided by that group's size), in buckets that never mix groups.
+    """
 
     def __init__(
         self,
         stage_params: dict[int, list[nn.Parameter]],
         group: dist.ProcessGroup,
         *,
+        param_groups: Mapping[nn.Parameter, dist.ProcessGroup] | None = None,
         bucket_bytes: int = 25 * 2**20,
         timeout_s: float | None = DEFAULT_TIMEOUT_S,
         hook: Any = None,
@@ -119,12 +128,22 @@ class GradReducer:
         self.group, self.timeout_s = group, check_timeout(timeout_s)
         self.hook, self.hook_state = hook, hook_state
         self.world = dist.get_world_size(group)
+        chosen = {id(p): g for p, g in (param_groups or {}).items()}
+        if hook is not None and any(g is not group for g in chosen.values()):
+            raise ValueError(
+                "a communication hook (compress) with per-parameter groups: the hook reduces "
+                "over one group; use compress=none with expert parameters"
+            )
         self._count = 0
         self.stages: dict[int, _StageBuckets] = {}
         self._launched: dict[int, list[_Bucket]] = {}
         for stage, params in stage_params.items():
             trainable = [p for p in params if p.requires_grad]
-            buckets = _make_buckets(list(reversed(trainable)), bucket_bytes)
+            buckets = []
+            for g, members in _by_group(list(reversed(trainable)), chosen, group):
+                for bucket in _make_buckets(members, bucket_bytes):
+                    bucket.group, bucket.world = g, dist.get_world_size(g)
+                    buckets.append(bucket)
             state = _StageBuckets(buckets)
             for bucket in buckets:
                 bucket.index, self._count = self._count, self._count + 1
@@ -196,16 +215,16 @@ class GradReducer:
             return
         if bucket.attached():
             assert bucket.storage is not None
-            bucket.flat = bucket.storage.div_(self.world)
-            bucket.work = dist.all_reduce(bucket.flat, group=self.group, async_op=True)
+            bucket.flat = bucket.storage.div_(bucket.world)
+            bucket.work = dist.all_reduce(bucket.flat, group=bucket.group, async_op=True)
             self._launched[stage].append(bucket)
             return
         grads = []
         for p in bucket.params:
             g = p.grad
             grads.append(torch.zeros_like(_local(p)) if g is None else _local(g))
-        bucket.flat = torch.cat([g.reshape(-1) for g in grads]).div_(self.world)
-        bucket.work = dist.all_reduce(bucket.flat, group=self.group, async_op=True)
+        bucket.flat = torch.cat([g.reshape(-1) for g in grads]).div_(bucket.world)
+        bucket.work = dist.all_reduce(bucket.flat, group=bucket.group, async_op=True)
         self._launched[stage].append(bucket)
 
     def _run_hook(self, bucket: _Bucket, explain: Any) -> torch.Tensor:
@@ -287,6 +306,18 @@ def _wrap_like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
         assert isinstance(p, DTensor)
         return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False)
     return local
+
+
+def _by_group(
+    params: list[nn.Parameter], chosen: dict[int, Any], default: Any
+) -> list[tuple[Any, list[nn.Parameter]]]:
+    """`params` split by reduction group, each keeping their order; the default group
+    first, so that with one group the buckets are exactly those of one list."""
+    groups: dict[int, tuple[Any, list[nn.Parameter]]] = {id(default): (default, [])}
+    for p in params:
+        g = chosen.get(id(p), default)
+        groups.setdefault(id(g), (g, []))[1].append(p)
+    return [(g, members) for g, members in groups.values() if members]
 
 
 def _make_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[_Bucket]:

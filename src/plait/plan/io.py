@@ -2,25 +2,53 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
 
+from plait.config import ParallelPlan
 from plait.plan.search import RankedPlan
 from plait.sim import SimPlan
 
-__all__ = ["PLAN_KEYS", "plan_from_dict", "plan_to_dict", "read_plan", "write_plan"]
+__all__ = [
+    "PLAN_KEYS",
+    "SIM_FIELDS",
+    "SIM_ONLY",
+    "TRAIN_BATCH_KEYS",
+    "check_trainable",
+    "parallel_plan_of",
+    "plan_from_dict",
+    "plan_to_dict",
+    "read_plan",
+    "write_plan",
+]
 
-# the keys `plait.config.ParallelPlan` takes, plus the batch layout
+# the keys `plait.config.ParallelPlan` takes (its field names), plus the batch layout
 PLAN_KEYS = (
-    "dp", "tp", "pp", "schedule", "microbatches", "chunks", "zero", "recompute",
+    "dp", "tp", "pp", "ep", "schedule", "microbatches", "chunks", "zero", "recompute",
     "sequence_parallel", "dtype", "partition", "micro_batch_size", "global_batch", "rank_order",
     "compress",
 )  # fmt: skip
 
+# plan-file key -> the `SimPlan` field that holds it; None: the key is not a SimPlan field
+# (the partition is the `RankedPlan`'s, the global batch derives from the layout)
+SIM_FIELDS: dict[str, str | None] = {
+    "dp": "dp", "tp": "tp", "pp": "pp", "ep": "ep", "schedule": "schedule",
+    "microbatches": "num_microbatches", "chunks": "num_chunks", "zero": "zero_stage",
+    "recompute": "recompute", "sequence_parallel": "sequence_parallel", "dtype": "dtype",
+    "partition": None, "micro_batch_size": "micro_batch_size", "global_batch": None,
+    "rank_order": "rank_order", "compress": "compress",
+}  # fmt: skip
+# SimPlan fields a plan file keeps elsewhere: the sequence length under "model", the
+# optimizer in the training config (it weighs only in the simulator's memory)
+SIM_ONLY = {"seq_len": "model.seq_len", "optimizer": "the training config's optimizer"}
+# plan-file keys that are no `ParallelPlan` field: the batch, which `plait train` sets
+TRAIN_BATCH_KEYS = ("micro_batch_size", "global_batch")
+
 
 _KINDS: dict[str, type] = {
-    **dict.fromkeys(("dp", "tp", "pp", "microbatches", "chunks", "zero", "micro_batch_size",
+    **dict.fromkeys(("dp", "tp", "pp", "ep", "microbatches", "chunks", "zero", "micro_batch_size",
                      "global_batch"), int),
     **dict.fromkeys(("schedule", "recompute", "dtype", "rank_order", "compress"), str),
     "sequence_parallel": bool,
@@ -35,7 +63,7 @@ def plan_to_dict(
     """The plan (layout and batch) and what the simulator predicts for it."""
     p = ranked.plan
     out: dict[str, Any] = {
-        "dp": p.dp, "tp": p.tp, "pp": p.pp, "schedule": p.schedule,
+        "dp": p.dp, "tp": p.tp, "pp": p.pp, "ep": p.ep, "schedule": p.schedule,
         "microbatches": p.num_microbatches, "chunks": p.num_chunks, "zero": p.zero_stage,
         "recompute": p.recompute, "sequence_parallel": p.sequence_parallel, "dtype": p.dtype,
         "partition": list(ranked.sizes), "micro_batch_size": p.micro_batch_size,
@@ -72,7 +100,7 @@ def plan_from_dict(data: dict[str, Any]) -> SimPlan:
         if value is not None and wrong:
             raise ValueError(f"{key}={value!r} must be {_KIND_NAMES[kind]}")
     return SimPlan(
-        dp=int(data["dp"]), tp=int(data["tp"]), pp=int(data["pp"]),
+        dp=int(data["dp"]), tp=int(data["tp"]), pp=int(data["pp"]), ep=int(data.get("ep", 1)),
         schedule=str(data["schedule"]), num_microbatches=int(data["microbatches"]),
         micro_batch_size=int(data.get("micro_batch_size", 1)),
         num_chunks=int(data.get("chunks", 1)), recompute=data.get("recompute", "none"),
@@ -82,6 +110,24 @@ def plan_from_dict(data: dict[str, Any]) -> SimPlan:
         rank_order=str(data.get("rank_order", "tp-dp-pp")),
         compress=str(data.get("compress", "none")),
     )  # fmt: skip
+
+
+def check_trainable(data: dict[str, Any]) -> None:
+    """Raise ValueError for what a plan file may say that training cannot apply yet."""
+    if "pipelines" in data:
+        raise ValueError(
+            f"pipelines={len(data['pipelines'])} per-pipeline partitions (a heterogeneous plan): "
+            "training runs one partition on every replica and cannot apply it; plan without "
+            "heterogeneous pipelines (`plait plan` on a cluster of one device kind)"
+        )
+
+
+def parallel_plan_of(data: dict[str, Any]) -> ParallelPlan:
+    """The training layout a plan file's dict describes: every `ParallelPlan` field is a
+    plan-file key of the same name. Refuses what training cannot apply (`check_trainable`)."""
+    check_trainable(data)
+    keys = [f.name for f in dataclasses.fields(ParallelPlan)]
+    return ParallelPlan(**{k: data[k] for k in keys if data.get(k) is not None})
 
 
 def write_plan(path: str | Path, data: dict[str, Any]) -> None:

@@ -8,25 +8,25 @@ innermost (neighbours on one node), then data-parallel, then pipeline outermost.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import permutations
 
 from plait.cluster import normalize_dtype
 from plait.compression import check_zero, parse_compression
 from plait.cost import RECOMPUTE_MODES, Optimizer, Recompute
+from plait.layout import RANK_ORDERS, check_ep, check_rank_order, global_rank
 
 __all__ = ["RANK_ORDERS", "SimPlan"]
-
-RANK_ORDERS: tuple[str, ...] = tuple("-".join(p) for p in permutations(("tp", "dp", "pp")))
 
 
 @dataclass(frozen=True, kw_only=True)
 class SimPlan:
     """One training layout: `dp`×`tp`×`pp` ranks, `schedule` over `num_microbatches` of
-    `micro_batch_size` samples (`seq_len` tokens each) per data-parallel rank and step."""
+    `micro_batch_size` samples (`seq_len` tokens each) per data-parallel rank and step.
+    `ep` spreads experts over ep of the dp ranks (`plait.layout`: it adds no ranks)."""
 
     dp: int = 1
     tp: int = 1
     pp: int = 1
+    ep: int = 1
     schedule: str = "1f1b"
     num_microbatches: int = 1
     micro_batch_size: int = 1
@@ -59,8 +59,8 @@ class SimPlan:
             raise ValueError(f"zero_stage={self.zero_stage!r} must be 0, 1, 2 or 3")
         if self.optimizer not in ("adam", "sgd"):
             raise ValueError(f"optimizer={self.optimizer!r} is unknown; use 'adam' or 'sgd'")
-        if self.rank_order not in RANK_ORDERS:
-            raise ValueError(f"rank_order={self.rank_order!r} is unknown; use one of {RANK_ORDERS}")
+        check_rank_order(self.rank_order)
+        check_ep(self.ep, self.dp)
         object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
         object.__setattr__(self, "compress", str(parse_compression(self.compress)))
         check_zero(self.compress, self.zero_stage)
@@ -80,19 +80,24 @@ class SimPlan:
         return self.dp * self.num_microbatches * self.micro_batch_size
 
     def global_rank(self, pp_rank: int, dp_rank: int = 0, tp_rank: int = 0) -> int:
-        """The global rank of a (pipeline, data, tensor) coordinate under `rank_order`."""
-        coordinate = {"pp": (pp_rank, self.pp), "dp": (dp_rank, self.dp), "tp": (tp_rank, self.tp)}
-        rank, stride = 0, 1
-        for axis in self.rank_order.split("-"):
-            index, size = coordinate[axis]
-            if not 0 <= index < size:
-                raise ValueError(f"{axis} index {index} is outside 0..{size - 1}")
-            rank += index * stride
-            stride *= size
-        return rank
+        """The global rank of a (pipeline, data, tensor) coordinate under `rank_order`, as
+        the runtime mesh places it (`plait.mesh.ParallelDims.rank_grid`)."""
+        degrees = {"pp": self.pp, "dp": self.dp, "tp": self.tp}
+        return global_rank(self.rank_order, degrees, {"pp": pp_rank, "dp": dp_rank, "tp": tp_rank})
 
     def tp_group(self, pp_rank: int, dp_rank: int = 0) -> list[int]:
         return [self.global_rank(pp_rank, dp_rank, t) for t in range(self.tp)]
 
     def dp_group(self, pp_rank: int, tp_rank: int = 0) -> list[int]:
         return [self.global_rank(pp_rank, d, tp_rank) for d in range(self.dp)]
+
+    def ep_group(self, pp_rank: int, dp_rank: int = 0, tp_rank: int = 0) -> list[int]:
+        """The ranks exchanging tokens with (pp_rank, dp_rank, tp_rank): ep neighbouring
+        data-parallel indices (`plait.layout.expert_index`)."""
+        first = dp_rank - dp_rank % self.ep
+        return [self.global_rank(pp_rank, first + e, tp_rank) for e in range(self.ep)]
+
+    def expert_dp_group(self, pp_rank: int, dp_rank: int = 0, tp_rank: int = 0) -> list[int]:
+        """The ranks holding the same experts as (pp_rank, dp_rank, tp_rank)."""
+        offset = dp_rank % self.ep
+        return [self.global_rank(pp_rank, d, tp_rank) for d in range(offset, self.dp, self.ep)]

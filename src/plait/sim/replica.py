@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from plait.cluster import Cluster, Device, Link, dtype_bytes
 from plait.cost import (
+    AxisLinks,
     BlockCost,
     Collective,
     StageCost,
@@ -98,8 +99,7 @@ class _Replica:
                 self.devices[place[i]],
                 plan.dtype,
                 recompute=plan.recompute,
-                tp=plan.tp,
-                tp_link=cluster.group_link(plan.tp_group(place[i], dp_rank)),
+                links=_axis_links(cluster, plan, place[i], dp_rank),
             )
             for i, st in enumerate(stages)
         ]
@@ -337,3 +337,17 @@ def simulate_replica(
     """Replay one data-parallel replica of `plan` (`plait.sim.simulate` runs them all)."""
     stage_list = [StageCost.of(s) for s in stages]
     return _Replica(schedule, stage_list, cluster, plan, dp_rank).run()
+
+
+def _axis_links(cluster: Cluster, plan: SimPlan, pp_rank: int, dp_rank: int) -> AxisLinks:
+    """The degree and link of each axis a stage's collectives run over, from rank
+    (pp_rank, dp_rank, tp rank 0)'s groups; the axes of one rank cost nothing."""
+    groups = {"tp": plan.tp_group(pp_rank, dp_rank)}
+    if plan.dp > 1:
+        groups["dp"] = plan.dp_group(pp_rank)
+    if plan.ep > 1:
+        groups["ep"] = plan.ep_group(pp_rank, dp_rank)
+    return AxisLinks(
+        {axis: len(g) for axis, g in groups.items()},
+        {axis: cluster.group_link(g) for axis, g in groups.items()},
+    )

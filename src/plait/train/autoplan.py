@@ -23,7 +23,7 @@ from plait.blocks import as_blocks
 from plait.cluster import Cluster, Link, measured_cluster
 from plait.config import ParallelPlan
 from plait.plan import ModelSpec, SearchSpace, scaled_spec, search
-from plait.plan.io import plan_to_dict
+from plait.plan.io import parallel_plan_of, plan_to_dict
 from plait.profile import block_costs, measured_device, profile_model
 from plait.schedule import KINDS
 
@@ -79,20 +79,7 @@ def parallel_plan_from(data: dict[str, Any]) -> ParallelPlan:
     is not repeated for a plan the planner chose knowing it: it predicted that cost."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        return _parallel_plan(data)
-
-
-def _parallel_plan(data: dict[str, Any]) -> ParallelPlan:
-    return ParallelPlan(
-        dp=int(data["dp"]), tp=int(data["tp"]), pp=int(data["pp"]),
-        schedule=str(data["schedule"]), microbatches=int(data["microbatches"]),
-        chunks=int(data.get("chunks", 1)), zero=int(data.get("zero", 0)),
-        recompute=str(data.get("recompute", "none")),
-        sequence_parallel=bool(data.get("sequence_parallel", False)),
-        dtype=str(data.get("dtype", "fp32")),
-        partition=tuple(data["partition"]) if data.get("partition") else None,
-        compress=str(data.get("compress", "none")),
-    )  # fmt: skip
+        return parallel_plan_of(data)  # every field (rank_order, ep); refuses `pipelines`
 
 
 _SPEED = 1e9  # any rate: measured seconds become FLOPs at it and back

@@ -407,7 +407,14 @@ def parallelize(
     update of that stage (an asynchronous schedule makes several updates per window).
     """
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    mesh = mesh or ParallelDims(dp=plan.dp, tp=plan.tp, pp=plan.pp).build_mesh(device.type)
+    if plan.ep > 1:  # the mesh has its expert view (plait.mesh.Meshes); the all-to-all not yet
+        raise ValueError(f"ep={plan.ep}: expert parallelism is not in the runtime yet; use ep=1")
+    mesh = (
+        mesh
+        or ParallelDims(dp=plan.dp, tp=plan.tp, pp=plan.pp, ep=plan.ep, rank_order=plan.rank_order)
+        .build_mesh(device.type)
+        .main
+    )
     names = block_names(model)
     schedule = build(plan.schedule, plan.pp, plan.microbatches, plan.chunks)
     pp_rank = mesh.get_local_rank("pp")

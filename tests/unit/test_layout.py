@@ -1,0 +1,193 @@
+"""The layout: expert parallelism borrows data-parallel ranks, rank orders place ranks the
+same way in the runtime mesh and the simulator, and plan files carry every field."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from plait.config import ParallelPlan, TrainConfig
+from plait.mesh import ParallelDims
+from plait.plan.io import (
+    PLAN_KEYS,
+    SIM_FIELDS,
+    SIM_ONLY,
+    TRAIN_BATCH_KEYS,
+    parallel_plan_of,
+    plan_from_dict,
+    plan_to_dict,
+    read_plan,
+    write_plan,
+)
+from plait.plan.search import RankedPlan
+from plait.sim import SimPlan
+
+
+def _groups(grid: list[list[list[int]]], axis: str) -> set[frozenset[int]]:
+    """Every group along `axis` of a [pp][dp][tp] grid of ranks."""
+    pp, dp, tp = len(grid), len(grid[0]), len(grid[0][0])
+    coords = [(p, d, t) for p in range(pp) for d in range(dp) for t in range(tp)]
+    out: dict[tuple[int, ...], set[int]] = {}
+    for p, d, t in coords:
+        key = {"pp": (d, t), "dp": (p, t), "tp": (p, d)}[axis]
+        out.setdefault(key, set()).add(grid[p][d][t])
+    return {frozenset(g) for g in out.values()}
+
+
+def _set(*groups: tuple[int, ...]) -> set[frozenset[int]]:
+    return {frozenset(g) for g in groups}
+
+
+# a 2×2 dp × pp world under both orders the planner tries: the groups, written out by hand
+ORDER_TABLE = {
+    "tp-dp-pp": {"dp": _set((0, 1), (2, 3)), "pp": _set((0, 2), (1, 3))},
+    "tp-pp-dp": {"dp": _set((0, 2), (1, 3)), "pp": _set((0, 1), (2, 3))},
+}
+
+
+@pytest.mark.parametrize("order", sorted(ORDER_TABLE))
+def test_rank_order_places_the_groups_of_a_two_by_two_world(order: str) -> None:
+    grid = ParallelDims(dp=2, pp=2, rank_order=order).rank_grid()
+    sim = SimPlan(dp=2, pp=2, rank_order=order)
+    for axis, expected in ORDER_TABLE[order].items():
+        assert _groups(grid, axis) == expected, axis
+    assert {frozenset(sim.dp_group(p)) for p in range(2)} == ORDER_TABLE[order]["dp"]
+    for p in range(2):
+        for d in range(2):
+            assert sim.global_rank(p, d) == grid[p][d][0]
+
+
+def test_ep_borrows_data_parallel_ranks_in_a_world_of_four() -> None:
+    dims = ParallelDims(dp=4, ep=2)
+    assert dims.world_size == 4 and dims.edp == 2
+    dims.check(4)
+    # dp index = edp index · ep + ep index: ep groups are neighbouring dp ranks
+    assert dims.expert_grid() == [[[[0], [1]], [[2], [3]]]]
+    sim = SimPlan(dp=4, ep=2)
+    assert {frozenset(sim.ep_group(0, d)) for d in range(4)} == _set((0, 1), (2, 3))
+    assert {frozenset(sim.expert_dp_group(0, d)) for d in range(4)} == _set((0, 2), (1, 3))
+
+
+def test_expert_groups_in_worlds_of_eight() -> None:
+    # dp=4, pp=2, ep=2, tp-dp-pp: rank = dp + 4·pp
+    sim = SimPlan(dp=4, pp=2, ep=2)
+    eps = {frozenset(sim.ep_group(p, d)) for p in range(2) for d in range(4)}
+    edps = {frozenset(sim.expert_dp_group(p, d)) for p in range(2) for d in range(4)}
+    assert eps == _set((0, 1), (2, 3), (4, 5), (6, 7))
+    assert edps == _set((0, 2), (1, 3), (4, 6), (5, 7))
+    # dp=2, tp=2, pp=2, ep=2, tp-dp-pp: rank = tp + 2·dp + 4·pp; every expert once (edp=1)
+    sim = SimPlan(dp=2, tp=2, pp=2, ep=2)
+    eps = {frozenset(sim.ep_group(p, d, t)) for p in range(2) for d in range(2) for t in range(2)}
+    assert eps == _set((0, 2), (1, 3), (4, 6), (5, 7))
+    assert sim.expert_dp_group(1, 1, 1) == [7]
+    grid = ParallelDims(dp=2, tp=2, pp=2, ep=2).expert_grid()  # [pp][edp][ep][tp]
+    assert grid == [[[[0, 1], [2, 3]]], [[[4, 5], [6, 7]]]]
+    # dp=4, tp=2, ep=4 under tp-pp-dp: rank = tp + 2·dp
+    sim = SimPlan(dp=4, tp=2, ep=4, rank_order="tp-pp-dp")
+    assert {frozenset(sim.ep_group(0, 0, t)) for t in range(2)} == _set((0, 2, 4, 6), (1, 3, 5, 7))
+
+
+def test_ep_must_divide_dp_and_adds_no_ranks() -> None:
+    for make in (
+        lambda: ParallelDims(dp=4, ep=3),
+        lambda: SimPlan(dp=4, ep=3),
+        lambda: ParallelPlan(dp=4, pp=1, ep=3),
+    ):
+        with pytest.raises(ValueError, match=r"ep=3 does not divide dp=4.*ep in \[1, 2, 4\]"):
+            make()
+    with pytest.raises(ValueError, match="ep=0 must be a positive integer"):
+        ParallelDims(dp=2, ep=0)
+    with pytest.raises(ValueError, match=r"2 × 1 × 1 = 2 does not match the 4 workers.*ep=2"):
+        ParallelDims(dp=2, ep=2).check(4)
+
+
+def test_an_unknown_rank_order_is_refused_naming_the_field() -> None:
+    for make in (
+        lambda: ParallelDims(rank_order="dp-tp"),
+        lambda: SimPlan(rank_order="dp-tp"),
+        lambda: ParallelPlan(rank_order="dp-tp"),
+    ):
+        with pytest.raises(ValueError, match="rank_order='dp-tp' is unknown"):
+            make()
+
+
+def test_a_tensor_parallel_group_must_stay_consecutive_across_nodes() -> None:
+    with pytest.raises(ValueError, match="rank_order='dp-tp-pp' with tp=2"):
+        ParallelDims(dp=2, tp=2, rank_order="dp-tp-pp").check(4, local_world_size=2)
+    ParallelDims(dp=2, tp=2, rank_order="tp-pp-dp").check(4, local_world_size=2)
+
+
+def test_ep_needs_a_model_with_experts() -> None:
+    with pytest.raises(ValueError, match=r"ep=2 with model 'gpt'.*moe-gpt"):
+        TrainConfig(parallel=ParallelPlan(dp=2, pp=1, ep=2))
+
+
+# ---- plan files: every field of every plan type has its counterpart ----
+
+
+def test_the_plan_types_and_plan_files_have_the_same_fields() -> None:
+    """Adding a field to ParallelPlan or SimPlan without a plan-file key (or the reverse)
+    fails here: the three must not drift apart again."""
+    parallel = {f.name for f in dataclasses.fields(ParallelPlan)}
+    sim = {f.name for f in dataclasses.fields(SimPlan)}
+    assert parallel == set(PLAN_KEYS) - set(TRAIN_BATCH_KEYS)
+    assert set(SIM_FIELDS) == set(PLAN_KEYS)
+    mapped = {v for v in SIM_FIELDS.values() if v is not None}
+    assert mapped | set(SIM_ONLY) == sim and not mapped & set(SIM_ONLY)
+
+
+def _ranked(plan: SimPlan, sizes: tuple[int, ...]) -> RankedPlan:
+    values = {"plan": plan, "sizes": sizes, "step_time_s": 1.0, "tokens_per_s": 2.0,
+              "mfu": 0.5, "bubble_fraction": 0.25, "comm_share": 0.125,
+              "peak_memory_bytes": (1.0, 2.0), "capacity_bytes": (4.0, 4.0)}  # fmt: skip
+    return RankedPlan(**values)  # type: ignore[arg-type]
+
+
+def test_a_plan_file_round_trips_every_field(tmp_path: Path) -> None:
+    plan = SimPlan(
+        dp=4, tp=1, pp=2, ep=2, schedule="interleaved", num_microbatches=4, micro_batch_size=2,
+        num_chunks=2, recompute="full", zero_stage=1, dtype="fp32", seq_len=32,
+        rank_order="tp-pp-dp", compress="bf16",
+    )  # fmt: skip
+    model = {"layers": 2, "hidden": 64, "heads": 4, "seq_len": 32}
+    path = tmp_path / "plan.json"
+    write_plan(path, plan_to_dict(_ranked(plan, (1, 1, 1, 1)), model=model))
+    data = read_plan(path)
+    back = plan_from_dict(data)
+    for f in dataclasses.fields(SimPlan):
+        assert getattr(back, f.name) == getattr(plan, f.name), f.name
+    layout = parallel_plan_of(data)
+    for key, name in SIM_FIELDS.items():
+        if key in TRAIN_BATCH_KEYS:
+            continue
+        expected = (1, 1, 1, 1) if name is None else getattr(plan, name)
+        assert getattr(layout, key) == expected, key
+
+
+def test_plait_train_takes_every_field_of_a_plan_file(tmp_path: Path) -> None:
+    from plait.cli.train import _from_plan_file
+
+    plan = SimPlan(dp=2, pp=2, num_microbatches=2, micro_batch_size=2, rank_order="tp-pp-dp")
+    model = {"layers": 2, "hidden": 64, "heads": 4, "seq_len": 32}
+    path = tmp_path / "plan.json"
+    write_plan(path, plan_to_dict(_ranked(plan, (2, 2)), model=model))
+    out = _from_plan_file(str(path), {}, {})
+    layout = ParallelPlan(**{k[9:]: v for k, v in out.items() if k.startswith("parallel.")})
+    assert layout == parallel_plan_of(read_plan(path))
+    assert layout.rank_order == "tp-pp-dp" and layout.ep == 1 and layout.partition == (2, 2)
+
+
+def test_a_heterogeneous_plan_file_is_refused_for_training(tmp_path: Path) -> None:
+    data = plan_to_dict(_ranked(SimPlan(dp=2, pp=2, num_microbatches=2), (2, 2)))
+    data["pipelines"] = [{"devices": [0, 1], "partition": [2, 2], "microbatches": 2}] * 2
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="pipelines=2 per-pipeline partitions"):
+        parallel_plan_of(data)
+    from plait.train.autoplan import parallel_plan_from
+
+    with pytest.raises(ValueError, match="pipelines=2"):
+        parallel_plan_from(data)
