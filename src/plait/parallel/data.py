@@ -127,6 +127,10 @@ class GradReducer:
     ) -> None:
         self.group, self.timeout_s = group, check_timeout(timeout_s)
         self.hook, self.hook_state = hook, hook_state
+        # torch's fp16/bf16 hooks issue their one all-reduce at once and only cast in the
+        # future's callback: safe to launch as each bucket completes, overlapped with the
+        # backward as DDP does; other hooks run in bucket order at `finish` (see there)
+        self._eager = hook is not None and hook in _eager_hooks()
         self.world = dist.get_world_size(group)
         chosen = {id(p): g for p, g in (param_groups or {}).items()}
         if hook is not None and any(g is not group for g in chosen.values()):
@@ -209,6 +213,10 @@ class GradReducer:
         return list(self.stages) if stage is None else [stage]
 
     def _launch(self, stage: int, bucket: _Bucket) -> None:
+        if self.hook is not None and self._eager:  # launched now, as a plain all-reduce is
+            bucket.work = self._hook_future(bucket)
+            self._launched[stage].append(bucket)
+            return
         if self.hook is not None:  # run at `finish`, one bucket at a time (see there)
             bucket.queued = True
             self._launched[stage].append(bucket)
@@ -227,9 +235,9 @@ class GradReducer:
         bucket.work = dist.all_reduce(bucket.flat, group=bucket.group, async_op=True)
         self._launched[stage].append(bucket)
 
-    def _run_hook(self, bucket: _Bucket, explain: Any) -> torch.Tensor:
+    def _hook_future(self, bucket: _Bucket) -> Any:
         """Hand the bucket's summed gradients to the hook (PowerSGD and the like need them
-        undivided and shaped per parameter: `HookBucket`) and wait for its average."""
+        undivided and shaped per parameter: `HookBucket`); its future yields the average."""
         if bucket.attached():
             assert bucket.storage is not None
             flat = bucket.storage
@@ -240,22 +248,25 @@ class GradReducer:
         shapes = [_local(p).shape for p in bucket.params]
         last = bucket.index == self._count - 1  # once per step: PowerSGD counts steps by it
         view = HookBucket(bucket.index, flat, shapes, bucket.params, last=last)
-        return _wait_future(self.hook(self.hook_state, view), explain)
+        return self.hook(self.hook_state, view)
 
     def finish(self, stage: int | None = None) -> None:
-        """Wait for every bucket's reduction and write the averages back. With a hook the
-        buckets are reduced here, in bucket order and one at a time: a hook may issue
-        collectives from its futures' callbacks (PowerSGD does), on another thread, and
-        gloo needs every rank to issue them in the same order (DDP with PowerSGD and
-        several buckets on gloo fails with a size mismatch)."""
+        """Wait for every bucket's reduction and write the averages back. With a hook other
+        than fp16/bf16 the buckets are reduced here, in bucket order and one at a time: a
+        hook may issue collectives from its futures' callbacks (PowerSGD does), on another
+        thread, and gloo needs every rank to issue them in the same order (DDP with
+        PowerSGD and several buckets on gloo fails with a size mismatch)."""
         for s in self._chosen(stage):
             self.reduce(s)
-            if self.hook is not None:
+            if self.hook is not None and not self._eager:
                 self._launched[s].sort(key=lambda b: b.index)
             for bucket in self._launched[s]:
                 explain = functools.partial(self._explain, s)
-                if self.hook is not None:
-                    bucket.flat, bucket.queued = self._run_hook(bucket, explain), False
+                if self.hook is not None and self._eager:
+                    bucket.flat = _wait_future(bucket.work, explain)
+                elif self.hook is not None:
+                    future = self._hook_future(bucket)
+                    bucket.flat, bucket.queued = _wait_future(future, explain), False
                 else:
                     timed_wait(bucket.work, self.timeout_s, explain)
                 assert bucket.flat is not None
@@ -284,6 +295,12 @@ class GradReducer:
         return timeout_message(
             f"rank {me}", f"REDUCE stage {stage}", self.timeout_s, awaited, peers=len(others)
         )
+
+
+def _eager_hooks() -> tuple[Any, ...]:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    return (default_hooks.fp16_compress_hook, default_hooks.bf16_compress_hook)
 
 
 def _wait_future(future: torch._C.Future[Any], explain: Any) -> torch.Tensor:
