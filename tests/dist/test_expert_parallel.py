@@ -196,6 +196,8 @@ def _bad_input(rank: int, world: int) -> None:
     shard_experts(layer, group)
     with pytest.raises(ValueError, match="already sharded"):
         shard_experts(layer, group)
+    twin = copy.deepcopy(layer)  # as a weight version of an asynchronous schedule is made
+    assert twin.exchange is layer.exchange and twin.experts.w1 is not layer.experts.w1
 
 
 def _bench(rank: int, world: int) -> None:

@@ -2,14 +2,15 @@
 and all-to-alls carry token copies to the rank holding their expert and the outputs back.
 
 Why it is written here: torch has building blocks for tensor parallelism (DTensor) and
-sharded data parallelism (FSDP2) but none for mixture-of-experts dispatch. The pattern is
-GShard's (Lepikhin et al. 2020, §2.2 and §3.2: dispatch, all-to-all, experts, all-to-all,
-combine), used by Switch Transformers (Fedus et al. 2021), DeepSpeed-MoE (Rajbhandari et
-al. 2022) and Tutel (Hwang et al. 2023). GShard and Switch pad every expert to its capacity
-so that one equal-split all-to-all suffices; here the per-expert counts are exchanged
-first and the tokens travel with variable splits (as in DeepSpeed-MoE's and torchtitan's
-dropless paths), so dropless routing and capacity routing share one code path and no
-padding crosses the wire. The collective is torch's
+sharded data parallelism (FSDP2) but none for mixture-of-experts dispatch, and the
+libraries that have one (DeepSpeed-MoE, Tutel) bring their own MoE layer and engine. The
+pattern is GShard's (Lepikhin et al. 2020: dispatch, all-to-all, experts, all-to-all,
+combine), also used by Switch Transformers (Fedus et al. 2021), DeepSpeed-MoE (Rajbhandari
+et al. 2022) and Tutel (Hwang et al. 2023). Those pad every expert to its capacity so that
+one equal-split all-to-all suffices; here the per-expert counts are exchanged first and
+the tokens travel with variable splits (as in MegaBlocks' dropless MoE, Gale et al. 2022,
+and torchtitan's expert parallelism), so dropless and capacity routing share one code
+path and no padding crosses the wire. The collective is torch's
 `_functional_collectives.all_to_all_single_autograd`, whose backward is the same
 all-to-all with the splits swapped, so each expert's input gradients travel back to the
 ranks that sent the tokens. (`torch.distributed.nn.functional.all_to_all_single` does the
@@ -32,10 +33,13 @@ its ranks from them (ep divides dp; the dp ranks form dp/ep ep groups). Each ran
   count each contribution ep times. Gradient accumulation changes nothing: every
   micro-batch's loss is divided by the number of micro-batches on every rank alike.
 
+Every forward of a sharded layer is a collective: all ranks of an ep group must run it
+together, the same number of times in the same order (training steps, evaluation and
+generation alike; activation recomputation repeats it in backward, on every rank alike).
 Limits: the router sees only its rank's tokens, so the capacity and the load-balancing
-loss are per rank (as in GShard's per-group capacity); exchanging the counts synchronises
-host and device once per layer and direction; communication does not overlap the expert
-computation; the local experts run one after another.
+loss are per rank (as in GShard's per-group capacity); reading the exchanged counts
+synchronises host and device once per layer forward; communication does not overlap the
+expert computation; the local experts run one after another.
 """
 
 from __future__ import annotations
@@ -84,21 +88,27 @@ class ExpertExchange:
         self.group = group
         self.ep = dist.get_world_size(group)
 
+    def __deepcopy__(self, memo: dict[int, object]) -> ExpertExchange:
+        # a copied layer (a weight version of an asynchronous schedule) shares the group
+        return self
+
     def __call__(self, experts: Experts, grouped: torch.Tensor, counts: list[int]) -> torch.Tensor:
         ep, local = self.ep, len(experts.local_experts)
         if len(counts) != ep * local:
             raise ValueError(f"{len(counts)} expert counts for ep={ep} × {local} local experts")
-        # recv[s, l]: copies that source rank s sends to this rank's local expert l
         sent = torch.tensor(counts, dtype=torch.int64, device=grouped.device)
         recv = torch.empty_like(sent)
         dist.all_to_all_single(recv, sent, group=self.group)
-        send_splits = sent.view(ep, local).sum(dim=1).tolist()
-        recv_splits = recv.view(ep, local).sum(dim=1).tolist()
+        # recv[s, l]: copies that source rank s sends to this rank's local expert l; the
+        # splits must be known on the host: the one host-device synchronisation
+        recv_host = recv.view(ep, local).cpu()
+        send_splits = [sum(counts[r * local : (r + 1) * local]) for r in range(ep)]
+        recv_splits = recv_host.sum(dim=1).tolist()
         received = funcol.all_to_all_single_autograd(
             grouped.contiguous(), recv_splits, send_splits, self.group
         )  # [received, hidden], by source rank, then local expert
-        order = _expert_major(recv.view(ep, local))
-        out = experts(received[order], recv.view(ep, local).sum(dim=0).tolist())
+        order = _expert_major(recv.view(ep, local), sum(recv_splits))
+        out = experts(received[order], recv_host.sum(dim=0).tolist())
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=order.device)
         back = funcol.all_to_all_single_autograd(
@@ -107,12 +117,13 @@ class ExpertExchange:
         return funcol.wait_tensor(back)  # type: ignore[no-untyped-call]
 
 
-def _expert_major(recv: torch.Tensor) -> torch.Tensor:
-    """The permutation that regroups received rows from (source rank, local expert) order
-    to (local expert, source rank) order, so that each local expert's tokens from all
-    ranks are contiguous. `recv` [ep, local] holds the row counts of each chunk."""
+def _expert_major(recv: torch.Tensor, total: int) -> torch.Tensor:
+    """The permutation that regroups `total` received rows from (source rank, local
+    expert) order to (local expert, source rank) order, so that each local expert's tokens
+    from all ranks are contiguous. `recv` [ep, local] holds the row counts of each chunk."""
     ep, local = recv.shape
-    chunk = torch.repeat_interleave(torch.arange(ep * local, device=recv.device), recv.flatten())
+    chunks = torch.arange(ep * local, device=recv.device)
+    chunk = torch.repeat_interleave(chunks, recv.flatten(), output_size=total)  # [total]
     source, expert = chunk // local, chunk % local
     return torch.argsort(expert * ep + source, stable=True)
 
