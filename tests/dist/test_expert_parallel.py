@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from plait.models import MoEConfig, MoEGPT
 from plait.models.moe import MoELayer
+from plait.parallel.clip import clip_grad_norm
 from plait.parallel.experts import (
     bench_expert_parallel,
     expert_grad_scale,
@@ -185,6 +186,24 @@ def _model_case(rank: int, world: int, ep: int) -> None:
     loss.backward()
     torch.testing.assert_close(loss, ref_losses[rank], **TOL)
     _check_grads(model, reference, world=world, ep=ep, replica=replica)
+
+    # clipping: the expert grads' squares summed over the ep group, the others' not
+    experts = {id(p) for p in expert_params(model)}
+    for p in model.parameters():  # the data-parallel average, in place this time
+        if id(p) not in experts:
+            dist.all_reduce(p.grad)  # type: ignore[arg-type]
+            p.grad /= world  # type: ignore[operator]
+    ref_grads = {n: p.grad for n, p in reference.named_parameters()}
+    ref_norm = torch.linalg.vector_norm(torch.cat([g.flatten() for g in ref_grads.values()]))  # type: ignore[union-attr]
+    max_norm = float(ref_norm) / 2
+    total = clip_grad_norm(list(model.parameters()), max_norm, pp_group=None,
+                           ep_group=ep_group, ep_params=expert_params(model))  # fmt: skip
+    torch.testing.assert_close(total, ref_norm, **TOL)
+    coef = max_norm / (float(ref_norm) + 1e-6)  # torch's clip_grad_norm_ epsilon
+    experts_1 = model.layers[1].ffn.experts
+    span = experts_1.local_experts
+    want = ref_grads["layers.1.ffn.experts.w1"][span.start : span.stop] * coef  # type: ignore[index]
+    torch.testing.assert_close(experts_1.w1.grad, want, **TOL)
 
 
 def _bad_input(rank: int, world: int) -> None:
