@@ -25,6 +25,7 @@ experts run one after another (no grouped GEMM); the expert FFN has no dropout.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -48,6 +49,8 @@ __all__ = [
 ]
 
 Carry = tuple[torch.Tensor, torch.Tensor]  # (hidden [batch, seq, hidden], aux [1] fp32)
+# (experts, grouped [copies, hidden], counts per global expert) -> outputs [copies, hidden]
+ExpertsCall = Callable[["Experts", torch.Tensor, list[int]], torch.Tensor]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -199,6 +202,9 @@ class MoELayer(nn.Module):
         self.experts = Experts(cfg)
         self.shared = MLP(cfg) if cfg.shared_expert else None
         self.aux_loss_coef, self.z_loss_coef = cfg.aux_loss_coef, cfg.z_loss_coef
+        # expert parallelism (plait.parallel.experts) puts its all-to-alls here, between
+        # dispatch and combine; None runs the local experts on the local tokens
+        self.exchange: ExpertsCall | None = None
 
     def dispatch(self, x: torch.Tensor, routing: Routing) -> Dispatch:
         """The kept token copies of `x` [tokens, hidden], stably sorted by expert."""
@@ -221,7 +227,11 @@ class MoELayer(nn.Module):
         flat = x.reshape(-1, x.shape[-1])  # [tokens, hidden]
         routing = self.router(flat)
         sent = self.dispatch(flat, routing)
-        y = self.combine(self.experts(sent.grouped, sent.counts), sent, flat.shape[0])
+        if self.exchange is None:
+            out = self.experts(sent.grouped, sent.counts)
+        else:
+            out = self.exchange(self.experts, sent.grouped, sent.counts)
+        y = self.combine(out, sent, flat.shape[0])
         if self.shared is not None:
             y = y + self.shared(flat)
         loss = self.aux_loss_coef * routing.aux_loss + self.z_loss_coef * routing.z_loss
