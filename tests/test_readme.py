@@ -109,18 +109,35 @@ def checkpointed(workdir: Path) -> Path:
     return workdir / "runs" / "ck"
 
 
+# commands that start no process of their own run in this one (no interpreter to start)
+IN_PROCESS = ("plan", "simulate", "profile", "schedule", "checkpoint")
+
+
+def _main(argv: list[str], cwd: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from plait.cli.main import main
+
+    with monkeypatch.context() as m:
+        m.chdir(cwd)
+        assert main(argv) == 0, shlex.join(argv)
+
+
 @pytest.mark.parametrize("command", COMMANDS)
-def test_readme_command(command: str, workdir: Path, request: pytest.FixtureRequest) -> None:
+def test_readme_command(
+    command: str, workdir: Path, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
     words = _words(command)
     if words[0] in SKIPPED:
         pytest.skip(SKIPPED[words[0]])
     plait = PLAIT
     if words[0] == "checkpoint":
         request.getfixturevalue("checkpointed")
+    if words[0] in IN_PROCESS:
+        _main(words, workdir, monkeypatch)
+        return
     if words[0] != "train":
         _run([*plait, *words, *SHORTEST.get(" ".join(words[:2]), [])], workdir, timeout=400)
         return
-    _run([*plait, *words, "--dry-run"], workdir)
+    _main([*words, "--dry-run"], workdir, monkeypatch)
     if any(part in command for part in TRAINED):
         run_dir = f"runs/readme-{len(list(workdir.glob('runs/*')))}"
         _run([*plait, *words, "--max-steps", "2", "--run-dir", run_dir], workdir)
