@@ -303,6 +303,8 @@ class _DDP:
         self.workers, self.rank = workers, rank
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        import torch.distributed as dist
+
         from plait.models import GPT
 
         self.optimizer.zero_grad(set_to_none=True)
@@ -310,7 +312,11 @@ class _DDP:
         loss = GPT.loss(self.ddp(share[0]), share[1])
         loss.backward()  # type: ignore[no-untyped-call]
         self.optimizer.step()
-        return float(loss.detach())
+        # the step's loss over all replicas, as plait's step reports it (and as a training
+        # loop that logs its loss computes it): one small all-reduce, in both runtimes
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        return float(mean) / self.workers
 
 
 # ------------------------------------------------------------------ command line

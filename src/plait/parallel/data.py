@@ -144,8 +144,12 @@ class GradReducer:
         for stage, params in stage_params.items():
             trainable = [p for p in params if p.requires_grad]
             buckets = []
+            # a small first bucket pays only where reductions overlap the backward; hooks
+            # run at `finish` one bucket at a time, where each bucket costs a round trip
+            overlap = hook is None or self._eager
+            first = min(bucket_bytes, _FIRST_BUCKET_BYTES) if overlap else bucket_bytes
             for g, members in _by_group(list(reversed(trainable)), chosen, group):
-                for bucket in _make_buckets(members, bucket_bytes):
+                for bucket in _make_buckets(members, bucket_bytes, first):
                     bucket.group, bucket.world = g, dist.get_world_size(g)
                     buckets.append(bucket)
             state = _StageBuckets(buckets)
@@ -337,14 +341,22 @@ def _by_group(
     return [(g, members) for g, members in groups.values() if members]
 
 
-def _make_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[_Bucket]:
+_FIRST_BUCKET_BYTES = 2**20  # DDP's: the last layers' gradients leave while the rest compute
+
+
+def _make_buckets(
+    params: list[nn.Parameter], bucket_bytes: int, first_bytes: int | None = None
+) -> list[_Bucket]:
+    """Buckets of about `bucket_bytes`, the first (the gradients computed first) of about
+    `first_bytes`, as DDP cuts them (1 MiB): a small first bucket starts communicating
+    while the backward goes on."""
     buckets: list[_Bucket] = []
     current: list[nn.Parameter] = []
     size = 0
     for p in params:
         current.append(p)
         size += _local(p).numel() * _local(p).element_size()
-        if size >= bucket_bytes:
+        if size >= (bucket_bytes if buckets or first_bytes is None else first_bytes):
             buckets.append(_Bucket(current))
             current, size = [], 0
     if current:
