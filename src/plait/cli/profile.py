@@ -18,7 +18,7 @@ from typing import Any
 
 from plait.cluster import local_cpu, normalize_dtype
 from plait.cost import BlockCost
-from plait.profile import BlockProfile, GPTSpec
+from plait.profile import BlockProfile, GPTSpec, MoESpec
 from plait.profile.codec import DEFAULT_CODECS
 
 __all__ = [
@@ -30,7 +30,13 @@ __all__ = [
     "spec_from_args",
 ]
 
-MODELS = ("gpt",)
+MODELS = ("gpt", "moe-gpt")
+# moe-gpt's flags (ModelConfig's fields; `--imbalance` is the cost model's alone): None
+# when not given, so that a dense GPT can refuse them by name
+_MOE_FLAGS = {
+    "experts": "--experts", "top_k": "--top-k", "capacity_factor": "--capacity-factor",
+    "moe_every": "--moe-every", "shared_expert": "--shared-expert", "imbalance": "--imbalance",
+}  # fmt: skip
 _MEASURABLE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
@@ -54,6 +60,31 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--micro-batch-size", type=int, default=1, dest="micro_batch_size", help="samples each"
     )
+    a = p.add_argument
+    a("--experts", type=int, help=f"moe-gpt: experts per MoE layer ({m.experts})")
+    a("--top-k", type=int, dest="top_k", help=f"moe-gpt: experts per token ({m.top_k})")
+    a(
+        "--capacity-factor",
+        type=float,
+        dest="capacity_factor",
+        help=f"moe-gpt: expert capacity over the mean load; 0: dropless ({m.capacity_factor})",
+    )
+    a(
+        "--moe-every",
+        type=int,
+        dest="moe_every",
+        help=f"moe-gpt: every k-th layer is a MoE layer ({m.moe_every})",
+    )
+    a(
+        "--shared-expert",
+        action="store_true",
+        default=None,
+        dest="shared_expert",
+        help="moe-gpt: a dense FFN every token also passes through",
+    )
+    a("--imbalance", type=float,
+      help="moe-gpt: the busiest expert's load over the mean that the cost model assumes "
+      "(1.0: balanced routing, the default)")  # fmt: skip
 
 
 def default_dtype() -> str:
@@ -78,6 +109,11 @@ def _flag_error(error: ValueError) -> ValueError:
         ("seq_len", "--seq-len"),
         ("vocab_size", "--vocab"),
         ("ffn_hidden", "--ffn-hidden"),
+        ("num_experts", "--experts"),
+        ("top_k", "--top-k"),
+        ("capacity_factor", "--capacity-factor"),
+        ("moe_every", "--moe-every"),
+        ("imbalance", "--imbalance"),
         ("hidden", "--hidden"),
     ):
         text = text.replace(f"{field}=", f"{flag} ")
@@ -85,9 +121,16 @@ def _flag_error(error: ValueError) -> ValueError:
 
 
 def spec_from_args(args: argparse.Namespace) -> GPTSpec:
-    """The GPT the model flags describe; bad sizes raise ValueError naming the flag."""
+    """The GPT (or MoE-GPT) the model flags describe; bad sizes raise ValueError naming
+    the flag."""
     if args.micro_batch_size < 1:
         raise ValueError(f"--micro-batch-size {args.micro_batch_size} must be >= 1")
+    model = getattr(args, "model", "gpt")
+    given = [f for k, f in _MOE_FLAGS.items() if getattr(args, k, None) is not None]
+    if model != "moe-gpt" and given:
+        raise ValueError(f"{given[0]} applies to --model moe-gpt only: add it, or drop {given[0]}")
+    if model == "moe-gpt":
+        return _moe_spec(args)
     try:
         return GPTSpec(
             num_layers=args.layers,
@@ -97,6 +140,29 @@ def spec_from_args(args: argparse.Namespace) -> GPTSpec:
             vocab_size=args.vocab,
             ffn_hidden=args.ffn_hidden,
         )
+    except ValueError as error:
+        raise _flag_error(error) from None
+
+
+def _moe_spec(args: argparse.Namespace) -> MoESpec:
+    from plait.config import ModelConfig
+
+    m = ModelConfig()
+
+    def value(name: str, default: object) -> Any:
+        given = getattr(args, name, None)
+        return default if given is None else given
+
+    try:
+        return MoESpec(
+            num_layers=args.layers, hidden=args.hidden, num_heads=args.heads,
+            seq_len=args.seq_len, vocab_size=args.vocab, ffn_hidden=args.ffn_hidden,
+            num_experts=value("experts", m.experts), top_k=value("top_k", m.top_k),
+            capacity_factor=value("capacity_factor", m.capacity_factor),
+            moe_every=value("moe_every", m.moe_every),
+            shared_expert=value("shared_expert", m.shared_expert),
+            imbalance=value("imbalance", 1.0),
+        )  # fmt: skip
     except ValueError as error:
         raise _flag_error(error) from None
 
@@ -298,6 +364,11 @@ def run(args: argparse.Namespace) -> int:
         )
         analytic = True
     _check_mode(args, analytic)
+    if isinstance(spec, MoESpec) and not analytic:
+        raise ValueError(
+            "--model moe-gpt cannot be measured block by block yet (its blocks carry the "
+            "router losses along): add --analytic"
+        )
     out = _analytic(spec, args, dtype) if analytic else _measure(spec, args, dtype)
     out.update(
         model={**_spec_dict(spec), "num_params": spec.num_params()},
@@ -312,7 +383,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _spec_dict(spec: GPTSpec) -> dict[str, int]:
+def _spec_dict(spec: GPTSpec) -> dict[str, Any]:
     return {k: getattr(spec, k) for k in spec.__dataclass_fields__}
 
 
@@ -342,7 +413,8 @@ def _print(out: dict[str, Any]) -> None:
     ]
     m = out["model"]
     title = (
-        f"{out['source']} costs of gpt ({m['num_layers']} layers, hidden {m['hidden']}, "
+        f"{out['source']} costs of {'moe-gpt' if 'num_experts' in m else 'gpt'} "
+        f"({m['num_layers']} layers, hidden {m['hidden']}, "
         f"{m['num_params']:,} parameters), micro-batch {out['micro_batch_size']}, {out['dtype']}"
     )
     table = Table(title=title)

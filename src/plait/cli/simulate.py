@@ -23,7 +23,7 @@ from plait.cli.profile import add_model_arguments, default_dtype, spec_from_args
 from plait.cluster import Cluster, load_cluster, normalize_dtype
 from plait.cost import RECOMPUTE_MODES, BlockCost, StageCost
 from plait.plan import Partition, partition, partition_blocks
-from plait.profile import GPTSpec
+from plait.profile import GPTSpec, MoESpec
 from plait.schedule import KINDS, Schedule, schedule_kind, validate
 from plait.sim import MemoryOverflow, RankReport, SimPlan, SimResult, build_schedule, simulate
 
@@ -48,6 +48,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     )
     a("--dp", type=int, default=1, help="data-parallel degree")
     a("--tp", type=int, default=1, help="tensor-parallel degree")
+    a("--ep", type=int, default=1,
+      help="expert-parallel degree (moe-gpt): experts spread over ep of the dp ranks")  # fmt: skip
     a("--pp", type=int, default=1, help="pipeline-parallel degree")
     a("--schedule", choices=list(KINDS), default="1f1b", help="pipeline schedule")
     a("--microbatches", type=int, default=1, help="micro-batches per step and replica")
@@ -113,6 +115,7 @@ def _partition(
             zero_stage=plan.zero_stage,
             dp=plan.dp,
             optimizer=plan.optimizer,
+            ep=plan.ep,
         )
     except ValueError:
         work = [
@@ -141,7 +144,7 @@ def predict(blocks: list[BlockCost], cluster: Cluster, plan: SimPlan) -> Predict
 
 
 def _check(args: argparse.Namespace, spec: GPTSpec) -> None:
-    for name in ("dp", "tp", "pp", "microbatches"):
+    for name in ("dp", "tp", "pp", "ep", "microbatches"):
         value = getattr(args, name)
         if value < 1:
             raise ValueError(f"--{name} {value} must be >= 1")
@@ -153,6 +156,7 @@ def _check(args: argparse.Namespace, spec: GPTSpec) -> None:
         raise ValueError("--sequence-parallel needs --tp > 1: set --tp or drop it")
     if args.compress != "none" and args.dp == 1:  # as `plait train` refuses it
         raise ValueError(f"--compress {args.compress} with --dp 1: no reduction to compress")
+    _check_ep(args, spec)
     dtype = normalize_dtype(args.dtype)
     why = schedule_kind(args.schedule).unsupported(tp=args.tp, zero=args.zero, dtype=dtype)
     if why is not None:  # what `plait train` cannot run is no layout to predict
@@ -186,12 +190,36 @@ def _check(args: argparse.Namespace, spec: GPTSpec) -> None:
         )
 
 
+def _check_ep(args: argparse.Namespace, spec: GPTSpec) -> None:
+    """Expert parallelism needs experts, dp ranks to borrow and experts to share out."""
+    if not isinstance(spec, MoESpec):
+        if args.ep != 1:
+            raise ValueError(f"--ep {args.ep} needs a model with experts: add --model moe-gpt")
+        return
+    if args.tp != 1 or args.sequence_parallel:
+        raise ValueError(
+            f"--tp {args.tp} with --model moe-gpt, which has no tensor-parallel plan yet: "
+            "use --tp 1 (spread the experts with --ep)"
+        )
+    if args.dp % args.ep:
+        raise ValueError(
+            f"--ep {args.ep} does not divide --dp {args.dp}: expert parallelism borrows "
+            "data-parallel ranks; use an ep dividing dp"
+        )
+    if spec.num_experts % args.ep:
+        raise ValueError(
+            f"--ep {args.ep} does not divide --experts {spec.num_experts}: every rank of an "
+            "ep group holds as many experts; use an ep dividing the experts"
+        )
+
+
 def _plan(args: argparse.Namespace, spec: GPTSpec, dtype: str) -> SimPlan:
     chunks = schedule_kind(args.schedule).chunks(args.chunks)
     return SimPlan(
         dp=args.dp,
         tp=args.tp,
         pp=args.pp,
+        ep=args.ep,
         schedule=args.schedule,
         num_microbatches=args.microbatches,
         micro_batch_size=args.micro_batch_size,
@@ -207,13 +235,17 @@ def _plan(args: argparse.Namespace, spec: GPTSpec, dtype: str) -> SimPlan:
 
 
 _FROM_PLAN = {
-    "dp": "dp", "tp": "tp", "pp": "pp", "schedule": "schedule", "microbatches": "microbatches",
+    "dp": "dp", "tp": "tp", "pp": "pp", "ep": "ep", "schedule": "schedule",
+    "microbatches": "microbatches",
     "chunks": "chunks", "recompute": "recompute", "zero": "zero", "dtype": "dtype",
     "sequence_parallel": "sequence_parallel", "micro_batch_size": "micro_batch_size",
     "compress": "compress",
 }  # fmt: skip
-_MODEL_FROM_PLAN = {"layers": "layers", "hidden": "hidden", "heads": "heads",
-                    "seq_len": "seq_len", "vocab": "vocab"}  # fmt: skip
+_MODEL_FROM_PLAN = {"name": "model", "layers": "layers", "hidden": "hidden", "heads": "heads",
+                    "seq_len": "seq_len", "vocab": "vocab", "ffn_hidden": "ffn_hidden",
+                    "experts": "experts", "top_k": "top_k",
+                    "capacity_factor": "capacity_factor", "moe_every": "moe_every",
+                    "shared_expert": "shared_expert", "imbalance": "imbalance"}  # fmt: skip
 
 
 def _apply_plan(args: argparse.Namespace) -> None:
@@ -226,9 +258,28 @@ def _apply_plan(args: argparse.Namespace) -> None:
             setattr(args, attr, data[key])
     for key, attr in _MODEL_FROM_PLAN.items():
         if key in data.get("model", {}):
-            setattr(args, attr, data["model"][key])
+            setattr(args, attr, _model_value(key, data["model"][key]))
     if args.cluster is None:
         args.cluster = data.get("cluster")
+
+
+def _model_value(key: str, value: Any) -> Any:
+    """A plan file's model entry, of the kind its flag takes (a file is no argparse)."""
+    from plait.cli.profile import MODELS
+
+    if key == "name":
+        if value not in MODELS:
+            raise ValueError(f"plan file: model.name={value!r} is unknown; use one of {MODELS}")
+        return value
+    if key == "shared_expert":
+        ok = isinstance(value, bool)
+    elif key in ("capacity_factor", "imbalance"):
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    if not ok:
+        raise ValueError(f"plan file: model.{key}={value!r} is not a valid {key}")
+    return value
 
 
 def run(args: argparse.Namespace) -> int:
@@ -258,6 +309,7 @@ def run(args: argparse.Namespace) -> int:
         dtype=dtype,
         tp=args.tp,
         sequence_parallel=args.sequence_parallel,
+        **({"ep": args.ep} if isinstance(spec, MoESpec) else {}),
     )
     prediction = predict(blocks, cluster, plan)
     summary = to_dict(prediction, spec)
@@ -325,6 +377,8 @@ def to_dict(prediction: Prediction, spec: GPTSpec) -> dict[str, Any]:
         "samples_per_s": r.samples_per_s,
         "mfu": r.mfu,
         "comm_share": r.comm_share,
+        "all_to_all_share": r.all_to_all_share,
+        "ep_comm_s": [rank.ep_comm_s for rank in r.ranks],  # per pipeline rank
         "peak_memory_bytes": list(r.peak_memory_bytes),  # per pipeline rank
         "fits": r.fits,
         "overflows": [
@@ -406,5 +460,10 @@ def _print(summary: dict[str, Any]) -> None:
         table.add_row(str(m["pp_rank"]), *(f"{v:.2f}" for v in values), style=style)
     console.print(table)
     console.print(f"blocks per stage: {summary['partition']['sizes']}")
+    if plan["ep"] > 1:
+        console.print(
+            f"expert all-to-all: {max(summary['ep_comm_s']):.4g} s per step on the busiest "
+            f"rank, {summary['all_to_all_share']:.1%} of the step (ep={plan['ep']})"
+        )
     if summary["codec"] is not None:
         console.print(f"{plan['compress']} encode/decode: {summary['codec']['text']}")
