@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from plait.plan.search import PlanSearch, RankedPlan, describe
+from plait.plan.search import PlanSearch, RankedPlan, Rejection, describe
 from plait.schedule import schedule_kind
+from plait.sim import SimPlan
 
 __all__ = ["compression", "experts", "explain", "staleness", "time_breakdown"]
 
@@ -47,7 +48,7 @@ def _options(a: RankedPlan, b: RankedPlan) -> list[str]:
             degree = " parallel degree" if label in parallel else ""
             out.append(f"{label}{degree} {x} instead of {y}")
     if (pa.schedule, pa.num_chunks) != (pb.schedule, pb.num_chunks):
-        out.append(f"schedule {describe(pa).split()[3]} instead of {describe(pb).split()[3]}")
+        out.append(f"schedule {_schedule(pa)} instead of {_schedule(pb)}")
     if pa.recompute != pb.recompute:
         out.append(f"recomputation {pa.recompute} instead of {pb.recompute}")
     if pa.sequence_parallel != pb.sequence_parallel:
@@ -55,6 +56,10 @@ def _options(a: RankedPlan, b: RankedPlan) -> list[str]:
     if pa.compress != pb.compress:
         out.append(f"gradient compression {pa.compress} instead of {pb.compress}")
     return out
+
+
+def _schedule(p: SimPlan) -> str:
+    return p.schedule + (f"x{p.num_chunks}" if p.num_chunks > 1 else "")
 
 
 def compression(search: PlanSearch) -> str:
@@ -93,6 +98,10 @@ def _all_to_all(r: RankedPlan) -> float:
     return sum(x.ep_comm_s for x in r.result.ranks) / len(r.result.ranks)
 
 
+def _sans_ep(r: RankedPlan | Rejection) -> dict[str, object]:
+    return {k: v for k, v in dataclasses.asdict(r.plan).items() if k != "ep"}
+
+
 def experts(search: PlanSearch) -> str:
     """Why the best plan spreads its experts over that many ranks: what the token
     all-to-all costs it against what sharding the experts saves in memory, next to the
@@ -110,7 +119,7 @@ def experts(search: PlanSearch) -> str:
         )
     else:
         text = "It keeps every expert on every rank (ep=1): no token all-to-all."
-    same = [r for r in others if dataclasses.replace(r.plan, ep=a.plan.ep) == a.plan]
+    same = [r for r in others if _sans_ep(r) == _sans_ep(a)]
     if same or others:
         b = (same or others)[0]
         text += (
