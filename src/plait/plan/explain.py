@@ -123,8 +123,8 @@ def experts(search: PlanSearch) -> str:
     if same or others:
         b = (same or others)[0]
         text += (
-            f" With ep={b.plan.ep} ({describe(b.plan)}) a step takes {b.step_time_s:.3g} s "
-            f"instead of {a.step_time_s:.3g} s, of which {_all_to_all(b):.3g} s all-to-all, "
+            f" With ep={b.plan.ep} ({describe(b.plan)}) a step takes {b.step_time_s:.4g} s "
+            f"instead of {a.step_time_s:.4g} s, of which {_all_to_all(b):.3g} s all-to-all, "
             f"and the fullest device holds {max(b.peak_memory_bytes) / _GIB:.1f} GiB instead "
             f"of {max(a.peak_memory_bytes) / _GIB:.1f} GiB."
         )
