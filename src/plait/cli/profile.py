@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from plait.cli.experts import add_expert_arguments, check_expert_flags, moe_spec_from_args
 from plait.cluster import local_cpu, normalize_dtype
 from plait.cost import BlockCost
 from plait.profile import BlockProfile, GPTSpec, MoESpec
@@ -31,12 +32,6 @@ __all__ = [
 ]
 
 MODELS = ("gpt", "moe-gpt")
-# moe-gpt's flags (ModelConfig's fields; `--imbalance` is the cost model's alone): None
-# when not given, so that a dense GPT can refuse them by name
-_MOE_FLAGS = {
-    "experts": "--experts", "top_k": "--top-k", "capacity_factor": "--capacity-factor",
-    "moe_every": "--moe-every", "shared_expert": "--shared-expert", "imbalance": "--imbalance",
-}  # fmt: skip
 _MEASURABLE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
@@ -60,31 +55,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--micro-batch-size", type=int, default=1, dest="micro_batch_size", help="samples each"
     )
-    a = p.add_argument
-    a("--experts", type=int, help=f"moe-gpt: experts per MoE layer ({m.experts})")
-    a("--top-k", type=int, dest="top_k", help=f"moe-gpt: experts per token ({m.top_k})")
-    a(
-        "--capacity-factor",
-        type=float,
-        dest="capacity_factor",
-        help=f"moe-gpt: expert capacity over the mean load; 0: dropless ({m.capacity_factor})",
-    )
-    a(
-        "--moe-every",
-        type=int,
-        dest="moe_every",
-        help=f"moe-gpt: every k-th layer is a MoE layer ({m.moe_every})",
-    )
-    a(
-        "--shared-expert",
-        action="store_true",
-        default=None,
-        dest="shared_expert",
-        help="moe-gpt: a dense FFN every token also passes through",
-    )
-    a("--imbalance", type=float,
-      help="moe-gpt: the busiest expert's load over the mean that the cost model assumes "
-      "(1.0: balanced routing, the default)")  # fmt: skip
+    add_expert_arguments(p)
 
 
 def default_dtype() -> str:
@@ -126,11 +97,12 @@ def spec_from_args(args: argparse.Namespace) -> GPTSpec:
     if args.micro_batch_size < 1:
         raise ValueError(f"--micro-batch-size {args.micro_batch_size} must be >= 1")
     model = getattr(args, "model", "gpt")
-    given = [f for k, f in _MOE_FLAGS.items() if getattr(args, k, None) is not None]
-    if model != "moe-gpt" and given:
-        raise ValueError(f"{given[0]} applies to --model moe-gpt only: add it, or drop {given[0]}")
+    check_expert_flags(args)
     if model == "moe-gpt":
-        return _moe_spec(args)
+        try:
+            return moe_spec_from_args(args)
+        except ValueError as error:
+            raise _flag_error(error) from None
     try:
         return GPTSpec(
             num_layers=args.layers,
@@ -140,29 +112,6 @@ def spec_from_args(args: argparse.Namespace) -> GPTSpec:
             vocab_size=args.vocab,
             ffn_hidden=args.ffn_hidden,
         )
-    except ValueError as error:
-        raise _flag_error(error) from None
-
-
-def _moe_spec(args: argparse.Namespace) -> MoESpec:
-    from plait.config import ModelConfig
-
-    m = ModelConfig()
-
-    def value(name: str, default: object) -> Any:
-        given = getattr(args, name, None)
-        return default if given is None else given
-
-    try:
-        return MoESpec(
-            num_layers=args.layers, hidden=args.hidden, num_heads=args.heads,
-            seq_len=args.seq_len, vocab_size=args.vocab, ffn_hidden=args.ffn_hidden,
-            num_experts=value("experts", m.experts), top_k=value("top_k", m.top_k),
-            capacity_factor=value("capacity_factor", m.capacity_factor),
-            moe_every=value("moe_every", m.moe_every),
-            shared_expert=value("shared_expert", m.shared_expert),
-            imbalance=value("imbalance", 1.0),
-        )  # fmt: skip
     except ValueError as error:
         raise _flag_error(error) from None
 

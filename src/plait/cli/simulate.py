@@ -18,6 +18,7 @@ import sys
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from plait.cli.experts import check_ep, model_value
 from plait.cli.plan import check_out
 from plait.cli.profile import add_model_arguments, default_dtype, spec_from_args
 from plait.cluster import Cluster, load_cluster, normalize_dtype
@@ -156,7 +157,7 @@ def _check(args: argparse.Namespace, spec: GPTSpec) -> None:
         raise ValueError("--sequence-parallel needs --tp > 1: set --tp or drop it")
     if args.compress != "none" and args.dp == 1:  # as `plait train` refuses it
         raise ValueError(f"--compress {args.compress} with --dp 1: no reduction to compress")
-    _check_ep(args, spec)
+    check_ep(args, spec)
     dtype = normalize_dtype(args.dtype)
     why = schedule_kind(args.schedule).unsupported(tp=args.tp, zero=args.zero, dtype=dtype)
     if why is not None:  # what `plait train` cannot run is no layout to predict
@@ -187,29 +188,6 @@ def _check(args: argparse.Namespace, spec: GPTSpec) -> None:
             f"--pp {args.pp} with {stages // args.pp} chunk(s) makes {stages} stages but the "
             f"model has {spec.num_layers + 2} blocks (--layers {spec.num_layers} + embedding "
             "+ head): use fewer stages or more layers"
-        )
-
-
-def _check_ep(args: argparse.Namespace, spec: GPTSpec) -> None:
-    """Expert parallelism needs experts, dp ranks to borrow and experts to share out."""
-    if not isinstance(spec, MoESpec):
-        if args.ep != 1:
-            raise ValueError(f"--ep {args.ep} needs a model with experts: add --model moe-gpt")
-        return
-    if args.tp != 1 or args.sequence_parallel:
-        raise ValueError(
-            f"--tp {args.tp} with --model moe-gpt, which has no tensor-parallel plan yet: "
-            "use --tp 1 (spread the experts with --ep)"
-        )
-    if args.dp % args.ep:
-        raise ValueError(
-            f"--ep {args.ep} does not divide --dp {args.dp}: expert parallelism borrows "
-            "data-parallel ranks; use an ep dividing dp"
-        )
-    if spec.num_experts % args.ep:
-        raise ValueError(
-            f"--ep {args.ep} does not divide --experts {spec.num_experts}: every rank of an "
-            "ep group holds as many experts; use an ep dividing the experts"
         )
 
 
@@ -258,28 +236,9 @@ def _apply_plan(args: argparse.Namespace) -> None:
             setattr(args, attr, data[key])
     for key, attr in _MODEL_FROM_PLAN.items():
         if key in data.get("model", {}):
-            setattr(args, attr, _model_value(key, data["model"][key]))
+            setattr(args, attr, model_value(key, data["model"][key]))
     if args.cluster is None:
         args.cluster = data.get("cluster")
-
-
-def _model_value(key: str, value: Any) -> Any:
-    """A plan file's model entry, of the kind its flag takes (a file is no argparse)."""
-    from plait.cli.profile import MODELS
-
-    if key == "name":
-        if value not in MODELS:
-            raise ValueError(f"plan file: model.name={value!r} is unknown; use one of {MODELS}")
-        return value
-    if key == "shared_expert":
-        ok = isinstance(value, bool)
-    elif key in ("capacity_factor", "imbalance"):
-        ok = isinstance(value, int | float) and not isinstance(value, bool)
-    else:
-        ok = isinstance(value, int) and not isinstance(value, bool)
-    if not ok:
-        raise ValueError(f"plan file: model.{key}={value!r} is not a valid {key}")
-    return value
 
 
 def run(args: argparse.Namespace) -> int:
