@@ -5,13 +5,14 @@ all-to-all over the ep group and expert gradients over the expert-data-parallel 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 
-from plait.cluster import Cluster, Device, Link, NodeGroup
+from plait.cluster import Cluster, Device, Link, NodeGroup, load_cluster
 from plait.cost import MoEShape, StageCost, moe_block_costs
 from plait.profile import MoESpec
-from plait.sim import SimPlan, build_schedule, simulate
+from plait.sim import SimPlan, SimResult, build_schedule, simulate
 
 # (hidden, heads, seq_len, micro-batch, experts, top_k, capacity, imbalance, shared, ep, dtype)
 SIZES = [
@@ -106,26 +107,44 @@ SPEC = MoESpec(num_layers=2, hidden=64, num_heads=4, seq_len=32, vocab_size=96,
 SLOW = Link(latency_s=1e-3, bandwidth_Bps=1e8)
 
 
-def _step(ep: int, *, dp: int, m: int, zero: int = 0, dtype: str = "fp32") -> tuple:
+def _step(
+    ep: int, *, dp: int, m: int, zero: int = 0, dtype: str = "fp32", cluster: Cluster | None = None
+) -> tuple[SimResult, StageCost]:
     plan = SimPlan(dp=dp, ep=ep, num_microbatches=m, dtype=dtype, seq_len=32, zero_stage=zero)
     stage = StageCost(tuple(SPEC.block_costs(dtype=dtype, ep=ep)))
-    return simulate(build_schedule(plan), [stage], _cluster(SLOW, devices=dp), plan), stage
+    cluster = cluster or _cluster(SLOW, devices=dp)
+    return simulate(build_schedule(plan), [stage], cluster, plan), stage
 
 
-def test_ep2_step_differs_from_ep1_by_the_all_to_all_it_adds_and_the_sync_it_saves() -> None:
+def test_ep2_step_differs_from_ep1_by_the_all_to_all_it_adds_and_the_sync_it_saves(
+    tmp_path: Path,
+) -> None:
     """dp = ep = 2 on one slow link: ep=2 adds four all-to-alls per MoE layer and micro-
     batch, and removes the expert-gradient all-reduce (each rank's experts are its own:
     the expert-data-parallel group has one rank) and half of the experts' optimizer step.
-    With one pipeline stage nothing overlaps the reduction (it follows the last backward)
-    so the difference is exactly those three terms."""
+    With one pipeline stage nothing overlaps the reduction (it follows the last backward),
+    and the all-to-alls sit inside the forward and backward passes (the cost model does
+    not overlap them with expert compute), so the difference is exactly those three
+    terms. The cluster is a file, as a user would give it."""
     m, h, tokens, k, e, f = 3, 64, 32, 2, 4, 256
-    one, _ = _step(1, dp=2, m=m)
-    two, _ = _step(2, dp=2, m=m)
-    alpha, bw = SLOW.latency_s, SLOW.bandwidth_Bps
+    alpha, bw = 2e-3, 5e7
+    path = tmp_path / "slow.toml"
+    path.write_text(
+        'name = "slow"\n'
+        f"inter_node = {{ latency_s = {alpha}, bandwidth_Bps = {bw} }}\n"
+        "[[nodes]]\ncount = 1\ndevices_per_node = 2\n"
+        f"intra_node = {{ latency_s = {alpha}, bandwidth_Bps = {bw} }}\n"
+        '[nodes.device]\nname = "toy"\nefficiency = 1.0\nmemory_bytes = 80_000_000_000\n'
+        "memory_bandwidth_Bps = 1e12\npeak_flops = { fp32 = 1e12 }\n"
+    )
+    cluster = load_cluster(path)
+    one, _ = _step(1, dp=2, m=m, cluster=cluster)
+    two, _ = _step(2, dp=2, m=m, cluster=cluster)
+    slow = Link(latency_s=alpha, bandwidth_Bps=bw)
     a2a = (2 - 1) / 2 * tokens * k * h * 4 / bw + (2 - 1) * alpha  # one all-to-all, fp32
     added = m * 2 * 4 * a2a  # two MoE layers, four all-to-alls each
     expert_params = 2 * e * (2 * h * f + f + h)  # both layers' experts at ep=1
-    saved_sync = _ring_or_tree(2, expert_params * 4, SLOW)
+    saved_sync = _ring_or_tree(2, expert_params * 4, slow)
     adam_fp32 = 4 + 4 + 2 * 8  # read gradient and state, write state, write parameter
     saved_optimizer = expert_params / 2 * adam_fp32 / 1e12
     expected = added - saved_sync - saved_optimizer
