@@ -7,6 +7,9 @@ and the overflow is reported), and the schedule is replayed on the cluster by
 `plait.sim.simulate`. A preset describes one kind of node: the number of nodes follows
 from dp × tp × pp. A plan that does not fit is a prediction, not an error: the command
 says which rank overflows by how much (stderr and the JSON `overflows`) and exits 0.
+`--model moe-gpt` is costed by `plait.cost.moe_block_costs`; `--ep` spreads its experts
+over ep of the dp ranks, and the JSON gains each rank's all-to-all seconds (`ep_comm_s`)
+and their share of the step (`all_to_all_share`).
 """
 
 from __future__ import annotations
