@@ -58,9 +58,10 @@ def check_out(path: str, flag: str = "--out") -> None:
 def run(args: argparse.Namespace) -> int:
     from plait.cli.profile import spec_from_args
     from plait.cluster import load_cluster
-    from plait.plan import SearchSpace, describe, gpt_spec, search
+    from plait.plan import SearchSpace, describe, gpt_spec, moe_spec, search
     from plait.plan.explain import explain
     from plait.plan.io import plan_to_dict, write_plan
+    from plait.profile import MoESpec
 
     if args.global_batch < 1 or args.top < 1:
         raise ValueError("--global-batch and --top must be >= 1")
@@ -84,15 +85,17 @@ def run(args: argparse.Namespace) -> int:
         from plait.profile.codec import read_codec_profile, with_codec
 
         cluster = with_codec(cluster, read_codec_profile(args.profile))
-    model = gpt_spec(
-        num_layers=spec.num_layers,
-        hidden=spec.hidden,
-        num_heads=spec.num_heads,
-        seq_len=spec.seq_len,
-        vocab_size=spec.vocab_size,
-        ffn_hidden=spec.ffn_hidden,
-        dtype=args.dtype,
-    )
+    sizes = {
+        "num_layers": spec.num_layers,
+        "hidden": spec.hidden,
+        "num_heads": spec.num_heads,
+        "seq_len": spec.seq_len,
+        "vocab_size": spec.vocab_size,
+        "ffn_hidden": spec.ffn_hidden,
+        "dtype": args.dtype,
+    }
+    moe = spec.shape(1) if isinstance(spec, MoESpec) else None
+    model = gpt_spec(**sizes) if moe is None else moe_spec(**sizes, moe=moe)
     t0 = time.perf_counter()
     orders = ("tp-dp-pp",) if cluster.is_homogeneous else ("tp-dp-pp", "tp-pp-dp")
     space = SearchSpace(
@@ -110,14 +113,20 @@ def run(args: argparse.Namespace) -> int:
         top_k=args.top,
     )
     seconds = time.perf_counter() - t0
-    model_desc = {
-        "name": "gpt",
+    model_desc: dict[str, Any] = {
+        "name": "moe-gpt" if isinstance(spec, MoESpec) else "gpt",
         "layers": spec.num_layers,
         "hidden": spec.hidden,
         "heads": spec.num_heads,
         "seq_len": spec.seq_len,
         "vocab": spec.vocab_size,
     }
+    if isinstance(spec, MoESpec):  # what `plait simulate --plan` needs to cost it again
+        model_desc.update(
+            ffn_hidden=spec.ffn_hidden, experts=spec.num_experts, top_k=spec.top_k,
+            capacity_factor=spec.capacity_factor, moe_every=spec.moe_every,
+            shared_expert=spec.shared_expert, imbalance=spec.imbalance,
+        )  # fmt: skip
     plans = [plan_to_dict(r, model=model_desc, cluster=cluster.name) for r in found.top]
     why = explain(found)
     codec = _codec_line(found.best.plan.compress, cluster)
@@ -167,7 +176,7 @@ def _table(found: Any, describe: Any) -> None:
     table = Table(title="plans, best first")
     for col in (
         "#",
-        "dp×tp×pp",
+        "dp×tp×pp" + ("×ep" if any(r.plan.ep > 1 for r in found.top) else ""),
         "schedule",
         "micro-batches",
         "recompute",
@@ -185,7 +194,8 @@ def _table(found: Any, describe: Any) -> None:
         p = r.plan
         sched = p.schedule + (f"×{p.num_chunks}" if p.num_chunks > 1 else "")
         table.add_row(
-            str(i), f"{p.dp}×{p.tp}{'+sp' if p.sequence_parallel else ''}×{p.pp}", sched,
+            str(i), f"{p.dp}×{p.tp}{'+sp' if p.sequence_parallel else ''}×{p.pp}"
+            + (f"×{p.ep}" if any(r.plan.ep > 1 for r in found.top) else ""), sched,
             f"{p.num_microbatches}×{p.micro_batch_size}", p.recompute, str(p.zero_stage),
             f"{r.step_time_s:.3g}", f"{r.tokens_per_s:,.0f}", f"{r.mfu:.1%}",
             f"{r.bubble_fraction:.1%}", f"{r.comm_share:.1%}",

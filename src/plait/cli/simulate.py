@@ -7,6 +7,9 @@ and the overflow is reported), and the schedule is replayed on the cluster by
 `plait.sim.simulate`. A preset describes one kind of node: the number of nodes follows
 from dp × tp × pp. A plan that does not fit is a prediction, not an error: the command
 says which rank overflows by how much (stderr and the JSON `overflows`) and exits 0.
+`--model moe-gpt` is costed by `plait.cost.moe_block_costs`; `--ep` spreads its experts
+over ep of the dp ranks, and the JSON gains each rank's all-to-all seconds (`ep_comm_s`)
+and their share of the step (`all_to_all_share`).
 """
 
 from __future__ import annotations
@@ -18,12 +21,13 @@ import sys
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from plait.cli.experts import check_ep, model_value
 from plait.cli.plan import check_out
 from plait.cli.profile import add_model_arguments, default_dtype, spec_from_args
 from plait.cluster import Cluster, load_cluster, normalize_dtype
 from plait.cost import RECOMPUTE_MODES, BlockCost, StageCost
 from plait.plan import Partition, partition, partition_blocks
-from plait.profile import GPTSpec
+from plait.profile import GPTSpec, MoESpec
 from plait.schedule import KINDS, Schedule, schedule_kind, validate
 from plait.sim import MemoryOverflow, RankReport, SimPlan, SimResult, build_schedule, simulate
 
@@ -48,6 +52,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     )
     a("--dp", type=int, default=1, help="data-parallel degree")
     a("--tp", type=int, default=1, help="tensor-parallel degree")
+    a("--ep", type=int, default=1,
+      help="expert-parallel degree (moe-gpt): experts spread over ep of the dp ranks")  # fmt: skip
     a("--pp", type=int, default=1, help="pipeline-parallel degree")
     a("--schedule", choices=list(KINDS), default="1f1b", help="pipeline schedule")
     a("--microbatches", type=int, default=1, help="micro-batches per step and replica")
@@ -113,6 +119,7 @@ def _partition(
             zero_stage=plan.zero_stage,
             dp=plan.dp,
             optimizer=plan.optimizer,
+            ep=plan.ep,
         )
     except ValueError:
         work = [
@@ -141,7 +148,7 @@ def predict(blocks: list[BlockCost], cluster: Cluster, plan: SimPlan) -> Predict
 
 
 def _check(args: argparse.Namespace, spec: GPTSpec) -> None:
-    for name in ("dp", "tp", "pp", "microbatches"):
+    for name in ("dp", "tp", "pp", "ep", "microbatches"):
         value = getattr(args, name)
         if value < 1:
             raise ValueError(f"--{name} {value} must be >= 1")
@@ -153,6 +160,7 @@ def _check(args: argparse.Namespace, spec: GPTSpec) -> None:
         raise ValueError("--sequence-parallel needs --tp > 1: set --tp or drop it")
     if args.compress != "none" and args.dp == 1:  # as `plait train` refuses it
         raise ValueError(f"--compress {args.compress} with --dp 1: no reduction to compress")
+    check_ep(args, spec)
     dtype = normalize_dtype(args.dtype)
     why = schedule_kind(args.schedule).unsupported(tp=args.tp, zero=args.zero, dtype=dtype)
     if why is not None:  # what `plait train` cannot run is no layout to predict
@@ -192,6 +200,7 @@ def _plan(args: argparse.Namespace, spec: GPTSpec, dtype: str) -> SimPlan:
         dp=args.dp,
         tp=args.tp,
         pp=args.pp,
+        ep=args.ep,
         schedule=args.schedule,
         num_microbatches=args.microbatches,
         micro_batch_size=args.micro_batch_size,
@@ -207,13 +216,17 @@ def _plan(args: argparse.Namespace, spec: GPTSpec, dtype: str) -> SimPlan:
 
 
 _FROM_PLAN = {
-    "dp": "dp", "tp": "tp", "pp": "pp", "schedule": "schedule", "microbatches": "microbatches",
+    "dp": "dp", "tp": "tp", "pp": "pp", "ep": "ep", "schedule": "schedule",
+    "microbatches": "microbatches",
     "chunks": "chunks", "recompute": "recompute", "zero": "zero", "dtype": "dtype",
     "sequence_parallel": "sequence_parallel", "micro_batch_size": "micro_batch_size",
     "compress": "compress",
 }  # fmt: skip
-_MODEL_FROM_PLAN = {"layers": "layers", "hidden": "hidden", "heads": "heads",
-                    "seq_len": "seq_len", "vocab": "vocab"}  # fmt: skip
+_MODEL_FROM_PLAN = {"name": "model", "layers": "layers", "hidden": "hidden", "heads": "heads",
+                    "seq_len": "seq_len", "vocab": "vocab", "ffn_hidden": "ffn_hidden",
+                    "experts": "experts", "top_k": "top_k",
+                    "capacity_factor": "capacity_factor", "moe_every": "moe_every",
+                    "shared_expert": "shared_expert", "imbalance": "imbalance"}  # fmt: skip
 
 
 def _apply_plan(args: argparse.Namespace) -> None:
@@ -226,7 +239,7 @@ def _apply_plan(args: argparse.Namespace) -> None:
             setattr(args, attr, data[key])
     for key, attr in _MODEL_FROM_PLAN.items():
         if key in data.get("model", {}):
-            setattr(args, attr, data["model"][key])
+            setattr(args, attr, model_value(key, data["model"][key]))
     if args.cluster is None:
         args.cluster = data.get("cluster")
 
@@ -258,6 +271,7 @@ def run(args: argparse.Namespace) -> int:
         dtype=dtype,
         tp=args.tp,
         sequence_parallel=args.sequence_parallel,
+        **({"ep": args.ep} if isinstance(spec, MoESpec) else {}),
     )
     prediction = predict(blocks, cluster, plan)
     summary = to_dict(prediction, spec)
@@ -325,6 +339,8 @@ def to_dict(prediction: Prediction, spec: GPTSpec) -> dict[str, Any]:
         "samples_per_s": r.samples_per_s,
         "mfu": r.mfu,
         "comm_share": r.comm_share,
+        "all_to_all_share": r.all_to_all_share,
+        "ep_comm_s": [rank.ep_comm_s for rank in r.ranks],  # per pipeline rank
         "peak_memory_bytes": list(r.peak_memory_bytes),  # per pipeline rank
         "fits": r.fits,
         "overflows": [
@@ -406,5 +422,10 @@ def _print(summary: dict[str, Any]) -> None:
         table.add_row(str(m["pp_rank"]), *(f"{v:.2f}" for v in values), style=style)
     console.print(table)
     console.print(f"blocks per stage: {summary['partition']['sizes']}")
+    if plan["ep"] > 1:
+        console.print(
+            f"expert all-to-all: {max(summary['ep_comm_s']):.4g} s per step on the busiest "
+            f"rank, {summary['all_to_all_share']:.1%} of the step (ep={plan['ep']})"
+        )
     if summary["codec"] is not None:
         console.print(f"{plan['compress']} encode/decode: {summary['codec']['text']}")

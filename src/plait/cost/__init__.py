@@ -28,6 +28,13 @@ from plait.cost.comm import (
     tree_all_reduce_time,
 )
 from plait.cost.memory import ModelState, Optimizer, model_state_bytes, optimizer_step_time
+from plait.cost.moe import (
+    MoEShape,
+    expert_state_bytes,
+    expert_sync_time,
+    moe_block_costs,
+    moe_optimizer_step_time,
+)
 from plait.cost.transformer import (
     TransformerShape,
     layer_activation_bytes,
@@ -43,6 +50,7 @@ __all__ = [
     "Collective",
     "CollectiveAxis",
     "CollectiveKind",
+    "MoEShape",
     "ModelState",
     "Optimizer",
     "Recompute",
@@ -55,9 +63,13 @@ __all__ = [
     "check_recompute",
     "collective_time",
     "dp_sync_time",
+    "expert_state_bytes",
+    "expert_sync_time",
     "group_collective_time",
     "layer_activation_bytes",
     "model_state_bytes",
+    "moe_block_costs",
+    "moe_optimizer_step_time",
     "optimizer_step_time",
     "p2p_time",
     "reduce_scatter_time",

@@ -52,7 +52,9 @@ class BlockCost:
     (default: `activation_bytes`, the size of a residual block's input) with full
     recomputation, which repeats the forward. `forward_comm`/`backward_comm` are the
     collectives the block issues over its tensor-parallel group (repeated in backward
-    when the forward is recomputed).
+    when the forward is recomputed). `expert_params` are the parameters among `num_params`
+    that belong to this rank's experts (`plait.cost.moe`): their gradients are averaged
+    over the expert-data-parallel group (dp / ep ranks) instead of all dp ranks.
     """
 
     name: str
@@ -65,6 +67,7 @@ class BlockCost:
     selective_recompute_flops: float = 0.0
     saved_bytes_recompute: float | None = None
     num_params: int = 0
+    expert_params: int = 0
     forward_comm: tuple[Collective, ...] = ()
     backward_comm: tuple[Collective, ...] = ()
     source: str = "analytic"
@@ -78,12 +81,18 @@ class BlockCost:
             "saved_bytes",
             "selective_recompute_flops",
             "num_params",
+            "expert_params",
             "saved_bytes_selective",
             "saved_bytes_recompute",
         ):
             value = getattr(self, name)
             if value is not None and not value >= 0:
                 raise ValueError(f"block {self.name!r}: {name}={value!r} must be >= 0")
+        if self.expert_params > self.num_params:
+            raise ValueError(
+                f"block {self.name!r}: expert_params={self.expert_params} exceeds "
+                f"num_params={self.num_params} (experts are part of the block's parameters)"
+            )
         object.__setattr__(self, "forward_comm", tuple(self.forward_comm))
         object.__setattr__(self, "backward_comm", tuple(self.backward_comm))
 
@@ -142,6 +151,8 @@ class StageTimes:
     backward_weight_s: float
     comm_forward_s: float  # collectives inside forward_s
     comm_backward_s: float  # collectives inside backward_input_s
+    # of the collectives above, the expert all-to-alls (forward and backward, per micro-batch)
+    ep_comm_s: float = 0.0
 
     @property
     def backward_s(self) -> float:
@@ -157,6 +168,7 @@ class StageCost:
     backward_input_flops: float = field(init=False)
     backward_weight_flops: float = field(init=False)
     num_params: int = field(init=False)
+    expert_params: int = field(init=False)
 
     def __post_init__(self) -> None:
         if not self.blocks:
@@ -165,6 +177,7 @@ class StageCost:
         for name in ("forward_flops", "backward_input_flops", "backward_weight_flops"):
             object.__setattr__(self, name, sum(getattr(b, name) for b in self.blocks))
         object.__setattr__(self, "num_params", sum(b.num_params for b in self.blocks))
+        object.__setattr__(self, "expert_params", sum(b.expert_params for b in self.blocks))
 
     @staticmethod
     def of(item: StageCost | BlockCost) -> StageCost:
@@ -214,10 +227,14 @@ class StageCost:
             links = AxisLinks({"tp": tp}, {"tp": tp_link})
         comm = links.time
 
-        fwd_comm = comm([c for b in self.blocks for c in b.forward_comm])
-        bwd_comm = comm([c for b in self.blocks for c in b.backward_comm])
+        fwd = [c for b in self.blocks for c in b.forward_comm]
+        bwd = [c for b in self.blocks for c in b.backward_comm]
+        fwd_comm, bwd_comm = comm(fwd), comm(bwd)
+        ep_fwd = comm([c for c in fwd if c.axis == "ep"]) if fwd_comm else 0.0
+        ep_comm = ep_fwd + (comm([c for c in bwd if c.axis == "ep"]) if bwd_comm else 0.0)
         if recompute == "full":
             bwd_comm += fwd_comm
+            ep_comm += ep_fwd
         redo = sum(b.recompute_flops(recompute) for b in self.blocks)
         return StageTimes(
             forward_s=self.forward_flops / rate + fwd_comm,
@@ -225,6 +242,7 @@ class StageCost:
             backward_weight_s=self.backward_weight_flops / rate,
             comm_forward_s=fwd_comm,
             comm_backward_s=bwd_comm,
+            ep_comm_s=ep_comm,
         )
 
 

@@ -2,7 +2,16 @@
 
 from plait.plan.partition import MemoryShortfall, Partition, partition, partition_blocks
 from plait.plan.search import NoFeasiblePlan, PlanSearch, RankedPlan, Rejection, describe, search
-from plait.plan.space import ModelSpec, SearchSpace, candidates, degrees, gpt_spec, scaled_spec
+from plait.plan.space import (
+    ModelSpec,
+    SearchSpace,
+    candidates,
+    degrees,
+    expert_degrees,
+    gpt_spec,
+    moe_spec,
+    scaled_spec,
+)
 
 __all__ = [
     "MemoryShortfall",
@@ -16,7 +25,9 @@ __all__ = [
     "candidates",
     "degrees",
     "describe",
+    "expert_degrees",
     "gpt_spec",
+    "moe_spec",
     "partition",
     "partition_blocks",
     "scaled_spec",

@@ -9,8 +9,11 @@ draining, the exposed gradient reduction of the first stage and the optimizer st
 asynchronous window never fills nor drains: it is paced by its slowest rank, m·T_max, plus
 that rank's updates (each waits for its reduction, then steps the optimizer) and weight
 copies. Memory follows each schedule's in-flight micro-batches on each rank and its weight
-copies (the registry's closed forms, `plait.schedule.registry`). The estimates are only
-used to order the search; every reported number comes from the simulator.
+copies (the registry's closed forms, `plait.schedule.registry`). Under expert parallelism
+the experts' all-to-alls are part of each block's time (over the ep group's link) and
+expert gradients and model state are reduced and sharded over the dp / ep ranks that hold
+the same experts. The estimates are only used to order the search; every reported number
+comes from the simulator.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import numpy as np
 
 from plait.cluster import Cluster, Link, dtype_bytes
 from plait.cost import (
+    AxisLinks,
     BlockCost,
     Collective,
     StageCost,
@@ -113,6 +117,8 @@ class RankProfile:
     saved: np.ndarray
     transient: np.ndarray
     activation_bytes: float
+    experts: np.ndarray | None = None  # expert parameters among `params` (None: no experts)
+    stage_experts: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -126,6 +132,7 @@ class _BlockArrays:
     saved: np.ndarray
     transient: np.ndarray
     activation_bytes: np.ndarray
+    experts: np.ndarray
 
 
 class Estimator:
@@ -149,25 +156,35 @@ class Estimator:
         self._state: dict[tuple[object, ...], float] = {}
 
     def link(self, plan: SimPlan, axis: str) -> Link:
-        key = (axis, plan.dp, plan.tp, plan.pp, plan.rank_order)
+        key = (axis, plan.dp, plan.tp, plan.pp, plan.rank_order, plan.ep)
         if key not in self._links:
             if axis == "tp":
                 group = plan.tp_group(0)
             elif axis == "dp":
                 group = plan.dp_group(0)
+            elif axis == "ep":
+                group = plan.ep_group(0)
+            elif axis == "edp":
+                group = plan.expert_dp_group(0)
             else:
                 group = [plan.global_rank(0), plan.global_rank(min(1, plan.pp - 1))]
             self._links[key] = self.cluster.group_link(group)
         return self._links[key]
 
+    def _ep_key(self, plan: SimPlan) -> tuple[object, ...]:
+        """What the ep group's link depends on (nothing without expert parallelism)."""
+        return (plan.dp, plan.ep, plan.tp, plan.pp, plan.rank_order) if plan.ep > 1 else ()
+
     def _block_arrays(self, plan: SimPlan, blocks: Sequence[BlockCost]) -> _BlockArrays:
-        key = (id(blocks), plan.recompute, plan.dtype)
+        key = (id(blocks), plan.recompute, plan.dtype, *self._ep_key(plan))
         if key not in self._arrays:
-            rc, tp_link = plan.recompute, self.link(plan, "tp")
+            rc = plan.recompute
+            degrees, links = {"tp": plan.tp}, {"tp": self.link(plan, "tp")}
+            if plan.ep > 1:
+                degrees["ep"], links["ep"] = plan.ep, self.link(plan, "ep")
+            axes = AxisLinks(degrees, links)
             times = [
-                StageCost((b,)).times(
-                    self.device, plan.dtype, recompute=rc, tp=plan.tp, tp_link=tp_link
-                )
+                StageCost((b,)).times(self.device, plan.dtype, recompute=rc, links=axes)
                 for b in blocks
             ]
             self._arrays[key] = _BlockArrays(
@@ -180,23 +197,28 @@ class Estimator:
                     [0.0 if rc == "none" else b.saved_bytes - b.saved_for(rc) for b in blocks]
                 ),
                 np.array([b.activation_bytes for b in blocks]),
+                np.array([b.expert_params for b in blocks], dtype=float),
             )
         return self._arrays[key]
 
     def profile(self, plan: SimPlan, blocks: Sequence[BlockCost]) -> RankProfile:
-        key = (id(blocks), plan.pp, plan.num_chunks, plan.recompute, plan.dtype)
+        ep = self._ep_key(plan)
+        key = (id(blocks), plan.pp, plan.num_chunks, plan.recompute, plan.dtype, *ep)
         if key not in self._profiles:
             arrays = self._block_arrays(plan, blocks)
-            split_key = (plan.pp * plan.num_chunks, plan.recompute, plan.tp, plan.sequence_parallel)
+            stages = plan.pp * plan.num_chunks
+            split_key = (stages, plan.recompute, plan.tp, plan.sequence_parallel, *ep)
             if split_key not in self._splits:
                 work = arrays.forward_s + arrays.backward_input_s + arrays.backward_weight_s
-                self._splits[split_key] = balanced_sizes(work.tolist(), split_key[0])
+                self._splits[split_key] = balanced_sizes(work.tolist(), stages)
             self._profiles[key] = _rank_sums(arrays, self._splits[split_key], plan.pp)
         return self._profiles[key]
 
-    def state_per_param(self, plan: SimPlan) -> float:
-        """Model-state bytes per parameter (linear in the parameter count)."""
-        key = (plan.dtype, plan.zero_stage, plan.dp, plan.optimizer)
+    def state_per_param(self, plan: SimPlan, dp: int | None = None) -> float:
+        """Model-state bytes per parameter (linear in the parameter count), ZeRO sharding
+        over `dp` ranks (default: the plan's)."""
+        dp = plan.dp if dp is None else dp
+        key = (plan.dtype, plan.zero_stage, dp, plan.optimizer)
         if key not in self._state:
             big = 1e9
             self._state[key] = (
@@ -204,7 +226,7 @@ class Estimator:
                     big,
                     dtype=plan.dtype,
                     zero_stage=plan.zero_stage,
-                    dp=plan.dp,
+                    dp=dp,
                     optimizer=plan.optimizer,
                 ).total
                 / big
@@ -225,6 +247,7 @@ def _rank_sums(arrays: _BlockArrays, sizes: list[int], p: int) -> RankProfile:
         return by_chunk.max(axis=0) if peak else by_chunk.sum(axis=0)
 
     stage_params = np.add.reduceat(arrays.params, starts)
+    moe = bool(arrays.experts.any())
     return RankProfile(
         tuple(sizes),
         per_rank(arrays.forward_s),
@@ -235,6 +258,8 @@ def _rank_sums(arrays: _BlockArrays, sizes: list[int], p: int) -> RankProfile:
         per_rank(arrays.saved),
         per_rank(arrays.transient, peak=True),
         float(arrays.activation_bytes[sizes[0] - 1]),
+        per_rank(arrays.experts) if moe else None,
+        np.add.reduceat(arrays.experts, starts) if moe else None,
     )
 
 
@@ -244,18 +269,38 @@ def estimate(plan: SimPlan, profile: RankProfile, est: Estimator) -> Estimate:
     p, v, m = plan.pp, plan.num_chunks, plan.num_microbatches
     pbytes = dtype_bytes(plan.dtype)
     work = profile.forward_s + profile.backward_input_s + profile.backward_weight_s
+    rank_experts = np.zeros(p) if profile.experts is None else profile.experts
+    stage_experts = (
+        np.zeros(len(profile.stage_params))
+        if profile.stage_experts is None
+        else profile.stage_experts
+    )
     if plan.zero_stage == 3 and plan.dp > 1:  # weights gathered for forward and backward
-        link = est.link(plan, "dp")
         per_stage = np.array(
             [
-                collective_time(Collective(kind="all_gather", num_bytes=n * pbytes), plan.dp, link)
-                for n in profile.stage_params
+                _gather(plan, n - x, plan.dp, est.link(plan, "dp"))
+                + _gather(plan, x, plan.dp // plan.ep, est.link(plan, "edp"))
+                for n, x in zip(profile.stage_params, stage_experts, strict=True)
             ]
         )
         work = work + 2 * per_stage.reshape(v, p).sum(axis=0)
     p2p = 2 * (p - 1) * v * est.link(plan, "pp").time(profile.activation_bytes) if p > 1 else 0.0
     syncs = np.array([_dp_sync(plan, n * pbytes, est) for n in profile.params])
     opts = np.array([_optimizer(plan, n, est) for n in profile.params])
+    if profile.experts is not None:  # expert gradients and state live on dp / ep ranks
+        edp = plan.dp // plan.ep
+        syncs = np.array(
+            [
+                _dp_sync(plan, (n - x) * pbytes, est) + _dp_sync(plan, x * pbytes, est, edp)
+                for n, x in zip(profile.params, rank_experts, strict=True)
+            ]
+        )
+        opts = np.array(
+            [
+                _optimizer(plan, n - x, est) + _optimizer(plan, x, est, edp)
+                for n, x in zip(profile.params, rank_experts, strict=True)
+            ]
+        )
     copies = np.array([kind.copies(p, m, r) for r in range(p)], dtype=float)
     if kind.synchronous:
         overlapped = m >= p  # fewer micro-batches than ranks: no chunk or W pass can fill in
@@ -272,7 +317,8 @@ def estimate(plan: SimPlan, profile: RankProfile, est: Estimator) -> Estimate:
         step = float((m * work + updates * (syncs + opts + stash)).max()) + p2p / (p or 1)
     counts = np.array([kind.inflight(p, m, v, r) for r in range(p)])
     memory = (
-        profile.params * est.state_per_param(plan)
+        (profile.params - rank_experts) * est.state_per_param(plan)
+        + rank_experts * est.state_per_param(plan, plan.dp // plan.ep)
         + counts * profile.saved
         + profile.transient
         + copies * profile.params * pbytes
@@ -280,24 +326,33 @@ def estimate(plan: SimPlan, profile: RankProfile, est: Estimator) -> Estimate:
     return Estimate(step, tuple(memory.tolist()), float(est.device.memory_bytes), profile.sizes)
 
 
-def _dp_sync(plan: SimPlan, num_bytes: float, est: Estimator) -> float:
+def _gather(plan: SimPlan, num_params: float, n: int, link: Link) -> float:
+    """A ZeRO-3 all-gather of `num_params` parameters over `n` ranks."""
+    if n == 1 or not num_params:
+        return 0.0
+    size = num_params * dtype_bytes(plan.dtype)
+    return collective_time(Collective(kind="all_gather", num_bytes=size), n, link)
+
+
+def _dp_sync(plan: SimPlan, num_bytes: float, est: Estimator, edp: int | None = None) -> float:
+    """The reduction of `num_bytes` of gradients over the dp group, or, given `edp`, over
+    the expert-data-parallel group of that many ranks."""
+    dp, link = (plan.dp, est.link(plan, "dp")) if edp is None else (edp, est.link(plan, "edp"))
     if plan.compress != "none":
         pbytes = dtype_bytes(plan.dtype)
         return gradient_sync_time(
-            plan.compress, num_bytes / pbytes, zero_stage=plan.zero_stage, dp=plan.dp,
-            link=est.link(plan, "dp"), device=est.device, param_bytes=pbytes,
+            plan.compress, num_bytes / pbytes, zero_stage=plan.zero_stage, dp=dp,
+            link=link, device=est.device, param_bytes=pbytes,
         )  # fmt: skip
-    return dp_sync_time(
-        num_bytes, zero_stage=plan.zero_stage, dp=plan.dp, link=est.link(plan, "dp")
-    )
+    return dp_sync_time(num_bytes, zero_stage=plan.zero_stage, dp=dp, link=link)
 
 
-def _optimizer(plan: SimPlan, num_params: float, est: Estimator) -> float:
+def _optimizer(plan: SimPlan, num_params: float, est: Estimator, dp: int | None = None) -> float:
     return optimizer_step_time(
         num_params,
         est.device,
         dtype=plan.dtype,
         zero_stage=plan.zero_stage,
-        dp=plan.dp,
+        dp=plan.dp if dp is None else dp,
         optimizer=plan.optimizer,
     )

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from plait.plan.search import PlanSearch, RankedPlan, describe
+from plait.plan.search import PlanSearch, RankedPlan, Rejection, describe
 from plait.schedule import schedule_kind
+from plait.sim import SimPlan
 
-__all__ = ["compression", "explain", "staleness", "time_breakdown"]
+__all__ = ["compression", "experts", "explain", "staleness", "time_breakdown"]
 
 _GIB = 2.0**30
 
@@ -22,6 +23,7 @@ def time_breakdown(ranked: RankedPlan) -> dict[str, float]:
     return {
         "compute": sum(r.compute_s for r in ranks) / n,
         "tensor-parallel communication": sum(r.tp_comm_s for r in ranks) / n,
+        "expert all-to-all": sum(r.ep_comm_s for r in ranks) / n,
         "data-parallel gradient reduction (partly hidden)": sum(r.dp_comm_s for r in ranks) / n,
         "optimizer step": sum(r.optimizer_s for r in ranks) / n,
         "bubble": ranked.bubble_fraction * ranked.result.pipeline_time_s,
@@ -34,6 +36,7 @@ def _options(a: RankedPlan, b: RankedPlan) -> list[str]:
     out = []
     for label, x, y in (
         ("data", pa.dp, pb.dp),
+        ("expert", pa.ep, pb.ep),
         ("tensor", pa.tp, pb.tp),
         ("pipeline", pa.pp, pb.pp),
         ("micro-batch size", pa.micro_batch_size, pb.micro_batch_size),
@@ -41,10 +44,11 @@ def _options(a: RankedPlan, b: RankedPlan) -> list[str]:
         ("ZeRO stage", pa.zero_stage, pb.zero_stage),
     ):
         if x != y:
-            degree = " parallel degree" if label in ("data", "tensor", "pipeline") else ""
+            parallel = ("data", "expert", "tensor", "pipeline")
+            degree = " parallel degree" if label in parallel else ""
             out.append(f"{label}{degree} {x} instead of {y}")
     if (pa.schedule, pa.num_chunks) != (pb.schedule, pb.num_chunks):
-        out.append(f"schedule {describe(pa).split()[3]} instead of {describe(pb).split()[3]}")
+        out.append(f"schedule {_schedule(pa)} instead of {_schedule(pb)}")
     if pa.recompute != pb.recompute:
         out.append(f"recomputation {pa.recompute} instead of {pb.recompute}")
     if pa.sequence_parallel != pb.sequence_parallel:
@@ -52,6 +56,10 @@ def _options(a: RankedPlan, b: RankedPlan) -> list[str]:
     if pa.compress != pb.compress:
         out.append(f"gradient compression {pa.compress} instead of {pb.compress}")
     return out
+
+
+def _schedule(p: SimPlan) -> str:
+    return p.schedule + (f"x{p.num_chunks}" if p.num_chunks > 1 else "")
 
 
 def compression(search: PlanSearch) -> str:
@@ -83,6 +91,53 @@ def compression(search: PlanSearch) -> str:
     )
 
 
+def _all_to_all(r: RankedPlan) -> float:
+    """Seconds per step an average pipeline rank spends in the experts' all-to-alls."""
+    if r.result is None:
+        return 0.0
+    return sum(x.ep_comm_s for x in r.result.ranks) / len(r.result.ranks)
+
+
+def _sans_ep(r: RankedPlan | Rejection) -> dict[str, object]:
+    return {k: v for k, v in dataclasses.asdict(r.plan).items() if k != "ep"}
+
+
+def experts(search: PlanSearch) -> str:
+    """Why the best plan spreads its experts over that many ranks: what the token
+    all-to-all costs it against what sharding the experts saves in memory, next to the
+    best plan of another ep (or why none fits); empty for a model without experts."""
+    a = search.best
+    others = [r for r in search.ranked if r.plan.ep != a.plan.ep]
+    rejected = [r for r in search.rejected if r.plan.ep != a.plan.ep]
+    if a.plan.ep == 1 and not others and not rejected:
+        return ""
+    if a.plan.ep > 1:
+        text = (
+            f"It spreads the experts over ep={a.plan.ep} ranks: each holds 1/{a.plan.ep} of "
+            f"them, and their token all-to-alls cost {_all_to_all(a):.3g} s per step "
+            f"({_all_to_all(a) / a.step_time_s:.1%})."
+        )
+    else:
+        text = "It keeps every expert on every rank (ep=1): no token all-to-all."
+    same = [r for r in others if _sans_ep(r) == _sans_ep(a)]
+    if same or others:
+        b = (same or others)[0]
+        text += (
+            f" With ep={b.plan.ep} ({describe(b.plan)}) a step takes {b.step_time_s:.4g} s "
+            f"instead of {a.step_time_s:.4g} s, of which {_all_to_all(b):.3g} s all-to-all, "
+            f"and the fullest device holds {max(b.peak_memory_bytes) / _GIB:.1f} GiB instead "
+            f"of {max(a.peak_memory_bytes) / _GIB:.1f} GiB."
+        )
+    fewer = [r for r in rejected if r.plan.ep < a.plan.ep]
+    if fewer:
+        r = min(fewer, key=lambda x: x.excess_bytes if x.excess_bytes > 0 else float("inf"))
+        text += (
+            f" With ep={r.plan.ep} ({describe(r.plan)}) each rank would hold "
+            f"{a.plan.ep // r.plan.ep}× the experts and does not fit: {r.reason}."
+        )
+    return text
+
+
 def staleness(search: PlanSearch) -> str:
     """What an asynchronous best plan costs in staleness, against the best synchronous one;
     empty when the best plan is synchronous."""
@@ -109,7 +164,7 @@ def explain(search: PlanSearch) -> str:
     asynchronous best plan, what its staleness costs."""
     a = search.best
     runner = next((r for r in search.ranked[1:] if _layout(r) != _layout(a)), None)
-    stale = " ".join(x for x in (staleness(search), compression(search)) if x)
+    stale = " ".join(x for x in (staleness(search), compression(search), experts(search)) if x)
     if runner is None:
         return " ".join(x for x in (f"only one layout fits: {describe(a.plan)}", stale) if x)
     b = runner
@@ -150,7 +205,7 @@ def explain(search: PlanSearch) -> str:
 def _layout(r: RankedPlan) -> tuple[object, ...]:
     """What shapes the step: degrees, schedule and micro-batching (not memory options)."""
     p = r.plan
-    return (p.dp, p.tp, p.pp, p.schedule, p.num_chunks, p.micro_batch_size, p.rank_order)
+    return (p.dp, p.ep, p.tp, p.pp, p.schedule, p.num_chunks, p.micro_batch_size, p.rank_order)
 
 
 def _top(items: list[tuple[str, float]]) -> list[tuple[str, float]]:

@@ -24,7 +24,7 @@ from itertools import pairwise
 from typing import TypeVar
 
 from plait.cluster import Device
-from plait.cost import BlockCost, Optimizer, Recompute, model_state_bytes
+from plait.cost import BlockCost, Optimizer, Recompute, expert_state_bytes
 
 __all__ = ["MemoryShortfall", "Partition", "partition", "partition_blocks"]
 
@@ -197,10 +197,12 @@ def partition_blocks(
     zero_stage: int = 0,
     dp: int = 1,
     optimizer: Optimizer = "adam",
+    ep: int = 1,
 ) -> Partition:
     """Partition cost-model blocks over `devices` (stage i on devices[i]): times from
     FLOPs (recomputation included) at each device's achievable rate, memory from model
-    state and saved activations against each device's capacity."""
+    state and saved activations against each device's capacity (expert state sharded by
+    ZeRO over the dp / ep ranks holding the same experts)."""
     if not devices:
         raise ValueError("devices is empty: give one device per stage")
     work = [
@@ -211,8 +213,14 @@ def partition_blocks(
         for b in blocks
     ]
     state = [
-        model_state_bytes(
-            b.num_params, dtype=dtype, zero_stage=zero_stage, dp=dp, optimizer=optimizer
+        expert_state_bytes(
+            b.num_params,
+            b.expert_params,
+            dtype=dtype,
+            zero_stage=zero_stage,
+            dp=dp,
+            ep=ep,
+            optimizer=optimizer,
         ).total
         for b in blocks
     ]

@@ -101,8 +101,9 @@ def describe(plan: SimPlan) -> str:
     sp = "+sp" if plan.sequence_parallel else ""
     order = "" if plan.rank_order == "tp-dp-pp" else f" order={plan.rank_order}"
     compress = "" if plan.compress == "none" else f" compress={plan.compress}"
+    ep = f" ep={plan.ep}" if plan.ep > 1 else ""
     return (
-        f"dp={plan.dp} tp={plan.tp}{sp} pp={plan.pp} {sched} m={plan.num_microbatches} "
+        f"dp={plan.dp}{ep} tp={plan.tp}{sp} pp={plan.pp} {sched} m={plan.num_microbatches} "
         f"b={plan.micro_batch_size} recompute={plan.recompute} zero={plan.zero_stage}{order}"
         f"{compress}"
     )

@@ -7,40 +7,58 @@ from dataclasses import dataclass, field, replace
 from itertools import product
 
 from plait.compression import parse_compression
-from plait.cost import BlockCost, Collective, transformer_block_costs
+from plait.cost import BlockCost, Collective, MoEShape, moe_block_costs, transformer_block_costs
 from plait.schedule import KINDS, kind_names, schedule_kind
 from plait.sim import SimPlan
 
-__all__ = ["ModelSpec", "SearchSpace", "candidates", "degrees", "gpt_spec", "scaled_spec"]
+__all__ = [
+    "ModelSpec",
+    "SearchSpace",
+    "candidates",
+    "degrees",
+    "expert_degrees",
+    "gpt_spec",
+    "moe_spec",
+    "scaled_spec",
+]
 
-BlockCosts = Callable[[int, int, bool], Sequence[BlockCost]]
+# (micro-batch size, tp, sequence parallel, ep) -> the blocks of one rank
+BlockCosts = Callable[[int, int, bool, int], Sequence[BlockCost]]
 
 
 @dataclass(frozen=True, kw_only=True)
 class ModelSpec:
     """What the planner needs of a model: its block costs for a micro-batch size, a
-    tensor-parallel degree and sequence parallelism; the head count that tp must divide."""
+    tensor-parallel degree, sequence parallelism and an expert-parallel degree; the head
+    count that tp must divide; its experts per MoE layer (0: none, ep stays 1)."""
 
     name: str
     num_blocks: int
     seq_len: int
     num_heads: int
+    num_experts: int = 0
     costs: BlockCosts = field(compare=False, repr=False)
     # costs of the backward split in two passes (BI, BW), when they differ from the full
     # backward's (measured blocks: on some devices the two passes cost more than one)
     split_costs: BlockCosts | None = field(default=None, compare=False, repr=False)
-    _cache: dict[tuple[int, int, bool, bool], tuple[BlockCost, ...]] = field(
+    _cache: dict[tuple[int, int, bool, int, bool], tuple[BlockCost, ...]] = field(
         default_factory=dict, compare=False, repr=False
     )
 
     def blocks(
-        self, micro_batch_size: int, tp: int, sequence_parallel: bool, *, split: bool = False
+        self,
+        micro_batch_size: int,
+        tp: int,
+        sequence_parallel: bool,
+        *,
+        split: bool = False,
+        ep: int = 1,
     ) -> tuple[BlockCost, ...]:
         split = split and self.split_costs is not None
-        key = (micro_batch_size, tp, sequence_parallel, split)
+        key = (micro_batch_size, tp, sequence_parallel, ep, split)
         if key not in self._cache:
             source = self.split_costs if split and self.split_costs else self.costs
-            self._cache[key] = tuple(source(*key[:3]))
+            self._cache[key] = tuple(source(*key[:4]))
         return self._cache[key]
 
     def blocks_for(self, plan: SimPlan) -> tuple[BlockCost, ...]:
@@ -50,6 +68,7 @@ class ModelSpec:
             plan.tp,
             plan.sequence_parallel,
             split=schedule_kind(plan.schedule).split_backward,
+            ep=plan.ep,
         )
 
 
@@ -65,7 +84,8 @@ def gpt_spec(
 ) -> ModelSpec:
     """A GPT described analytically (any size; nothing is built)."""
 
-    def costs(b: int, tp: int, sp: bool) -> list[BlockCost]:
+    def costs(b: int, tp: int, sp: bool, ep: int) -> list[BlockCost]:
+        del ep  # no experts
         return transformer_block_costs(
             num_layers=num_layers,
             hidden=hidden,
@@ -83,6 +103,36 @@ def gpt_spec(
     return ModelSpec(
         name=name, num_blocks=num_layers + 2, seq_len=seq_len, num_heads=num_heads, costs=costs
     )
+
+
+def moe_spec(
+    *,
+    num_layers: int,
+    hidden: int,
+    num_heads: int,
+    seq_len: int,
+    vocab_size: int,
+    moe: MoEShape,
+    ffn_hidden: int = 0,
+    dtype: str = "bf16",
+) -> ModelSpec:
+    """A MoE-GPT described analytically (`plait.cost.moe_block_costs`); `moe.ep` is
+    ignored: each plan's ep picks how many experts a rank holds. No tensor parallelism."""
+
+    def costs(b: int, tp: int, sp: bool, ep: int) -> list[BlockCost]:
+        if tp != 1 or sp:
+            raise ValueError(f"tp={tp}: a MoE-GPT has no tensor-parallel plan yet")
+        return moe_block_costs(
+            num_layers=num_layers, hidden=hidden, num_heads=num_heads, seq_len=seq_len,
+            vocab_size=vocab_size, moe=replace(moe, ep=ep), micro_batch_size=b,
+            ffn_hidden=ffn_hidden, dtype=dtype,
+        )  # fmt: skip
+
+    name = f"moe-gpt-{num_layers}x{hidden}-e{moe.num_experts}k{moe.top_k}"
+    return ModelSpec(
+        name=name, num_blocks=num_layers + 2, seq_len=seq_len, num_heads=num_heads,
+        num_experts=moe.num_experts, costs=costs,
+    )  # fmt: skip
 
 
 def scaled_spec(
@@ -112,8 +162,8 @@ def scaled_spec(
             raise ValueError("the measured profiles disagree on the number of blocks")
         sharded = frozenset(tp_blocks)
 
-        def costs(b: int, tp: int, sp: bool) -> list[BlockCost]:
-            del sp
+        def costs(b: int, tp: int, sp: bool, ep: int) -> list[BlockCost]:
+            del sp, ep  # measured blocks have no experts
             return [
                 _at([(size, blocks[i]) for size, blocks in points], b,
                     tp if i in sharded else 1)
@@ -219,6 +269,15 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def expert_degrees(dp: int, num_experts: int) -> list[int]:
+    """The expert-parallel degrees of a layout with `dp` data-parallel ranks: every ep
+    dividing both dp (ep borrows its ranks) and the experts (each rank holds E/ep); [1]
+    for a model without experts."""
+    if num_experts < 1:
+        return [1]
+    return [ep for ep in _divisors(dp) if num_experts % ep == 0]
+
+
 def degrees(
     num_devices: int, *, devices_per_node: int, num_heads: int, num_blocks: int
 ) -> list[tuple[int, int, int]]:
@@ -249,6 +308,16 @@ def candidates(
         num_heads=model.num_heads,
         num_blocks=model.num_blocks,
     ):
+        if model.num_experts and tp > 1:
+            continue  # MoE layers have no tensor-parallel plan
+        yield from _layouts(model, space, dp, tp, pp, global_batch)
+
+
+def _layouts(
+    model: ModelSpec, space: SearchSpace, dp: int, tp: int, pp: int, global_batch: int
+) -> Iterator[SimPlan]:
+    """Every plan of one (dp, tp, pp): ep (for a model with experts) and the options."""
+    for ep in expert_degrees(dp, model.num_experts):
         sizes = [b for b in space.micro_batch_sizes if global_batch % (dp * b) == 0]
         options = product(
             sizes,
@@ -269,6 +338,7 @@ def candidates(
                 dp=dp,
                 tp=tp,
                 pp=pp,
+                ep=ep,
                 schedule=kind,
                 num_microbatches=global_batch // (dp * b),
                 micro_batch_size=b,

@@ -1,6 +1,6 @@
 """Block costs for the cost model: measured on a real device (cached), or derived analytically."""
 
-from plait.profile.analytic import GPTSpec
+from plait.profile.analytic import GPTSpec, MoESpec
 from plait.profile.cache import ModelProfile, cache_key, default_cache_dir, profile_model
 from plait.profile.calibrate import (
     fit_link,
@@ -16,6 +16,7 @@ from plait.profile.measure import BlockProfile, block_costs, profile_blocks, tor
 __all__ = [
     "BlockProfile",
     "GPTSpec",
+    "MoESpec",
     "ModelProfile",
     "block_costs",
     "cache_key",

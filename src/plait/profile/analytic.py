@@ -5,6 +5,8 @@ from `plait.cost.transformer_block_costs` (Narayanan et al. 2021 for FLOPs, Kort
 et al. 2022 for activations), so 175B or 1T-parameter models cost nothing to describe.
 `build` instantiates the same model as `plait.models.GPT` when it is small enough to be
 measured instead; both sources name their blocks `embedding`, `layer0`, ..., `head`.
+`MoESpec` does the same for a mixture-of-experts GPT (`plait.cost.moe_block_costs`), whose
+block costs also depend on the expert-parallel degree (the experts a rank holds).
 """
 
 from __future__ import annotations
@@ -12,9 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from plait.cluster import dtype_bytes
-from plait.cost import BlockCost, transformer_block_costs
+from plait.cost import BlockCost, MoEShape, moe_block_costs, transformer_block_costs
 
-__all__ = ["GPTSpec"]
+__all__ = ["GPTSpec", "MoESpec"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,8 +57,13 @@ class GPTSpec:
         dtype: str = "bf16",
         tp: int = 1,
         sequence_parallel: bool = False,
+        ep: int = 1,
     ) -> list[BlockCost]:
         """Per-block costs for one micro-batch on one of `tp` tensor-parallel ranks."""
+        if ep != 1:
+            raise ValueError(
+                f"ep={ep} but a GPT has no experts to spread: use --model moe-gpt or ep=1"
+            )
         return transformer_block_costs(
             num_layers=self.num_layers,
             hidden=self.hidden,
@@ -95,3 +102,68 @@ class GPTSpec:
                 ffn_hidden=self.ffn_hidden or None,
             )
         )
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoESpec(GPTSpec):
+    """A MoE-GPT by its sizes: a `GPTSpec` whose every `moe_every`-th layer has
+    `num_experts` expert FFNs, `top_k` per token (`plait.models.MoEConfig`), and the
+    routing imbalance the cost model assumes (busiest expert's load over the mean)."""
+
+    num_experts: int = 4
+    top_k: int = 2
+    capacity_factor: float = 1.25  # 0: dropless
+    moe_every: int = 2
+    shared_expert: bool = False
+    imbalance: float = 1.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.shape(1)  # checks the expert fields
+        if self.moe_every > self.num_layers:
+            raise ValueError(
+                f"moe_every={self.moe_every} with num_layers={self.num_layers} leaves no MoE "
+                "layer: use moe_every <= layers"
+            )
+
+    def shape(self, ep: int) -> MoEShape:
+        return MoEShape(
+            num_experts=self.num_experts, top_k=self.top_k, capacity_factor=self.capacity_factor,
+            moe_every=self.moe_every, shared_expert=self.shared_expert,
+            imbalance=self.imbalance, ep=ep,
+        )  # fmt: skip
+
+    def block_costs(
+        self,
+        *,
+        micro_batch_size: int = 1,
+        dtype: str = "bf16",
+        tp: int = 1,
+        sequence_parallel: bool = False,
+        ep: int = 1,
+    ) -> list[BlockCost]:
+        """Per-block costs for one micro-batch on one of `ep` expert-parallel ranks."""
+        if tp != 1 or sequence_parallel:
+            raise ValueError(
+                f"tp={tp} for a MoE-GPT, which has no tensor-parallel plan yet: use tp=1 "
+                "(spread the experts with ep instead)"
+            )
+        return moe_block_costs(
+            num_layers=self.num_layers, hidden=self.hidden, num_heads=self.num_heads,
+            seq_len=self.seq_len, vocab_size=self.vocab_size, moe=self.shape(ep),
+            micro_batch_size=micro_batch_size, ffn_hidden=self.ffn_hidden, dtype=dtype,
+        )  # fmt: skip
+
+    def build(self) -> object:
+        """The same model as a `plait.models.MoEGPT` (fp32, on the CPU, no dropout)."""
+        from plait.models.moe import MoEConfig, MoEGPT
+
+        return MoEGPT(
+            MoEConfig(
+                vocab_size=self.vocab_size, seq_len=self.seq_len, num_layers=self.num_layers,
+                hidden=self.hidden, num_heads=self.num_heads, ffn_hidden=self.ffn_hidden or None,
+                num_experts=self.num_experts, top_k=self.top_k,
+                capacity_factor=self.capacity_factor or None, moe_every=self.moe_every,
+                shared_expert=self.shared_expert,
+            )
+        )  # fmt: skip

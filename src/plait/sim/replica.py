@@ -5,7 +5,8 @@ action costs its stage's FLOPs on the rank's device (`StageCost.times`, recomput
 tensor-parallel collectives included), a send costs latency + bytes/bandwidth on the link
 between the two ranks, a `REDUCE` the stage's gradient reduction over its data-parallel
 group (on the rank's reduction channel, overlapping whatever follows, as DDP's bucketed
-reduction does at stage granularity), an `UPDATE` the stage's optimizer step, and a weight
+reduction does at stage granularity; expert gradients over their expert-data-parallel
+group of dp / ep ranks, after the others), an `UPDATE` the stage's optimizer step, and a weight
 copy (`STASH`, `PREDICT`) a pass over the stage's parameters at memory bandwidth;
 `plait.schedule.replay` does the rest (program order, data dependencies, one message at a
 time per channel). A synchronous schedule is replayed as one window; an asynchronous one
@@ -33,9 +34,9 @@ from plait.cost import (
     Collective,
     StageCost,
     collective_time,
-    dp_sync_time,
-    model_state_bytes,
-    optimizer_step_time,
+    expert_state_bytes,
+    expert_sync_time,
+    moe_optimizer_step_time,
 )
 from plait.cost.compress import gradient_sync_time
 from plait.schedule import Action, Op, Replay, Schedule, Unrolled, replay, unroll, window_ends
@@ -93,6 +94,10 @@ class _Replica:
         self.ranks = [plan.global_rank(r, dp_rank) for r in range(plan.pp)]
         self.devices = [cluster.device(g) for g in self.ranks]
         self.dp_links = [cluster.group_link(plan.dp_group(r)) for r in range(plan.pp)]
+        # expert gradients and ZeRO shards live on the dp / ep ranks holding the same experts
+        self.edp_links = [
+            cluster.group_link(plan.expert_dp_group(r, dp_rank)) for r in range(plan.pp)
+        ]
         place = schedule.stage_to_rank
         self.times = [
             st.times(
@@ -115,23 +120,30 @@ class _Replica:
         return self.stages[stage].num_params * dtype_bytes(self.plan.dtype)
 
     def _zero3_gather(self, stage: int) -> float:
-        if self.plan.zero_stage < 3 or self.plan.dp == 1:
+        plan, st = self.plan, self.stages[stage]
+        if plan.zero_stage < 3 or plan.dp == 1:
             return 0.0
-        gather = Collective(kind="all_gather", num_bytes=self._param_bytes(stage))
-        link = self.dp_links[self.s.stage_to_rank[stage]]
-        return collective_time(gather, self.plan.dp, link)
+        width, rank = dtype_bytes(plan.dtype), self.s.stage_to_rank[stage]
+        rest = Collective(kind="all_gather", num_bytes=(st.num_params - st.expert_params) * width)
+        time = collective_time(rest, plan.dp, self.dp_links[rank])
+        if st.expert_params and plan.dp > plan.ep:
+            experts = Collective(kind="all_gather", num_bytes=st.expert_params * width)
+            time += collective_time(experts, plan.dp // plan.ep, self.edp_links[rank])
+        return time
 
     def _durations(self) -> dict[Op, list[float]]:
         t, g, place, plan = self.times, self.gather, self.s.stage_to_rank, self.plan
         n = len(self.stages)
         bandwidth = [self.devices[place[i]].memory_bandwidth_Bps for i in range(n)]
         update = [
-            optimizer_step_time(
+            moe_optimizer_step_time(
                 self.stages[i].num_params,
+                self.stages[i].expert_params,
                 self.devices[place[i]],
                 dtype=plan.dtype,
                 zero_stage=plan.zero_stage,
                 dp=plan.dp,
+                ep=plan.ep,
                 optimizer=plan.optimizer,
             )
             for i in range(n)
@@ -159,18 +171,28 @@ class _Replica:
         return {Op.SEND_F: forward, Op.SEND_B: backward}
 
     def dp_sync_time(self, stage: int) -> float:
-        """Gradient reduction of one stage over its data-parallel group (`dp_sync_time`)."""
-        link = self.dp_links[self.s.stage_to_rank[stage]]
-        if self.plan.compress != "none":
-            return gradient_sync_time(
-                self.plan.compress, self.stages[stage].num_params,
-                zero_stage=self.plan.zero_stage, dp=self.plan.dp, link=link,
-                device=self.devices[self.s.stage_to_rank[stage]],
-                param_bytes=dtype_bytes(self.plan.dtype),
+        """Gradient reduction of one stage: its non-expert gradients over the data-parallel
+        group, its expert gradients over the expert-data-parallel group (`expert_sync_time`)."""
+        plan, st, rank = self.plan, self.stages[stage], self.s.stage_to_rank[stage]
+        link = self.dp_links[rank]
+        if plan.compress != "none":
+            rest = st.num_params - st.expert_params
+            time = gradient_sync_time(
+                plan.compress, rest, zero_stage=plan.zero_stage, dp=plan.dp, link=link,
+                device=self.devices[rank], param_bytes=dtype_bytes(plan.dtype),
             )  # fmt: skip
-        return dp_sync_time(
-            self._param_bytes(stage), zero_stage=self.plan.zero_stage, dp=self.plan.dp, link=link
-        )
+            if st.expert_params and plan.dp > plan.ep:
+                time += gradient_sync_time(
+                    plan.compress, st.expert_params, zero_stage=plan.zero_stage,
+                    dp=plan.dp // plan.ep, link=self.edp_links[rank],
+                    device=self.devices[rank], param_bytes=dtype_bytes(plan.dtype),
+                )  # fmt: skip
+            return time
+        return expert_sync_time(
+            st.num_params, st.expert_params, param_bytes=dtype_bytes(plan.dtype),
+            zero_stage=plan.zero_stage, dp=plan.dp, ep=plan.ep, dp_link=link,
+            edp_link=self.edp_links[rank],
+        )  # fmt: skip
 
     def run(self) -> ReplicaRun:
         durations, transfers = self.durations, self.transfers
@@ -258,15 +280,17 @@ class _Replica:
     def _rank(self, rank: int, walk: _Walk, step: float) -> RankReport:
         mine = self.s.stages_of(rank)
         m = self.s.num_microbatches
+        ep_comm = m * sum(self.times[i].ep_comm_s for i in mine)
         tp_comm = m * sum(
             self.times[i].comm_forward_s + self.times[i].comm_backward_s + 2 * self.gather[i]
             for i in mine
         )
+        tp_comm -= ep_comm
         return RankReport(
             pp_rank=rank,
             global_rank=self.ranks[rank],
             device=self.devices[rank].name,
-            compute_s=walk.busy - tp_comm,
+            compute_s=walk.busy - tp_comm - ep_comm,
             tp_comm_s=tp_comm,
             p2p_s=walk.p2p,
             dp_comm_s=walk.reduce,
@@ -274,16 +298,19 @@ class _Replica:
             end_s=walk.end if self.num_windows == 1 else step,
             memory=self._memory(rank, mine, walk),
             capacity_bytes=float(self.devices[rank].memory_bytes),
+            ep_comm_s=ep_comm,
         )
 
     def _memory(self, rank: int, mine: list[int], walk: _Walk) -> MemoryUse:
         plan = self.plan
         params = sum(self.stages[i].num_params for i in mine)
-        state = model_state_bytes(
+        state = expert_state_bytes(
             params,
+            sum(self.stages[i].expert_params for i in mine),
             dtype=plan.dtype,
             zero_stage=plan.zero_stage,
             dp=plan.dp,
+            ep=plan.ep,
             optimizer=plan.optimizer,
         )
         transient = max(self.stages[i].transient_bytes(plan.recompute) for i in mine)
@@ -323,6 +350,9 @@ def signature(cluster: Cluster, plan: SimPlan, dp_rank: int) -> tuple[object, ..
     devices: list[Device] = [cluster.device(g) for g in ranks]
     links: list[Link] = [cluster.group_link(plan.tp_group(r, dp_rank)) for r in range(plan.pp)]
     links += [cluster.link(ranks[r], ranks[(r + 1) % plan.pp]) for r in range(plan.pp)]
+    if plan.ep > 1:  # the token all-to-all and the expert gradients' groups
+        links += [cluster.group_link(plan.ep_group(r, dp_rank)) for r in range(plan.pp)]
+        links += [cluster.group_link(plan.expert_dp_group(r, dp_rank)) for r in range(plan.pp)]
     shared = _sharing(cluster, plan, dp_rank) if cluster.shares_processors else None
     return (*devices, *links, shared)
 

@@ -62,17 +62,19 @@ class RankReport:
     global_rank: int  # of its first tensor- and data-parallel replica
     device: str
     compute_s: float  # forward and backward work, recomputation included
-    tp_comm_s: float  # collectives inside blocks (and ZeRO-3 gathers), on the critical path
+    # tensor-parallel collectives inside blocks (and ZeRO-3 gathers), on the critical path
+    tp_comm_s: float
     p2p_s: float  # time this rank's sends occupy their channels (overlapped with compute)
     dp_comm_s: float  # gradient reduction, overlapped with later backwards where possible
     optimizer_s: float
     end_s: float  # when this rank's optimizer step ends
     memory: MemoryUse
     capacity_bytes: float
+    ep_comm_s: float = 0.0  # the experts' token all-to-alls, on the critical path
 
     @property
     def comm_s(self) -> float:
-        return self.tp_comm_s + self.p2p_s + self.dp_comm_s
+        return self.tp_comm_s + self.p2p_s + self.dp_comm_s + self.ep_comm_s
 
 
 @dataclass(frozen=True)
@@ -122,6 +124,13 @@ class SimResult:
     @property
     def fits(self) -> bool:
         return not self.overflows
+
+    @property
+    def all_to_all_share(self) -> float:
+        """The mean share of the step a pipeline rank spends in the experts' all-to-alls."""
+        if self.step_time_s <= 0:
+            return 0.0
+        return sum(r.ep_comm_s for r in self.ranks) / (len(self.ranks) * self.step_time_s)
 
     @property
     def peak_memory_bytes(self) -> tuple[float, ...]:

@@ -1,0 +1,125 @@
+"""The mixture-of-experts flags that `profile`, `plan` and `simulate` share, and their checks."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from plait.profile import GPTSpec, MoESpec
+
+__all__ = [
+    "add_expert_arguments",
+    "check_ep",
+    "check_expert_flags",
+    "model_value",
+    "moe_spec_from_args",
+]
+
+# moe-gpt's flags (ModelConfig's fields; `--imbalance` is the cost model's alone): None
+# when not given, so that a dense GPT can refuse them by name
+_MOE_FLAGS = {
+    "experts": "--experts", "top_k": "--top-k", "capacity_factor": "--capacity-factor",
+    "moe_every": "--moe-every", "shared_expert": "--shared-expert", "imbalance": "--imbalance",
+}  # fmt: skip
+
+
+def add_expert_arguments(p: argparse.ArgumentParser) -> None:
+    """moe-gpt's model flags; their defaults are `plait train`'s (`ModelConfig`)."""
+    from plait.config import ModelConfig
+
+    m = ModelConfig()
+    a = p.add_argument
+    a("--experts", type=int, help=f"moe-gpt: experts per MoE layer ({m.experts})")
+    a("--top-k", type=int, dest="top_k", help=f"moe-gpt: experts per token ({m.top_k})")
+    a(
+        "--capacity-factor",
+        type=float,
+        dest="capacity_factor",
+        help=f"moe-gpt: expert capacity over the mean load; 0: dropless ({m.capacity_factor})",
+    )
+    a(
+        "--moe-every",
+        type=int,
+        dest="moe_every",
+        help=f"moe-gpt: every k-th layer is a MoE layer ({m.moe_every})",
+    )
+    a(
+        "--shared-expert",
+        action="store_true",
+        default=None,
+        dest="shared_expert",
+        help="moe-gpt: a dense FFN every token also passes through",
+    )
+    a("--imbalance", type=float,
+      help="moe-gpt: the busiest expert's load over the mean that the cost model assumes "
+      "(1.0: balanced routing, the default)")  # fmt: skip
+
+
+def check_expert_flags(args: argparse.Namespace) -> None:
+    """A model without experts refuses the expert flags by name."""
+    given = [f for k, f in _MOE_FLAGS.items() if getattr(args, k, None) is not None]
+    if getattr(args, "model", "gpt") != "moe-gpt" and given:
+        raise ValueError(f"{given[0]} applies to --model moe-gpt only: add it, or drop {given[0]}")
+
+
+def moe_spec_from_args(args: argparse.Namespace) -> MoESpec:
+    """The MoE-GPT the model flags describe (flags not given: `plait train`'s defaults)."""
+    from plait.config import ModelConfig
+
+    m = ModelConfig()
+
+    def value(name: str, default: object) -> Any:
+        given = getattr(args, name, None)
+        return default if given is None else given
+
+    return MoESpec(
+        num_layers=args.layers, hidden=args.hidden, num_heads=args.heads,
+        seq_len=args.seq_len, vocab_size=args.vocab, ffn_hidden=args.ffn_hidden,
+        num_experts=value("experts", m.experts), top_k=value("top_k", m.top_k),
+        capacity_factor=value("capacity_factor", m.capacity_factor),
+        moe_every=value("moe_every", m.moe_every),
+        shared_expert=value("shared_expert", m.shared_expert),
+        imbalance=value("imbalance", 1.0),
+    )  # fmt: skip
+
+
+def check_ep(args: argparse.Namespace, spec: GPTSpec) -> None:
+    """Expert parallelism needs experts, dp ranks to borrow and experts to share out."""
+    if not isinstance(spec, MoESpec):
+        if args.ep != 1:
+            raise ValueError(f"--ep {args.ep} needs a model with experts: add --model moe-gpt")
+        return
+    if args.tp != 1 or args.sequence_parallel:
+        raise ValueError(
+            f"--tp {args.tp} with --model moe-gpt, which has no tensor-parallel plan yet: "
+            "use --tp 1 (spread the experts with --ep)"
+        )
+    if args.dp % args.ep:
+        raise ValueError(
+            f"--ep {args.ep} does not divide --dp {args.dp}: expert parallelism borrows "
+            "data-parallel ranks; use an ep dividing dp"
+        )
+    if spec.num_experts % args.ep:
+        raise ValueError(
+            f"--ep {args.ep} does not divide --experts {spec.num_experts}: every rank of an "
+            "ep group holds as many experts; use an ep dividing the experts"
+        )
+
+
+def model_value(key: str, value: Any) -> Any:
+    """A plan file's model entry, of the kind its flag takes (a file is no argparse)."""
+    from plait.cli.profile import MODELS
+
+    if key == "name":
+        if value not in MODELS:
+            raise ValueError(f"plan file: model.name={value!r} is unknown; use one of {MODELS}")
+        return value
+    if key == "shared_expert":
+        ok = isinstance(value, bool)
+    elif key in ("capacity_factor", "imbalance"):
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    if not ok:
+        raise ValueError(f"plan file: model.{key}={value!r} is not a valid {key}")
+    return value

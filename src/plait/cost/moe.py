@@ -1,0 +1,243 @@
+"""Analytic per-block costs of a mixture-of-experts GPT (`plait.models.MoEGPT`), per rank.
+
+A MoE layer is a GPT layer whose MLP is replaced by a router and `E` expert FFNs, of which
+each token visits `k` (Shazeer et al. 2017; Switch, Fedus et al. 2021, k = 1; GShard,
+Lepikhin et al. 2020, k = 2), plus optionally a shared FFN every token passes through
+(DeepSeekMoE, Dai et al. 2024). Layer i is a MoE layer when (i + 1) % moe_every == 0, dense
+(`plait.cost.transformer`) otherwise. FLOPs per micro-batch of T = b·s tokens, a GEMM
+counting 2 FLOPs per multiply-add as Narayanan et al. (2021) do:
+
+- attention as in a dense layer: 8·T·h² + 4·T·s·h;
+- router: 2·T·h·E (a linear gate without bias);
+- experts: 4·h·f per token copy, T·k·ρ copies on a rank, where ρ = min(imbalance, c) with
+  `imbalance` the busiest expert's load over the mean (1.0: balanced) and c the capacity
+  factor (0: dropless, ρ = imbalance). How this is modelled: the all-to-all makes the
+  ranks of an ep group wait for one another, so every rank is charged the busiest
+  expert's load for each of its E/ep experts, which receive T·k/E copies each from each of
+  the ep ranks on average: T·k·ρ copies per rank, whatever ep. Capacity caps the busiest
+  expert at c × the mean; the copies over it are dropped (they cost nothing and the
+  residual carries them). With ep < E this is an upper bound (the busiest expert's
+  neighbours on its rank are charged its load too);
+- shared expert: 4·T·h·f;
+- backward: twice the forward, the weight gradients one forward of the weighted GEMMs.
+
+Parameters: attention (4h² + 4h), two layer norms (4h), router (h·E), the E/ep experts
+this rank holds ((E/ep)·(2hf + f + h), `expert_params`) and the shared expert (2hf + f + h).
+
+Activations kept for the backward (Korthikanti et al. 2022's accounting, 16-bit): the
+attention half of a layer and its norms, s·b·h·(16 + 5·a·s/h) (scaled by width/2); then the
+router's input (T·h·width), its fp32 logits and probabilities (8·T·E), and per dispatched
+copy its input and output (2·h·width), the expert's GeLU input and output (2·f·width) and
+its token index and gate (12 bytes); the shared expert's GeLU input and output (2·T·f·width).
+Selective recomputation drops the 5·a·s/h term, full recomputation keeps the layer input.
+
+Expert parallelism (ep > 1): four all-to-alls per micro-batch over the ep group (axis
+"ep"): dispatch and combine forward, their gradients backward, each of a T·k·h·width send
+buffer, of which a rank keeps 1/ep (`plait.cost.comm.all_to_all_time`).
+
+Limits: no tensor parallelism for MoE layers (as the model has none); the load is the
+same on every layer and micro-batch; routing's sort and scatter count no FLOPs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from plait.cluster import Device, Link
+from plait.cost.blocks import BlockCost
+from plait.cost.comm import Collective, dp_sync_time
+from plait.cost.memory import ModelState, Optimizer, model_state_bytes, optimizer_step_time
+from plait.cost.transformer import TransformerShape, transformer_block_costs
+
+__all__ = [
+    "MoEShape",
+    "expert_state_bytes",
+    "expert_sync_time",
+    "moe_block_costs",
+    "moe_optimizer_step_time",
+]
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoEShape:
+    """The experts of a MoE-GPT and how they are spread over `ep` ranks."""
+
+    num_experts: int
+    top_k: int = 2
+    capacity_factor: float = 1.25  # 0: dropless
+    moe_every: int = 2
+    shared_expert: bool = False
+    imbalance: float = 1.0  # the busiest expert's load over the mean
+    ep: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("num_experts", "top_k", "moe_every", "ep"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an integer >= 1")
+        if self.top_k > self.num_experts:
+            raise ValueError(
+                f"top_k={self.top_k} exceeds num_experts={self.num_experts}: use top_k <= experts"
+            )
+        if not self.capacity_factor >= 0:
+            raise ValueError(f"capacity_factor={self.capacity_factor} must be >= 0 (0: dropless)")
+        if not self.imbalance >= 1:
+            raise ValueError(
+                f"imbalance={self.imbalance} must be >= 1: it is the busiest expert's load "
+                "over the mean (1.0: perfectly balanced)"
+            )
+        if self.num_experts % self.ep:
+            raise ValueError(
+                f"ep={self.ep} does not divide num_experts={self.num_experts}: each of the ep "
+                "ranks holds the same number of experts; choose ep dividing the experts"
+            )
+
+    @property
+    def load(self) -> float:
+        """ρ: token copies per rank over T·k, capped by the capacity factor."""
+        if self.capacity_factor > 0:
+            return min(self.imbalance, self.capacity_factor)
+        return self.imbalance
+
+    def is_moe(self, layer_index: int) -> bool:
+        return (layer_index + 1) % self.moe_every == 0
+
+
+def _ffn_params(h: int, f: int) -> int:
+    return 2 * h * f + f + h  # two GEMMs and their biases
+
+
+def _moe_layer(shape: TransformerShape, moe: MoEShape, index: int) -> BlockCost:
+    t, h, f, s = shape.tokens, shape.hidden, shape.ffn_hidden, shape.seq_len
+    width, e, k = shape.width, moe.num_experts, moe.top_k
+    copies = t * k * moe.load
+    shared = 1 if moe.shared_expert else 0
+    weighted = 8 * t * h * h + 2 * t * h * e + 4 * h * f * copies + shared * 4 * t * h * f
+    attention = 4 * t * s * h
+    experts = e // moe.ep * _ffn_params(h, f)
+    router = width * t * h + 8 * t * e + copies * (2 * h * width + 2 * f * width + 12)
+    ffn_bytes = router + shared * 2 * t * f * width
+    scale = width / 2
+    attn_bytes = scale * t * h * 16
+    full = scale * t * h * (16 + 5 * shape.num_heads * s / h) + ffn_bytes
+    a2a = Collective(kind="all_to_all", num_bytes=t * k * h * width, axis="ep")
+    comm = (a2a, a2a) if moe.ep > 1 else ()
+    return BlockCost(
+        name=f"layer{index}",
+        forward_flops=weighted + attention,
+        backward_input_flops=weighted + 2 * attention,
+        backward_weight_flops=weighted,
+        activation_bytes=t * h * width,
+        saved_bytes=full,
+        saved_bytes_selective=attn_bytes + ffn_bytes,
+        selective_recompute_flops=attention,
+        saved_bytes_recompute=scale * 2 * t * h,
+        num_params=4 * h * h + 8 * h + h * e + experts + shared * _ffn_params(h, f),
+        expert_params=experts,
+        forward_comm=comm,
+        backward_comm=comm,
+    )
+
+
+def moe_block_costs(
+    *,
+    num_layers: int,
+    hidden: int,
+    num_heads: int,
+    seq_len: int,
+    vocab_size: int,
+    moe: MoEShape,
+    micro_batch_size: int = 1,
+    ffn_hidden: int = 0,
+    dtype: str = "bf16",
+) -> list[BlockCost]:
+    """The blocks of a MoE-GPT per micro-batch on one rank of an ep group: `embedding`,
+    `layer0` ... `layer{L-1}` (MoE or dense by `moe.moe_every`), `head`."""
+    dense = transformer_block_costs(
+        num_layers=num_layers, hidden=hidden, num_heads=num_heads, seq_len=seq_len,
+        vocab_size=vocab_size, micro_batch_size=micro_batch_size, ffn_hidden=ffn_hidden,
+        dtype=dtype,
+    )  # fmt: skip
+    shape = TransformerShape(
+        num_layers=num_layers, hidden=hidden, num_heads=num_heads, seq_len=seq_len,
+        vocab_size=vocab_size, micro_batch_size=micro_batch_size, ffn_hidden=ffn_hidden,
+        dtype=dtype,
+    )  # fmt: skip
+    layers = [
+        _moe_layer(shape, moe, i) if moe.is_moe(i) else dense[1 + i] for i in range(num_layers)
+    ]
+    return [dense[0], *layers, dense[-1]]
+
+
+def expert_state_bytes(
+    num_params: float,
+    expert_params: float,
+    *,
+    dtype: str = "bf16",
+    zero_stage: int = 0,
+    dp: int = 1,
+    ep: int = 1,
+    optimizer: Optimizer = "adam",
+) -> ModelState:
+    """Model state of a rank holding `num_params` parameters of which `expert_params` are
+    its experts': ZeRO shards the others over dp ranks, the experts over the dp / ep ranks
+    that hold the same experts (`model_state_bytes` for each part)."""
+    rest = model_state_bytes(
+        num_params - expert_params, dtype=dtype, zero_stage=zero_stage, dp=dp, optimizer=optimizer
+    )
+    if not expert_params:
+        return rest
+    experts = model_state_bytes(
+        expert_params, dtype=dtype, zero_stage=zero_stage, dp=dp // ep, optimizer=optimizer
+    )
+    return ModelState(
+        rest.params + experts.params, rest.grads + experts.grads, rest.optimizer + experts.optimizer
+    )
+
+
+def expert_sync_time(
+    num_params: float,
+    expert_params: float,
+    *,
+    param_bytes: int,
+    zero_stage: int,
+    dp: int,
+    ep: int,
+    dp_link: Link,
+    edp_link: Link,
+) -> float:
+    """Gradient reduction of a stage: the non-expert gradients over dp ranks on `dp_link`,
+    then the expert gradients over the dp / ep ranks holding the same experts on
+    `edp_link` (`dp_sync_time` for each)."""
+    rest = dp_sync_time(
+        (num_params - expert_params) * param_bytes, zero_stage=zero_stage, dp=dp, link=dp_link
+    )
+    if not expert_params:
+        return rest
+    return rest + dp_sync_time(
+        expert_params * param_bytes, zero_stage=zero_stage, dp=dp // ep, link=edp_link
+    )
+
+
+def moe_optimizer_step_time(
+    num_params: float,
+    expert_params: float,
+    device: Device,
+    *,
+    dtype: str = "bf16",
+    zero_stage: int = 0,
+    dp: int = 1,
+    ep: int = 1,
+    optimizer: Optimizer = "adam",
+) -> float:
+    """`optimizer_step_time` of the non-expert shard over dp plus the expert shard over dp/ep."""
+    rest = optimizer_step_time(
+        num_params - expert_params, device, dtype=dtype, zero_stage=zero_stage, dp=dp,
+        optimizer=optimizer,
+    )  # fmt: skip
+    if not expert_params:
+        return rest
+    return rest + optimizer_step_time(
+        expert_params, device, dtype=dtype, zero_stage=zero_stage, dp=dp // ep,
+        optimizer=optimizer,
+    )  # fmt: skip
