@@ -334,6 +334,11 @@ class ParallelPlan:
         self._check_asynchronous()
         self._check_compression()
         check_ep(self.ep, self.dp)
+        if self.ep > 1:  # what the runtime cannot combine with experts spread yet
+            from plait.parallel.experts import check_expert_plan
+
+            check_expert_plan(ep=self.ep, zero=self.zero, compress=self.compress,
+                              schedule=self.schedule)  # fmt: skip
         check_rank_order(self.rank_order)
         if self.partition is not None:
             object.__setattr__(self, "partition", tuple(self.partition))

@@ -60,7 +60,9 @@ __all__ = [
     "ExpertExchange",
     "bench_expert_parallel",
     "check_expert_parallel",
+    "check_expert_plan",
     "expert_grad_scale",
+    "expert_param_names",
     "expert_params",
     "reduce_expert_grads",
     "shard_experts",
@@ -74,6 +76,39 @@ def check_expert_parallel(num_experts: int, ep: int) -> None:
         raise ValueError(
             f"num_experts={num_experts} cannot be split over ep={ep} ranks: use an ep that "
             f"divides it ({', '.join(map(str, divisors))}) or a multiple of ep experts"
+        )
+
+
+def check_expert_plan(*, ep: int, zero: int, compress: str, schedule: str) -> None:
+    """Raise ValueError for what the runtime cannot yet combine with ep > 1 (nothing at ep=1).
+
+    - ZeRO: ZeRO-1 (torch's ZeroRedundancyOptimizer) and FSDP2 (ZeRO-2/3) shard over one
+      data-parallel group and broadcast or reduce-scatter every parameter over it, which
+      would mix the different experts of an ep group's ranks;
+    - gradient compression: a communication hook reduces over one group, while expert
+      gradients are reduced over their replica group (`plait.parallel.data.GradReducer`);
+    - zero-bubble schedules run the weight half of a backward apart from the input half,
+      and the all-to-all's backward would have to be placed in one of them on every rank
+      alike: not done yet.
+    """
+    if ep == 1:
+        return
+    if zero:
+        raise ValueError(
+            f"zero={zero} with ep={ep} is not supported yet: ZeRO shards every parameter over "
+            "all data-parallel ranks, whose experts differ; use zero=0"
+        )
+    if compress != "none":
+        raise ValueError(
+            f"compress={compress!r} with ep={ep} is not supported yet: a compression hook "
+            "reduces over one group, expert gradients over their replicas; use compress=none"
+        )
+    from plait.schedule.registry import schedule_kind
+
+    if schedule_kind(schedule).split_backward:
+        raise ValueError(
+            f"schedule={schedule!r} with ep={ep} is not supported yet: it splits each backward "
+            "into input and weight halves around the experts' all-to-all; use 1f1b or gpipe"
         )
 
 
@@ -165,6 +200,14 @@ def expert_params(model: nn.Module) -> list[nn.Parameter]:
     """The parameters of every `Experts` module in `model`: the ones whose gradients are
     reduced over their replica group rather than over all data-parallel ranks."""
     return [p for m in model.modules() if isinstance(m, Experts) for p in m.parameters()]
+
+
+def expert_param_names(model: nn.Module) -> list[str]:
+    """The names of `expert_params(model)` as its state dict has them, without the prefix
+    activation recomputation's wrapper adds (as torch's `get_model_state_dict` gives them)."""
+    ids = {id(p) for p in expert_params(model)}
+    return [n.replace("_checkpoint_wrapped_module.", "")
+            for n, p in model.named_parameters() if id(p) in ids]  # fmt: skip
 
 
 def expert_grad_scale(ep: int) -> float:
