@@ -152,3 +152,69 @@ def test_unsupported_with_ep_is_refused(
     args = ["train", "--model", "moe-gpt", "--dp", "2", "--pp", "1", "--ep", "2", *extra]
     assert main(args) != 0
     assert named in capsys.readouterr().err
+
+
+def _engine_world(rank: int, world: int, out: str, clip: float) -> None:
+    """One clipped training step, an evaluation and the gathered model under dp=2, pp=2,
+    ep=2 (1F1B), written to `out` by rank 0."""
+    from plait.config import ParallelPlan
+    from plait.data import SyntheticTokens
+    from plait.models import MoEGPT
+    from plait.train.engine import parallelize
+    from plait.train.task import Task, gathered_model
+
+    plan = ParallelPlan(dp=2, pp=2, ep=2, microbatches=M, schedule="1f1b")
+    engine = parallelize(_model(1.0), plan, lambda ps: torch.optim.SGD(ps, lr=LR), MoEGPT.loss,
+                         device="cpu", grad_clip=clip)  # fmt: skip
+    data = SyntheticTokens(vocab=64, seq_len=32, size=4096, seed=0)
+    report = engine.step(data.batch(0, BATCH))
+    evaluated = engine.evaluate(data.batch(1, BATCH))
+    task = Task(build=lambda: _model(1.0), batch=data.batch, loss=MoEGPT.loss)
+    full = gathered_model(engine, task, None, rank)
+    if full is not None:
+        state = {k: v.clone() for k, v in full.state_dict().items()}
+        torch.save({"loss": report.loss, "norm": report.grad_norm, "eval": evaluated.loss,
+                    "samples": evaluated.samples, "state": state}, out)  # fmt: skip
+
+
+def test_engine_clips_evaluates_and_gathers_under_ep(tmp_path: Path) -> None:
+    """The global gradient norm counts every expert once (clipped to a third of it), the
+    evaluation runs every forward on every ep rank, and rank 0's gathered model holds
+    every expert whole: all as one process computes them."""
+    from plait.data import SyntheticTokens
+    from tests.dist.harness import run_world
+
+    data = SyntheticTokens(vocab=64, seq_len=32, size=4096, seed=0)
+    model = _model(1.0)
+    ids, targets = data.batch(0, BATCH)
+    pieces = 2 * M
+    loss = sum(
+        F.cross_entropy(logits.reshape(-1, 64), y.flatten()) + carried[0]
+        for x, y in zip(ids.chunk(pieces), targets.chunk(pieces), strict=True)
+        for logits, carried in [model(x)]
+    ) / pieces
+    loss.backward()  # type: ignore[union-attr]
+    norm = float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]))  # type: ignore[misc]
+    clip = norm / 3
+    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= LR * p.grad  # type: ignore[operator]
+        ids, targets = data.batch(1, BATCH)
+        evaluated = sum(
+            F.cross_entropy(logits.reshape(-1, 64), y.flatten()) + carried[0]
+            for x, y in zip(ids.chunk(pieces), targets.chunk(pieces), strict=True)
+            for logits, carried in [model(x)]
+        ) / pieces
+
+    out = tmp_path / "engine.pt"
+    run_world(tmp_path, 4, _engine_world, str(out), clip)
+    found = torch.load(out)
+    torch.testing.assert_close(found["loss"], float(loss.detach()), **TOL)  # type: ignore[union-attr]
+    torch.testing.assert_close(found["norm"], norm, **TOL)
+    torch.testing.assert_close(found["eval"], float(evaluated), **TOL)  # type: ignore[arg-type]
+    assert found["samples"] == BATCH
+    reference = model.state_dict()
+    assert set(found["state"]) == set(reference)
+    for name, value in reference.items():
+        torch.testing.assert_close(found["state"][name], value, **TOL, msg=name)
