@@ -86,10 +86,11 @@ def check_expert_plan(*, ep: int, zero: int, compress: str, schedule: str) -> No
       data-parallel group and broadcast or reduce-scatter every parameter over it, which
       would mix the different experts of an ep group's ranks;
     - gradient compression: a communication hook reduces over one group, while expert
-      gradients are reduced over their replica group (`plait.parallel.data.GradReducer`);
-    - zero-bubble schedules run the weight half of a backward apart from the input half,
-      and the all-to-all's backward would have to be placed in one of them on every rank
-      alike: not done yet.
+      gradients are reduced over their replica group (`plait.parallel.data.GradReducer`).
+
+    Zero-bubble schedules need nothing: the all-to-all's backward lies on the path from
+    the outputs to the inputs, so it runs in the input half, and the ranks of an ep group
+    (one pipeline rank) run the same program, so their collectives pair up in order.
     """
     if ep == 1:
         return
@@ -102,13 +103,6 @@ def check_expert_plan(*, ep: int, zero: int, compress: str, schedule: str) -> No
         raise ValueError(
             f"compress={compress!r} with ep={ep} is not supported yet: a compression hook "
             "reduces over one group, expert gradients over their replicas; use compress=none"
-        )
-    from plait.schedule.registry import schedule_kind
-
-    if schedule_kind(schedule).split_backward:
-        raise ValueError(
-            f"schedule={schedule!r} with ep={ep} is not supported yet: it splits each backward "
-            "into input and weight halves around the experts' all-to-all; use 1f1b or gpipe"
         )
 
 
