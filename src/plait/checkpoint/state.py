@@ -148,11 +148,12 @@ def load_engine_state(engine: Engine, state: Mapping[str, Any], *, same_world: b
     for s, stage in engine.stages.items():
         rename = _renamer(engine.block_names, _first_block(stage))
         ours = {key: rename(key) for key in get_model_state_dict(stage)}
-        values = {key: _local_slice(state["model"][name]) for key, name in ours.items()}
+        own = get_model_state_dict(stage)
+        values = {key: _local_slice(state["model"][ours[key]], own[key]) for key in ours}
         set_model_state_dict(stage, values)
         inner = _inner(engine.optimizers[s])
         keys = get_optimizer_state_dict(stage, inner, options=_OPTIONS)
-        values = {key: _local_slice(state["optim"][rename(key)]) for key in keys}
+        values = {key: _local_slice(state["optim"][rename(key)], keys[key]) for key in keys}
         set_optimizer_state_dict(stage, inner, values, options=_OPTIONS)
     rank = f"rank{torch.distributed.get_rank()}"
     if same_world and rank in state.get("rng", {}):
@@ -193,17 +194,27 @@ def _expert_slices(engine: Engine, stage: nn.Module) -> Any:
     def whole(key: str, value: Any) -> Any:
         name = key.removeprefix("state.").rsplit(".", 1)[0] if key.startswith("state.") else key
         if name in names and isinstance(value, torch.Tensor) and value.dim() > 0:
+            if isinstance(value, DTensor):  # ZeRO-2/3 shards it over the expert's replicas
+                value = value.full_tensor()
             return DTensor.from_local(value, mesh, [Shard(0)], run_check=False)
         return value
 
     return whole
 
 
-def _local_slice(value: Any) -> Any:
+def _local_slice(value: Any, like: Any) -> Any:
     """An expert tensor's slice back from the DTensor `_expert_slices` made of it (DCP
-    loaded this rank's rows into it); other values unchanged."""
+    loaded this rank's rows into it), laid out as `like` (the stage's own value: sharded
+    again over the expert's replicas under ZeRO-2/3); other values unchanged."""
     names = getattr(getattr(value, "device_mesh", None), "mesh_dim_names", None)
-    return value.to_local() if names == ("ep",) else value
+    if names != ("ep",):
+        return value
+    local = value.to_local()
+    if hasattr(like, "device_mesh"):  # every replica holds the whole slice: no transfer
+        from torch.distributed.tensor import distribute_tensor
+
+        return distribute_tensor(local, like.device_mesh, like.placements, src_data_rank=None)
+    return local
 
 
 def _first_block(stage: nn.Module) -> int:

@@ -454,11 +454,13 @@ def parallelize(
     grad_sync: GradSync | None = None
     if plan.zero >= 2:
         reduce = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(plan.compress)
+        edp = meshes.expert["edp"] if meshes.expert is not None else None
         sharded = {
-            s: apply_fsdp(m, mesh["dp"], zero=plan.zero, reduce_dtype=reduce)
+            s: apply_fsdp(m, mesh["dp"], zero=plan.zero, reduce_dtype=reduce, expert_mesh=edp)
             for s, m in stages.items()
         }
-        grad_sync = FSDPGradSync(sharded)
+        scaled = {s: expert_params(m) for s, m in stages.items()} if edp is not None else None
+        grad_sync = FSDPGradSync(sharded, scaled=scaled, scale=expert_grad_scale(plan.ep))
     elif plan.dp > 1:
         per_stage = {s: list(m.parameters()) for s, m in stages.items()}
         group = mesh.get_group("dp")
