@@ -17,6 +17,12 @@ so is gradient compression's state (error-feedback residuals, PowerSGD's factors
 count), and only under the same compression and buckets too: otherwise, or when the
 checkpoint lacks it, it starts afresh (PowerSGD with its plain all-reduce steps).
 An asynchronous stream is drained before a save, so no stashed weight version exists then.
+
+Under expert parallelism each rank of an ep group holds a slice of every expert tensor
+(`plait.parallel.experts.shard_experts`: experts [r·E/ep, (r+1)·E/ep) on ep rank r) under
+the same name. Those tensors, and their optimizer state, are saved as DTensors sharded on
+dim 0 over the ep group, so the checkpoint holds each whole [E, ...] tensor under its
+global name and loads under another ep (or none) like any sharded tensor.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from plait.blocks import as_blocks
+from plait.parallel.experts import expert_param_names
 
 if TYPE_CHECKING:
     from plait.train.engine import Engine
@@ -86,11 +93,12 @@ def engine_state(engine: Engine, *, for_load: bool = False) -> dict[str, Any]:
     optim: dict[str, Any] = {}
     for s, stage in engine.stages.items():
         rename = _renamer(engine.block_names, _first_block(stage))
+        whole = _expert_slices(engine, stage)
         for key, tensor in get_model_state_dict(stage).items():
-            model[rename(key)] = tensor
+            model[rename(key)] = whole(key, tensor)
         inner = _inner(engine.optimizers[s])
         for key, entry in get_optimizer_state_dict(stage, inner, options=_OPTIONS).items():
-            optim[rename(key)] = entry
+            optim[rename(key)] = whole(key, entry)
     rank = torch.distributed.get_rank()
     state = {"model": model, "optim": optim, "rng": {f"rank{rank}": torch.get_rng_state()}}
     comm = _comm_state(engine, for_load=for_load)
@@ -140,10 +148,12 @@ def load_engine_state(engine: Engine, state: Mapping[str, Any], *, same_world: b
     for s, stage in engine.stages.items():
         rename = _renamer(engine.block_names, _first_block(stage))
         ours = {key: rename(key) for key in get_model_state_dict(stage)}
-        set_model_state_dict(stage, {key: state["model"][name] for key, name in ours.items()})
+        own = get_model_state_dict(stage)
+        values = {key: _local_slice(state["model"][ours[key]], own[key]) for key in ours}
+        set_model_state_dict(stage, values)
         inner = _inner(engine.optimizers[s])
         keys = get_optimizer_state_dict(stage, inner, options=_OPTIONS)
-        values = {key: state["optim"][rename(key)] for key in keys}
+        values = {key: _local_slice(state["optim"][rename(key)], keys[key]) for key in keys}
         set_optimizer_state_dict(stage, inner, values, options=_OPTIONS)
     rank = f"rank{torch.distributed.get_rank()}"
     if same_world and rank in state.get("rng", {}):
@@ -169,6 +179,42 @@ def _load_comm(engine: Engine, comm: Mapping[str, Any], rank: str) -> None:
                       "it starts afresh", file=sys.stderr, flush=True)  # fmt: skip
         else:
             hook_state.residuals[int(index)] = value.clone()  # type: ignore[union-attr]
+
+
+def _expert_slices(engine: Engine, stage: nn.Module) -> Any:
+    """(stage key, value) -> the value, as a DTensor sharded on dim 0 over the ep group
+    when it is an expert tensor's slice (the parameter or its optimizer state)."""
+    expert = engine.meshes.expert
+    if expert is None:
+        return lambda key, value: value
+    from torch.distributed.tensor import DTensor, Shard
+
+    names, mesh = set(expert_param_names(stage)), expert["ep"]
+
+    def whole(key: str, value: Any) -> Any:
+        name = key.removeprefix("state.").rsplit(".", 1)[0] if key.startswith("state.") else key
+        if name in names and isinstance(value, torch.Tensor) and value.dim() > 0:
+            if isinstance(value, DTensor):  # ZeRO-2/3 shards it over the expert's replicas
+                value = value.full_tensor()
+            return DTensor.from_local(value, mesh, [Shard(0)], run_check=False)
+        return value
+
+    return whole
+
+
+def _local_slice(value: Any, like: Any) -> Any:
+    """An expert tensor's slice back from the DTensor `_expert_slices` made of it (DCP
+    loaded this rank's rows into it), laid out as `like` (the stage's own value: sharded
+    again over the expert's replicas under ZeRO-2/3); other values unchanged."""
+    names = getattr(getattr(value, "device_mesh", None), "mesh_dim_names", None)
+    if names != ("ep",):
+        return value
+    local = value.to_local()
+    if hasattr(like, "device_mesh"):  # every replica holds the whole slice: no transfer
+        from torch.distributed.tensor import distribute_tensor
+
+        return distribute_tensor(local, like.device_mesh, like.placements, src_data_rank=None)
+    return local
 
 
 def _first_block(stage: nn.Module) -> int:

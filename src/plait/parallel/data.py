@@ -55,7 +55,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 class _Bucket:
     params: list[nn.Parameter]
     group: Any = None  # the process group its parameters are averaged over
-    world: int = 1  # that group's size, the divisor of the average
+    world: float = 1  # the divisor: its group's size (÷ `group_scale` for other groups)
     index: int = 0  # unique over the reducer's stages: a hook's state is keyed by it
     ready: int = 0
     queued: bool = False  # complete, waiting for its hook (hooks run at `finish`)
@@ -111,7 +111,9 @@ class GradReducer:
 
     `param_groups` gives some parameters another group (expert parameters: the ranks that
     hold the same experts, `plait.mesh.Meshes.expert_dp_group`); each is averaged over its
-    own group (divided by that group's size), in buckets that never mix groups.
+    own group (divided by that group's size), in buckets that never mix groups, and then
+    multiplied by `group_scale` (expert parameters: `plait.parallel.experts.
+    expert_grad_scale`, so that they are summed over their replicas and divided by dp).
     """
 
     def __init__(
@@ -120,6 +122,7 @@ class GradReducer:
         group: dist.ProcessGroup,
         *,
         param_groups: Mapping[nn.Parameter, dist.ProcessGroup] | None = None,
+        group_scale: float = 1.0,
         bucket_bytes: int = 25 * 2**20,
         timeout_s: float | None = DEFAULT_TIMEOUT_S,
         hook: Any = None,
@@ -150,7 +153,8 @@ class GradReducer:
             first = min(bucket_bytes, _FIRST_BUCKET_BYTES) if overlap else bucket_bytes
             for g, members in _by_group(list(reversed(trainable)), chosen, group):
                 for bucket in _make_buckets(members, bucket_bytes, first):
-                    bucket.group, bucket.world = g, dist.get_world_size(g)
+                    scale = 1.0 if g is group else group_scale
+                    bucket.group, bucket.world = g, dist.get_world_size(g) / scale
                     buckets.append(bucket)
             state = _StageBuckets(buckets)
             for bucket in buckets:

@@ -60,7 +60,9 @@ __all__ = [
     "ExpertExchange",
     "bench_expert_parallel",
     "check_expert_parallel",
+    "check_expert_plan",
     "expert_grad_scale",
+    "expert_param_names",
     "expert_params",
     "reduce_expert_grads",
     "shard_experts",
@@ -74,6 +76,35 @@ def check_expert_parallel(num_experts: int, ep: int) -> None:
         raise ValueError(
             f"num_experts={num_experts} cannot be split over ep={ep} ranks: use an ep that "
             f"divides it ({', '.join(map(str, divisors))}) or a multiple of ep experts"
+        )
+
+
+def check_expert_plan(*, ep: int, zero: int, compress: str, schedule: str) -> None:
+    """Raise ValueError for what the runtime cannot yet combine with ep > 1 (nothing at ep=1).
+
+    - ZeRO-1: torch's ZeroRedundancyOptimizer partitions every parameter over one
+      data-parallel group and broadcasts the updates over it, which would mix the
+      different experts of an ep group's ranks (ZeRO-2/3 shard experts over their
+      replicas: `plait.parallel.sharding.apply_fsdp`);
+    - gradient compression: a communication hook reduces over one group, while expert
+      gradients are reduced over their replica group (`plait.parallel.data.GradReducer`).
+
+    Zero-bubble schedules need nothing: the all-to-all's backward lies on the path from
+    the outputs to the inputs, so it runs in the input half, and the ranks of an ep group
+    (one pipeline rank) run the same program, so their collectives pair up in order.
+    """
+    if ep == 1:
+        return
+    if zero == 1:
+        raise ValueError(
+            f"zero=1 with ep={ep} is not supported yet: torch's ZeroRedundancyOptimizer "
+            "partitions and broadcasts every parameter over all data-parallel ranks, whose "
+            "experts differ; use zero=0, 2 or 3"
+        )
+    if compress != "none":
+        raise ValueError(
+            f"compress={compress!r} with ep={ep} is not supported yet: a compression hook "
+            "reduces over one group, expert gradients over their replicas; use compress=none"
         )
 
 
@@ -165,6 +196,14 @@ def expert_params(model: nn.Module) -> list[nn.Parameter]:
     """The parameters of every `Experts` module in `model`: the ones whose gradients are
     reduced over their replica group rather than over all data-parallel ranks."""
     return [p for m in model.modules() if isinstance(m, Experts) for p in m.parameters()]
+
+
+def expert_param_names(model: nn.Module) -> list[str]:
+    """The names of `expert_params(model)` as its state dict has them, without the prefix
+    activation recomputation's wrapper adds (as torch's `get_model_state_dict` gives them)."""
+    ids = {id(p) for p in expert_params(model)}
+    return [n.replace("_checkpoint_wrapped_module.", "")
+            for n, p in model.named_parameters() if id(p) in ids]  # fmt: skip
 
 
 def expert_grad_scale(ep: int) -> float:

@@ -23,15 +23,34 @@ __all__ = ["FSDPGradSync", "apply_fsdp"]
 
 
 def apply_fsdp(
-    stage: nn.Module, dp_mesh: DeviceMesh, *, zero: int, reduce_dtype: torch.dtype | None = None
+    stage: nn.Module,
+    dp_mesh: DeviceMesh,
+    *,
+    zero: int,
+    reduce_dtype: torch.dtype | None = None,
+    expert_mesh: DeviceMesh | None = None,
 ) -> FSDPModule:
     """Shard `stage` (blocks first, then the stage) for ZeRO `zero` (2 or 3) in place;
     `reduce_dtype` (fp16 or bf16 gradient compression) lowers the reduce-scatter's dtype,
-    and with it, FSDP2 says, the dtype micro-batch gradients accumulate in."""
+    and with it, FSDP2 says, the dtype micro-batch gradients accumulate in.
+
+    Under expert parallelism (`expert_mesh`: the ranks holding the same experts, the
+    "edp" dimension of `plait.mesh.Meshes.expert`) each `Experts` module is sharded first,
+    over that mesh alone, as torchtitan does: its gradients are reduce-scattered over the
+    replicas of its experts, not averaged over data-parallel ranks holding other experts
+    (the blocks' own sharding over dp leaves those parameters out), and `FSDPGradSync`
+    multiplies them by `expert_scale` (1/ep: summed over the replicas / dp, as
+    `plait.parallel.experts` says). FSDP's own divide factor would do it in the
+    reduce-scatter, but gloo lacks the pre-multiplied sum it needs."""
     if zero not in (2, 3):
         raise ValueError(f"zero={zero}: FSDP serves ZeRO stages 2 and 3")
     reshard = zero == 3
     policy = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
+    if expert_mesh is not None:
+        from plait.models.moe import Experts
+
+        for module in [m for m in stage.modules() if isinstance(m, Experts)]:
+            fully_shard(module, mesh=expert_mesh, reshard_after_forward=reshard, mp_policy=policy)
     for block in getattr(stage, "blocks", []):
         if any(p.requires_grad for p in block.parameters()):
             fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy)
@@ -43,8 +62,16 @@ def apply_fsdp(
 class FSDPGradSync:
     """The executor's `GradSync` for FSDP-sharded stages."""
 
-    def __init__(self, stages: dict[int, FSDPModule]) -> None:
+    def __init__(
+        self,
+        stages: dict[int, FSDPModule],
+        *,
+        scaled: dict[int, list[nn.Parameter]] | None = None,
+        scale: float = 1.0,
+    ) -> None:
         self.stages = stages
+        # parameters whose reduced gradients are multiplied by `scale` (expert ones)
+        self.scaled, self.scale = scaled or {}, scale
 
     def before_backward(self, stage: int, *, last: bool) -> None:
         module = self.stages[stage]
@@ -64,6 +91,10 @@ class FSDPGradSync:
             for group in fsdp_state._fsdp_param_groups:
                 group.post_backward()
         state._root_post_backward_final_callback()
+        if self.scale != 1.0:
+            for p in self.scaled.get(stage, []):
+                if p.grad is not None:
+                    p.grad.mul_(self.scale)
 
     def reduce(self, stage: int) -> None:
         """The reduce-scatter ran in `after_backward` of the stage's last backward."""

@@ -35,15 +35,19 @@ from torch.utils import _pytree as pytree
 
 from plait.checkpoint.state import block_names
 from plait.config import ParallelPlan
-from plait.mesh import ParallelDims
+from plait.mesh import Meshes, ParallelDims
 from plait.parallel import (
     FSDPGradSync,
     GradReducer,
     apply_fsdp,
     apply_tensor_parallel,
     clip_grad_norm,
+    expert_grad_scale,
+    expert_params,
+    shard_experts,
 )
 from plait.parallel.compress import hook_for
+from plait.parallel.experts import check_expert_plan
 from plait.parallel.sync import GradSync
 from plait.runtime import PipelineExecutor, StepResult, local_stages, split_microbatches
 from plait.runtime.evaluate import MetricFn
@@ -108,8 +112,14 @@ class Engine:
         block_names: list[str] | None = None,
         timeout_s: float | None = DEFAULT_TIMEOUT_S,
         schedulers: dict[int, torch.optim.lr_scheduler.LRScheduler] | None = None,
+        meshes: Meshes | None = None,
     ) -> None:
         self.plan, self.mesh, self.schedule = plan, mesh, schedule
+        # with the expert view (ep > 1): the ep group exchanges tokens, and its ranks hold
+        # different experts (`ep_params`), whose squared gradient norms add up over it
+        self.meshes = meshes or Meshes(main=mesh)
+        self.ep_group = self.meshes.ep_group()
+        self.ep_params = [p for s in stages.values() for p in expert_params(s)]
         # stepped after each update of their stage's optimizer (not after a skipped one)
         self.schedulers = schedulers or {}
         self.timeout_s = timeout_s  # for every wait on a peer (plait.runtime.transport)
@@ -291,7 +301,9 @@ class Engine:
             self.scaler.update(skipped)
         if skipped or self.grad_clip is None:
             return skipped, None
-        return False, float(clip_grad_norm(self.params, self.grad_clip, pp_group=self._pp_group))
+        norm = clip_grad_norm(self.params, self.grad_clip, pp_group=self._pp_group,
+                              ep_group=self.ep_group, ep_params=self.ep_params)  # fmt: skip
+        return False, float(norm)
 
     def _clip_stage(self, stage: int) -> float | None:
         if self.grad_sync is not None:
@@ -299,7 +311,8 @@ class Engine:
         if self.grad_clip is None:
             return None
         params = [p for p in self.stages[stage].parameters() if p.requires_grad]
-        return float(clip_grad_norm(params, self.grad_clip, pp_group=None))
+        return float(clip_grad_norm(params, self.grad_clip, pp_group=None,
+                                    ep_group=self.ep_group, ep_params=self.ep_params))  # fmt: skip
 
     # ---------------------------------------------------------------- reports
     @property
@@ -370,16 +383,19 @@ def _to(value: Any, device: torch.device) -> Any:
     return pytree.tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, value)
 
 
-def _sync_replicas(stages: dict[int, nn.Module], mesh: DeviceMesh) -> None:
-    """Make every dp replica start from dp rank 0's weights (and buffers)."""
+def _sync_replicas(stages: dict[int, nn.Module], meshes: Meshes) -> None:
+    """Make every dp replica start from dp rank 0's weights (and buffers); expert weights
+    from their replica group's first rank (the ranks of an ep group hold different ones)."""
+    mesh = meshes.main
     if mesh.size(mesh.mesh_dim_names.index("dp")) == 1:  # type: ignore[union-attr]
         return
-    group = mesh.get_group("dp")
-    src = dist.get_global_rank(group, 0)
+    group, experts = mesh.get_group("dp"), meshes.expert_dp_group()
     for stage in stages.values():
+        own = {id(p) for p in expert_params(stage)} if meshes.expert is not None else set()
         for t in [*stage.parameters(), *stage.buffers()]:
             local = t.to_local() if hasattr(t, "to_local") else t
-            dist.broadcast(local.data, src=src, group=group)
+            g = experts if id(t) in own else group
+            dist.broadcast(local.data, src=dist.get_global_rank(g, 0), group=g)
 
 
 def parallelize(
@@ -407,38 +423,60 @@ def parallelize(
     update of that stage (an asynchronous schedule makes several updates per window).
     """
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if plan.ep > 1:  # the mesh has its expert view (plait.mesh.Meshes); the all-to-all not yet
-        raise ValueError(f"ep={plan.ep}: expert parallelism is not in the runtime yet; use ep=1")
-    mesh = (
-        mesh
-        or ParallelDims(dp=plan.dp, tp=plan.tp, pp=plan.pp, ep=plan.ep, rank_order=plan.rank_order)
-        .build_mesh(device.type)
-        .main
+    check_expert_plan(ep=plan.ep, zero=plan.zero, compress=plan.compress, schedule=plan.schedule)
+    if mesh is not None and plan.ep > 1:
+        raise ValueError(
+            f"ep={plan.ep} with a mesh given: the expert view of the ranks is built with it; "
+            "pass mesh=None"
+        )
+    meshes = (
+        Meshes(main=mesh)
+        if mesh is not None
+        else ParallelDims(
+            dp=plan.dp, tp=plan.tp, pp=plan.pp, ep=plan.ep, rank_order=plan.rank_order
+        ).build_mesh(device.type)
     )
+    mesh = meshes.main
     names = block_names(model)
     schedule = build(plan.schedule, plan.pp, plan.microbatches, plan.chunks)
     pp_rank = mesh.get_local_rank("pp")
     stages: dict[int, nn.Module] = dict(
         local_stages(model, schedule, pp_rank, sizes=plan.partition, device=device)
     )
+    ep_group = meshes.ep_group()
     for stage in stages.values():
+        if ep_group is not None:  # built from the same seed everywhere: keep our experts
+            shard_experts(stage, ep_group)
         if plan.tp > 1:
             apply_tensor_parallel(stage, mesh["tp"], sequence_parallel=plan.sequence_parallel)
         apply_recompute(stage, plan.recompute)
-    _sync_replicas(stages, mesh)
+    _sync_replicas(stages, meshes)
     grad_sync: GradSync | None = None
     if plan.zero >= 2:
         reduce = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(plan.compress)
+        edp = meshes.expert["edp"] if meshes.expert is not None else None
         sharded = {
-            s: apply_fsdp(m, mesh["dp"], zero=plan.zero, reduce_dtype=reduce)
+            s: apply_fsdp(m, mesh["dp"], zero=plan.zero, reduce_dtype=reduce, expert_mesh=edp)
             for s, m in stages.items()
         }
-        grad_sync = FSDPGradSync(sharded)
+        scaled = {s: expert_params(m) for s, m in stages.items()} if edp is not None else None
+        grad_sync = FSDPGradSync(sharded, scaled=scaled, scale=expert_grad_scale(plan.ep))
     elif plan.dp > 1:
         per_stage = {s: list(m.parameters()) for s, m in stages.items()}
         group = mesh.get_group("dp")
         hook, state = hook_for(plan.compress, group) or (None, None)
-        grad_sync = GradReducer(per_stage, group, timeout_s=timeout_s, hook=hook, hook_state=state)
+        # expert gradients: averaged over the ranks holding the same experts, then × 1/ep
+        # (their replica sum / dp; see plait.parallel.experts)
+        experts = {p: meshes.expert_dp_group() for m in stages.values() for p in expert_params(m)}
+        grad_sync = GradReducer(
+            per_stage,
+            group,
+            param_groups=experts if ep_group is not None else None,
+            group_scale=expert_grad_scale(plan.ep),
+            timeout_s=timeout_s,
+            hook=hook,
+            hook_state=state,
+        )
     optimizers = {
         s: _optimizer(optimizer_factory, [p for p in m.parameters() if p.requires_grad], plan, mesh)
         for s, m in stages.items()
@@ -464,6 +502,7 @@ def parallelize(
         grad_clip=grad_clip,
         block_names=names,
         timeout_s=timeout_s,
+        meshes=meshes,
     )
 
 

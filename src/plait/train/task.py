@@ -285,21 +285,39 @@ def _in_order(dataset: Any, batch_size: int) -> Iterator[Batch]:
 
 def gathered_model(engine: Any, task: Task, partition: Any, rank: int) -> nn.Module | None:
     """The whole trained model on rank 0 (None elsewhere): every rank's stages gathered
-    (whole tensors of tp- or FSDP-sharded ones) into a freshly built model. A collective."""
+    (whole tensors of tp- or FSDP-sharded ones) into a freshly built model. A collective.
+
+    Under expert parallelism each rank of an ep group holds a slice of every expert
+    tensor, under the same name: the whole tensor is their slices in ep-rank order, so
+    that rank 0 alone can run the model (generate a sample) with every expert."""
     import torch.distributed as dist
 
+    from plait.parallel.experts import expert_param_names
+
     states = {s: _full_state(m) for s, m in engine.stages.items()}
+    expert = getattr(getattr(engine, "meshes", None), "expert", None)
+    ep_index = expert.get_local_rank("ep") if expert is not None else 0
+    sliced = {s: expert_param_names(m) for s, m in engine.stages.items()} if expert else {}
     gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, states)
+    dist.all_gather_object(gathered, (ep_index, states, sliced))
     if rank != 0:
         return None
     full = task.model()
     blocks = as_blocks(full)
-    sizes = partition or equal_split(len(blocks), _num_stages(gathered))
+    sizes = partition or equal_split(len(blocks), _num_stages([g[1] for g in gathered]))
     stages = stage_modules(blocks, sizes)
-    for per_rank in gathered:
+    # each stage's state from one rank of each ep index (data-parallel replicas agree)
+    by_stage: dict[int, dict[int, dict[str, torch.Tensor]]] = {}
+    names: dict[int, set[str]] = {}
+    for index, per_rank, experts in gathered:
         for s, state in per_rank.items():
-            stages[s].load_state_dict(state)
+            by_stage.setdefault(s, {}).setdefault(index, state)
+            names.setdefault(s, set()).update(experts.get(s, ()))
+    for s, parts in by_stage.items():
+        state = dict(parts[0])
+        for name in names.get(s, ()):
+            state[name] = torch.cat([parts[i][name] for i in sorted(parts)])
+        stages[s].load_state_dict(state)
     return full
 
 
