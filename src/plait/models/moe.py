@@ -133,7 +133,9 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> Routing:
         tokens, e = x.shape[0], self.num_experts  # x: [tokens, hidden]
-        logits = F.linear(x.float(), self.gate.weight.float())  # [tokens, E]
+        # fp32 under a bf16/fp16 autocast too, which would otherwise run the gate in low precision
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            logits = F.linear(x.float(), self.gate.weight.float())  # [tokens, E]
         probs = logits.softmax(dim=-1)
         top_p, expert = probs.topk(self.top_k, dim=-1)  # [tokens, k]
         gate = top_p / top_p.sum(dim=-1, keepdim=True) if self.top_k > 1 else top_p
