@@ -175,9 +175,11 @@ class Experts(nn.Module):
         if len(counts) != len(self.local_experts):
             raise ValueError(f"{len(counts)} counts for {len(self.local_experts)} local experts")
         outs = []
-        for i, x in enumerate(torch.split(grouped, counts)):  # x: [counts[i], hidden]
-            y = F.gelu(x @ self.w1[i] + self.b1[i]) @ self.w2[i] + self.b2[i]
-            outs.append(y)
+        # unbind, not w1[i]: the backward of E selects zero-fills E full [E, ...] gradients,
+        # unbind's stacks the E slices once
+        weights = zip(*(p.unbind(0) for p in (self.w1, self.b1, self.w2, self.b2)), strict=True)
+        for x, (w1, b1, w2, b2) in zip(torch.split(grouped, counts), weights, strict=True):
+            outs.append(F.gelu(x @ w1 + b1) @ w2 + b2)  # x: [counts[i], hidden]
         return torch.cat(outs) if outs else grouped[:0]
 
 
