@@ -101,10 +101,10 @@ class MoEBenchConfig:
             raise ValueError(f"dtype={self.dtype!r}: give fp32 or bf16")
         for w in self.workers:
             check_expert_parallel(self.num_experts, w)
-        if self.hidden % 8 or self.peer_ffn < 8:
+        if self.peer and (self.hidden % 8 or self.peer_ffn < 8):
             raise ValueError(
                 f"hidden={self.hidden}, ffn={self.ffn}: torchtitan's grouped GEMM needs a "
-                "hidden size that is a multiple of 8 and ffn >= 12"
+                "hidden size that is a multiple of 8 and ffn >= 12 (or give --no-peer)"
             )
         MoEConfig(hidden=self.hidden, num_heads=1, ffn_hidden=self.ffn,
                   num_experts=self.num_experts, top_k=self.top_k,
@@ -126,7 +126,8 @@ def run_bench(config: MoEBenchConfig) -> dict[str, Any]:
         "workers": {},
     }
     if version is None:
-        out["peer"]["missing"] = f"{PEER} is not installed: {INSTALL}" if config.peer else "off"
+        missing = f"{PEER} is not installed: {INSTALL}" if config.peer else "off (--no-peer)"
+        out["peer"]["missing"] = missing
     for w in config.workers:
         per_rank = launch(_worker, w, config, version is not None)
         out["workers"][str(w)] = _summarise([per_rank[r] for r in sorted(per_rank)])
@@ -373,7 +374,7 @@ def _table(result: dict[str, Any]) -> None:
     rows = [
         [w, ms(r["plait_step_s"]), ms(r["peer_step_s"]),
          "-" if r["ratio"] is None else f"{r['ratio']:.2f}",
-         f"{r['plait_received_copies']:.0f}", f"{r.get('peer_received_copies', 0):.0f}",
+         f"{r['plait_received_copies']:.0f}", f"{r.get('peer_received_copies', '-')}",
          r.get("routing_agrees", "-")]
         for w, r in result["workers"].items()
     ]  # fmt: skip
