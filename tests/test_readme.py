@@ -47,6 +47,8 @@ SHORTEST = {
                            "--profile-repeats", "1", "--layers", "2", "--hidden", "32",
                            "--seq-len", "16", "--micro-batch-size", "2"],
     "bench faults": ["--trials", "1", "--steps", "4", "--every", "2"],
+    "bench moe": ["--workers", "1,2", "--tokens", "16", "--hidden", "16", "--ffn", "24",
+                  "--experts", "4", "--steps", "1", "--warmup", "0"],
     "experiment staleness": ["--stages", "1,2", "--microbatches", "2", "--budget", "4"],
 }  # fmt: skip
 # the checkpointed run `plait checkpoint` reads, trained for real on a small model

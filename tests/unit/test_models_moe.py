@@ -105,6 +105,21 @@ def test_router_losses_follow_their_formulas() -> None:
     torch.testing.assert_close(routing.z_loss, (logits.exp().sum(1).log() ** 2).mean())
 
 
+def test_router_stays_fp32_under_bf16_autocast() -> None:
+    """Under a bf16 autocast (`--dtype bf16`) the gate still runs in fp32: the same logits
+    as a plain fp32 matmul, hence the same routing."""
+    cfg = MoEConfig(hidden=32, num_heads=2, num_experts=8, top_k=2)
+    torch.manual_seed(3)
+    layer = MoELayer(cfg)
+    x = torch.randn(256, 32)
+    logits = x @ layer.router.gate.weight.t()
+    with torch.autocast(device_type="cpu", dtype=torch.bfloat16):
+        routing = layer.router(x)
+    assert torch.equal(routing.expert.sort(dim=1).values,
+                       logits.topk(2, dim=1).indices.sort(dim=1).values)  # fmt: skip
+    torch.testing.assert_close(routing.z_loss, (logits.logsumexp(dim=1) ** 2).mean())
+
+
 def test_experts_take_tensor_counts_and_keep_all_experts_local() -> None:
     cfg = MoEConfig(hidden=8, num_heads=2, num_experts=3)
     layer = MoELayer(cfg)

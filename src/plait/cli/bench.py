@@ -16,6 +16,7 @@ _BENCHES = {
     "async": "plait.bench.asynchronous",
     "faults": "plait.bench.faults",
     "compress": "plait.bench.compress",
+    "moe": "plait.bench.moe",
 }
 
 

@@ -133,7 +133,9 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> Routing:
         tokens, e = x.shape[0], self.num_experts  # x: [tokens, hidden]
-        logits = F.linear(x.float(), self.gate.weight.float())  # [tokens, E]
+        # fp32 under a bf16/fp16 autocast too, which would otherwise run the gate in low precision
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            logits = F.linear(x.float(), self.gate.weight.float())  # [tokens, E]
         probs = logits.softmax(dim=-1)
         top_p, expert = probs.topk(self.top_k, dim=-1)  # [tokens, k]
         gate = top_p / top_p.sum(dim=-1, keepdim=True) if self.top_k > 1 else top_p
@@ -173,9 +175,11 @@ class Experts(nn.Module):
         if len(counts) != len(self.local_experts):
             raise ValueError(f"{len(counts)} counts for {len(self.local_experts)} local experts")
         outs = []
-        for i, x in enumerate(torch.split(grouped, counts)):  # x: [counts[i], hidden]
-            y = F.gelu(x @ self.w1[i] + self.b1[i]) @ self.w2[i] + self.b2[i]
-            outs.append(y)
+        # unbind, not w1[i]: the backward of E selects zero-fills E full [E, ...] gradients,
+        # unbind's stacks the E slices once
+        weights = zip(*(p.unbind(0) for p in (self.w1, self.b1, self.w2, self.b2)), strict=True)
+        for x, (w1, b1, w2, b2) in zip(torch.split(grouped, counts), weights, strict=True):
+            outs.append(F.gelu(x @ w1 + b1) @ w2 + b2)  # x: [counts[i], hidden]
         return torch.cat(outs) if outs else grouped[:0]
 
 

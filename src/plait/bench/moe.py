@@ -1,0 +1,396 @@
+"""Expert parallelism: plait's MoE layer vs torchtitan's, forward and backward, same sizes.
+
+For each worker count W in `--workers`, W local workers (gloo, one thread each) hold one
+MoE layer of each runtime, its `E` experts split over ep = W ranks (W = 1: one process,
+no all-to-all, the baseline row), and take turns every step (the order alternates, a
+barrier before each turn) so machine load hits both alike. A turn is one forward and
+backward on the rank's own `tokens` random tokens; a step lasts as long as its slowest
+rank; the figures are medians over `--steps` steps after `--warmup`.
+
+The peer is torchtitan's `MoE` (`torchtitan.models.common.moe`, the layer of its
+DeepSeek-V3 and Llama-4 models) with its `AllToAllTokenDispatcher`, the experts sliced
+by hand as its expert-parallel plan slices them (rank r keeps experts [r·E/ep,
+(r+1)·E/ep)) and the ep mesh wired as its `parallelize` wires it. What is the same: a
+softmax router over `E` experts without bias, top-k with the chosen probabilities
+renormalised (`route_norm`), dropless routing (torchtitan has no capacity), per-expert
+counts exchanged first and variable-split all-to-alls. Both routers get the same gate
+weights, so both send the same token copies to the same experts: the bench checks it
+(`routing_agrees`, `*_received_copies`). What differs, each the runtime's own choice:
+torchtitan's experts are SwiGLU (three matrices) run as bf16 grouped GEMMs
+(`torch._grouped_mm`), plait's are GELU FFNs with biases (two matrices) run one expert
+after another, in bf16 under plait's bf16 autocast (`--dtype bf16`, the default: the
+peer's precision) or in fp32 (`--dtype fp32`); both keep their routers in fp32. The
+peer's expert width is 2/3 of `ffn` (rounded down to a multiple of 8, which its grouped
+GEMM needs), the usual SwiGLU sizing that gives both the same parameters and FLOPs per
+token copy. plait's loss adds its router's load-balancing and
+z losses (torchtitan balances by an expert bias updated outside the layer, left off
+here). With `--capacity-factor` > 0 plait drops copies past capacity and the peer does
+not, so the received copies differ. The outputs cannot be compared value by value (the
+expert functions differ); the bench checks their shapes.
+
+Install the peer (its imports, without the training stack it declares, so that torch
+stays at the pinned version):
+`pip install --no-deps -c constraints.txt torchtitan==0.3.0 spmd_types==0.2.3 tyro==1.0.17
+docstring_parser==0.18.0 triton==3.9.0`. Without it the bench prints plait's rows only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import time
+import warnings
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+from plait.bench import _common as common
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+__all__ = ["PEER", "MoEBenchConfig", "add_arguments", "peer_version", "run", "run_bench"]
+
+PEER = "torchtitan"
+INSTALL = (
+    "pip install --no-deps -c constraints.txt torchtitan==0.3.0 spmd_types==0.2.3 "
+    "tyro==1.0.17 docstring_parser==0.18.0 triton==3.9.0"
+)
+
+
+def peer_version() -> str | None:
+    """torchtitan's version when its MoE layer imports here, else None."""
+    try:
+        import importlib.metadata
+
+        from torchtitan.models.common.moe import MoE  # noqa: F401
+    except ImportError:
+        return None
+    return importlib.metadata.version(PEER)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoEBenchConfig:
+    workers: tuple[int, ...] = (1, 2)
+    tokens: int = 512  # per rank
+    hidden: int = 256
+    ffn: int = 768
+    num_experts: int = 8
+    top_k: int = 2
+    capacity_factor: float = 0.0  # dropless, as torchtitan routes
+    num_steps: int = 20
+    num_warmup: int = 3
+    # plait's precision: bf16 autocast (its `--dtype bf16`) computes the experts in bf16
+    # and keeps the router in fp32, as the peer always does; fp32 computes all in fp32
+    dtype: str = "bf16"
+    peer: bool = True
+
+    def __post_init__(self) -> None:
+        from plait.models.moe import MoEConfig
+        from plait.parallel.experts import check_expert_parallel
+
+        if not self.workers or min(self.workers) < 1:
+            raise ValueError(f"workers={self.workers}: give worker counts >= 1")
+        if self.tokens < 1 or self.num_steps < 1 or self.num_warmup < 0:
+            raise ValueError(
+                f"tokens={self.tokens}, steps={self.num_steps} must be >= 1, "
+                f"warmup={self.num_warmup} >= 0"
+            )
+        if self.dtype not in ("fp32", "bf16"):
+            raise ValueError(f"dtype={self.dtype!r}: give fp32 or bf16")
+        for w in self.workers:
+            check_expert_parallel(self.num_experts, w)
+        if self.peer and (self.hidden % 8 or self.peer_ffn < 8):
+            raise ValueError(
+                f"hidden={self.hidden}, ffn={self.ffn}: torchtitan's grouped GEMM needs a "
+                "hidden size that is a multiple of 8 and ffn >= 12 (or give --no-peer)"
+            )
+        MoEConfig(hidden=self.hidden, num_heads=1, ffn_hidden=self.ffn,
+                  num_experts=self.num_experts, top_k=self.top_k,
+                  capacity_factor=self.capacity_factor)  # fmt: skip
+
+    @property
+    def peer_ffn(self) -> int:
+        """The peer's SwiGLU width: 2/3 of `ffn`, a multiple of 8 (same parameters, FLOPs)."""
+        return 2 * self.ffn // 3 // 8 * 8
+
+
+def run_bench(config: MoEBenchConfig) -> dict[str, Any]:
+    from plait.train import launch
+
+    version = peer_version() if config.peer else None
+    out: dict[str, Any] = {
+        "config": {**asdict(config), "peer_ffn": config.peer_ffn},
+        "peer": {"name": PEER, "version": version},
+        "workers": {},
+    }
+    if version is None:
+        missing = f"{PEER} is not installed: {INSTALL}" if config.peer else "off (--no-peer)"
+        out["peer"]["missing"] = missing
+    for w in config.workers:
+        per_rank = launch(_worker, w, config, version is not None)
+        out["workers"][str(w)] = _summarise([per_rank[r] for r in sorted(per_rank)])
+    return out
+
+
+def _summarise(reports: list[dict[str, Any]]) -> dict[str, Any]:
+    def step(name: str) -> float:
+        # a step lasts as long as its slowest rank
+        slowest = [max(t) for t in zip(*(r["times"][name] for r in reports), strict=True)]
+        return common.median(slowest)
+
+    row: dict[str, Any] = {
+        "ep": len(reports),
+        "plait_step_s": step("plait"),
+        "plait_received_copies": sum(r["received"]["plait"] for r in reports),
+        "peer_step_s": None,
+        "ratio": None,
+    }
+    if "peer" in reports[0]["times"]:
+        row.update(
+            peer_step_s=step("peer"),
+            ratio=row["plait_step_s"] / step("peer"),
+            peer_received_copies=sum(r["received"]["peer"] for r in reports),
+            routing_agrees=min(r["routing_agrees"] for r in reports),
+            same_output_shape=all(r["same_output_shape"] for r in reports),
+        )
+    return row
+
+
+# ------------------------------------------------------------------ in the workers
+def _worker(config: MoEBenchConfig, with_peer: bool) -> dict[str, Any]:
+    common.single_thread()
+    import torch.distributed as dist
+
+    from plait.mesh import init_worker
+
+    env, device = init_worker(timeout_s=300.0)
+    try:
+        return _measure(config, with_peer, env.rank, env.world_size, device)
+    finally:
+        dist.destroy_process_group()
+
+
+def _measure(
+    config: MoEBenchConfig, with_peer: bool, rank: int, world: int, device: torch.device
+) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    from plait.models.moe import MoEConfig, MoELayer
+    from plait.parallel.experts import shard_experts
+    from plait.train.precision import autocast_context
+
+    cfg = MoEConfig(hidden=config.hidden, num_heads=1, ffn_hidden=config.ffn,
+                    num_experts=config.num_experts, top_k=config.top_k,
+                    capacity_factor=config.capacity_factor)  # fmt: skip
+    torch.manual_seed(0)  # the same layer on every rank, as a model is built
+    plait = MoELayer(cfg).to(device)
+    group = dist.group.WORLD
+    assert group is not None
+    shard_experts(plait, group)
+    plait_loss = functools.partial(_plait_loss, autocast_context(config.dtype, device))
+    runners: dict[str, Any] = {"plait": _Turn(plait, plait.experts, plait_loss)}
+    if with_peer:
+        peer = _peer_layer(config, plait.router.gate.weight, rank, world, device)
+        inner = peer.routed_experts.inner_experts
+        runners["peer"] = _Turn(peer, inner, _peer_loss)
+    torch.manual_seed(1 + rank)  # but each rank its own tokens
+    x = torch.randn(config.tokens, config.hidden, device=device, requires_grad=True)
+    names = list(runners)
+    out: dict[str, Any] = {"times": {n: [] for n in names}}
+    outputs = {}
+    for i in range(config.num_warmup + config.num_steps):
+        shift = i % len(names)
+        for name in names[shift:] + names[:shift]:
+            dist.barrier()
+            x.grad = None
+            seconds, y = runners[name].step(x, device)
+            outputs[name] = y.shape
+            if i >= config.num_warmup:
+                out["times"][name].append(seconds)
+    out["received"] = {n: statistics.fmean(r.received) for n, r in runners.items()}
+    if with_peer:
+        out["same_output_shape"] = outputs["plait"] == outputs["peer"] == x.shape
+        out["routing_agrees"] = _routing_agrees(plait, runners["peer"].layer, x)
+    return out
+
+
+class _Turn:
+    """One runtime's layer, its loss, and the token copies its local experts received."""
+
+    def __init__(self, layer: nn.Module, experts: nn.Module, loss: Any) -> None:
+        self.layer, self.loss = layer, loss
+        self.received: list[int] = []
+        experts.register_forward_hook(lambda _m, args, _o: self.received.append(args[0].shape[0]))
+
+    def step(self, x: torch.Tensor, device: torch.device) -> tuple[float, torch.Tensor]:
+        for p in self.layer.parameters():
+            p.grad = None
+        t0 = _now(device)
+        y = self.loss(self.layer, x)
+        t1 = _now(device)
+        return t1 - t0, y
+
+
+def _plait_loss(autocast: Any, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    with autocast():
+        y, aux = layer(x)  # [tokens, hidden]
+    (y.float().square().mean() + aux).backward()
+    return y.detach()
+
+
+def _peer_loss(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    y = layer(x.unsqueeze(0))  # torchtitan takes [batch, seq, hidden]
+    y.square().mean().backward()
+    return y.detach().squeeze(0)
+
+
+def _peer_layer(
+    config: MoEBenchConfig, gate: torch.Tensor, rank: int, world: int, device: torch.device
+) -> Any:
+    """torchtitan's MoE with `gate` as its router weight and this rank's slice of experts,
+    wired to an ep mesh of all workers (none for one worker: its local dispatcher)."""
+    import torch
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torchtitan.distributed.utils import set_spmd_backend
+    from torchtitan.models.common.linear import Linear
+    from torchtitan.models.common.moe import (
+        GroupedExperts,
+        MoE,
+        RoutedExperts,
+        TokenChoiceTopKRouter,
+    )
+    from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
+
+    # plain process groups and tensors, as torch.compile'd torchtitan runs; its default
+    # backend wants the typed SPMD meshes its trainer sets up
+    set_spmd_backend("plain")
+    # its router asks CPU autocast for fp32, which CPU autocast declines with a warning
+    # each call; the gate runs in fp32 either way
+    warnings.filterwarnings("ignore", "In CPU autocast, but the target dtype", UserWarning)
+    e, k = config.num_experts, config.top_k
+    layer_cfg = MoE.Config(
+        num_experts=e,
+        load_balance_coeff=None,
+        routed_experts=RoutedExperts.Config(
+            inner_experts=GroupedExperts.Config(
+                dim=config.hidden, hidden_dim=config.peer_ffn, num_experts=e
+            ),
+            token_dispatcher=AllToAllTokenDispatcher.Config(num_experts=e, top_k=k),
+        ),
+        router=TokenChoiceTopKRouter.Config(
+            num_experts=e,
+            top_k=k,
+            score_func="softmax",
+            route_norm=True,
+            gate=Linear.Config(in_features=config.hidden, out_features=e),
+        ),
+    )
+    torch.manual_seed(2)
+    layer = layer_cfg.build().to(device)
+    with torch.no_grad():
+        layer.router.gate.weight.copy_(gate)
+    inner = layer.routed_experts.inner_experts
+    per_rank = e // world
+    for name in ("w1_EFD", "w2_EDF", "w3_EFD"):
+        full = torch.randn(e, *getattr(inner, name).shape[1:], device=device) * 0.02
+        setattr(inner, name, nn.Parameter(full[rank * per_rank : (rank + 1) * per_rank]))
+    if world > 1:
+        mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("ep",))
+        layer.routed_experts.token_dispatcher.wire_meshes(ep_mesh=mesh)
+    return layer
+
+
+def _routing_agrees(plait: Any, peer: Any, x: torch.Tensor) -> float:
+    """The fraction of this rank's tokens that both routers send to the same experts."""
+    import torch
+
+    with torch.no_grad():
+        mine = plait.router(x).expert.sort(dim=-1).values
+        theirs = peer.router(x.unsqueeze(0), None)[1].squeeze(0).sort(dim=-1).values
+    return float((mine == theirs).all(dim=-1).float().mean())
+
+
+def _now(device: torch.device) -> float:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+# ------------------------------------------------------------------ command line
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    d = MoEBenchConfig()
+    a = parser.add_argument
+    a("--workers", default=",".join(map(str, d.workers)),
+      help="worker counts, comma-separated (ep = workers; 1: one process)")  # fmt: skip
+    a("--tokens", type=int, default=d.tokens, help="tokens per rank per step")
+    a("--hidden", type=int, default=d.hidden, help="hidden size (a multiple of 8)")
+    a("--ffn", type=int, default=d.ffn, help="plait's expert FFN width (the peer's: 2/3 of it)")
+    a("--experts", type=int, default=d.num_experts, help="experts per layer")
+    a("--top-k", type=int, default=d.top_k, help="experts per token")
+    a("--capacity-factor", type=float, default=d.capacity_factor,
+      help="plait's capacity factor (0: dropless, as the peer always is)")  # fmt: skip
+    a("--dtype", default=d.dtype, choices=("fp32", "bf16"),
+      help="plait's precision (the peer's experts always run in bf16)")  # fmt: skip
+    a("--steps", type=int, default=d.num_steps, help="timed steps")
+    a("--warmup", type=int, default=d.num_warmup, help="first steps left out of the times")
+    a("--no-peer", action="store_true", help=f"time plait only, even if {PEER} is installed")
+    a("--json", action="store_true", help="print one JSON object instead of a table")
+
+
+def run(args: argparse.Namespace) -> int:
+    config = MoEBenchConfig(
+        workers=tuple(int(w) for w in args.workers.split(",") if w),
+        tokens=args.tokens,
+        hidden=args.hidden,
+        ffn=args.ffn,
+        num_experts=args.experts,
+        top_k=args.top_k,
+        capacity_factor=args.capacity_factor,
+        num_steps=args.steps,
+        num_warmup=args.warmup,
+        dtype=args.dtype,
+        peer=not args.no_peer,
+    )
+    result = run_bench(config)
+    if args.json:
+        common.print_json(result)
+        return 0
+    _table(result)
+    return 0
+
+
+def _table(result: dict[str, Any]) -> None:
+    peer = result["peer"]
+
+    def ms(seconds: float | None) -> str:
+        return "-" if seconds is None else f"{seconds * 1e3:.1f}"
+
+    rows = [
+        [w, ms(r["plait_step_s"]), ms(r["peer_step_s"]),
+         "-" if r["ratio"] is None else f"{r['ratio']:.2f}",
+         f"{r['plait_received_copies']:.0f}", f"{r.get('peer_received_copies', '-')}",
+         r.get("routing_agrees", "-")]
+        for w, r in result["workers"].items()
+    ]  # fmt: skip
+    c = result["config"]
+    common.print_table(
+        f"MoE layer forward+backward, {c['tokens']} tokens/rank, hidden {c['hidden']}, "
+        f"{c['num_experts']} experts, top-{c['top_k']}, plait in {c['dtype']}",
+        [
+            "workers (ep)",
+            "plait ms",
+            f"{PEER} ms",
+            "plait/peer",
+            "plait copies",
+            "peer copies",
+            "same routing",
+        ],
+        rows,
+        footer=peer.get("missing", f"peer: {PEER} {peer['version']}"),
+    )
