@@ -124,6 +124,22 @@ def measure_codec(
         raise ValueError(f"warmup={warmup} must be >= 0 and repeats={repeats} >= 1")
     if len(set(matrices)) < 2:
         raise ValueError(f"matrices={tuple(matrices)}: measure at least two bucket sizes")
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    # in a process of its own: the one-rank gloo group lives and dies there (a gloo group
+    # torn down in a process that goes on, as a test runner does, can abort it later)
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
+        args = (tuple(methods), str(device), warmup, repeats, tuple(matrices))
+        return pool.submit(_measure, *args, threads=torch.get_num_threads()).result()
+
+
+def _measure(
+    methods: Sequence[str], device: str, warmup: int, repeats: int, matrices: Sequence[int],
+    *, threads: int,
+) -> dict[str, float]:  # fmt: skip
+    torch.set_num_threads(threads)  # this process's, as the caller measures
     where = torch.device(device)
     group = _one_rank_group(where)
     out = {}
