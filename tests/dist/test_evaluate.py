@@ -162,7 +162,6 @@ def _worker(rank: int, world_size: int) -> None:
         _check(plan)
     for size in (7, 3):  # uneven over dp × microbatches = 4; 3 leaves one replica a sample
         _check(ParallelPlan(pp=2, dp=2, microbatches=2, zero=3), size)
-        _check(ParallelPlan(pp=2, dp=2, microbatches=2, schedule="interleaved", chunks=2), size)
 
 
 def test_evaluate_equals_a_single_process_forward(tmp_path: Path) -> None:

@@ -102,8 +102,8 @@ def _hf_tp(rank: int, world: int, family: str, pp: int, tmp: str) -> None:
         _check(resumed, ref_blocks, "weight", "tp=2 -> pp=2 tp=1, step 2")
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
-@pytest.mark.parametrize("pp", [1, 2])
+# tp × pp once (Llama's): the pipeline adds nothing that depends on the family
+@pytest.mark.parametrize(("family", "pp"), [("llama", 1), ("gpt2", 1), ("llama", 2)])
 def test_hf_layers_under_tensor_parallelism_match_one_process(
     tmp_path: Path, family: str, pp: int
 ) -> None:
