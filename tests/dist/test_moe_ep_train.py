@@ -21,9 +21,11 @@ import torch.nn.functional as F
 from plait.checkpoint.inspect import export_model
 from plait.cli.main import main
 
+from .test_moe_train import BATCH, LR, STEPS, exported_weights, sgd_reference
+
 pytestmark = pytest.mark.dist
 
-STEPS, BATCH, LR, AUX, Z, M = 2, 16, 0.5, 0.5, 0.05, 2
+AUX, Z, M = 0.5, 0.05, 2  # STEPS, BATCH and LR are test_moe_train.py's
 TOL = {"rtol": 1e-5, "atol": 1e-5}
 
 
@@ -51,31 +53,7 @@ def _reference(pieces: int, capacity: float) -> tuple[list[float], list[dict[str
     """Losses and gradients of each step in one process, with every expert: the mean over
     the `pieces` consecutive parts of the batch (dp ranks × micro-batches), each routed on
     its own, of cross-entropy + router losses."""
-    from plait.data import SyntheticTokens
-
-    data = SyntheticTokens(vocab=64, seq_len=32, size=4096, seed=0)
-    model = _model(capacity)
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    losses, grads = [], []
-    for step in range(STEPS):
-        ids, targets = data.batch(step, BATCH)
-        opt.zero_grad()
-        loss = torch.zeros(())
-        for x, y in zip(ids.chunk(pieces), targets.chunk(pieces), strict=True):
-            logits, carried = model(x)
-            loss = loss + F.cross_entropy(logits.reshape(-1, 64), y.flatten()) + carried[0]
-        loss = loss / pieces
-        loss.backward()
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})  # type: ignore[union-attr]
-        opt.step()
-        losses.append(loss.item())
-    return losses, grads
-
-
-def _weights(run_dir: Path, step: int, tmp_path: Path) -> dict[str, torch.Tensor]:
-    out = export_model(run_dir / "checkpoints" / f"step-{step:08d}", tmp_path / f"w{step}.pt")
-    state: dict[str, torch.Tensor] = torch.load(out)
-    return state
+    return sgd_reference(_model(capacity), pieces)
 
 
 def _check_run(run_dir: Path, tmp_path: Path, dp: int, capacity: float) -> None:
@@ -85,7 +63,7 @@ def _check_run(run_dir: Path, tmp_path: Path, dp: int, capacity: float) -> None:
     torch.testing.assert_close(got, torch.tensor(losses), **TOL)
     before = _model(capacity).state_dict()
     for step in range(STEPS):
-        after = _weights(run_dir, step + 1, tmp_path)
+        after = exported_weights(run_dir, step + 1, tmp_path)
         assert set(after) == set(grads[step])
         for name, g in grads[step].items():
             torch.testing.assert_close((before[name] - after[name]) / LR, g, **TOL, msg=name)
@@ -142,7 +120,7 @@ def test_ep_checkpoint_resumes_under_another_layout(
     resume = str(first / "checkpoints" / "step-00000001")
     assert main(["train", *base, *resumed, "--run-dir", str(again), "--resume", resume]) == 0
     _, grads = _reference(2 * M, 1.0)
-    before, after = _weights(first, 1, tmp_path), _weights(again, 2, tmp_path)
+    before, after = exported_weights(first, 1, tmp_path), exported_weights(again, 2, tmp_path)
     for name, g in grads[1].items():
         torch.testing.assert_close((before[name] - after[name]) / LR, g, **TOL, msg=name)
 

@@ -39,10 +39,16 @@ def _moe_model(aux: float, z: float) -> torch.nn.Module:
 def _reference(pieces: int, aux: float = AUX, z: float = Z) -> tuple[list[float], list[dict]]:  # type: ignore[type-arg]
     """Losses and gradients of each step in one process: the mean over `pieces` equal
     consecutive parts of the batch (dp × micro-batches) of cross-entropy + router losses."""
+    return sgd_reference(_moe_model(aux, z), pieces)
+
+
+def sgd_reference(model: torch.nn.Module, pieces: int) -> tuple[list[float], list[dict]]:  # type: ignore[type-arg]
+    """`model` trained in one process by SGD on the runs' batches, each the mean over its
+    `pieces` consecutive parts, each routed on its own, of cross-entropy + router losses:
+    the losses and the gradients of every step."""
     from plait.data import SyntheticTokens
 
     data = SyntheticTokens(vocab=64, seq_len=32, size=4096, seed=0)
-    model = _moe_model(aux, z)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses, grads = [], []
     for step in range(STEPS):
@@ -60,7 +66,7 @@ def _reference(pieces: int, aux: float = AUX, z: float = Z) -> tuple[list[float]
     return losses, grads
 
 
-def _weights(run_dir: Path, step: int, tmp_path: Path) -> dict[str, torch.Tensor]:
+def exported_weights(run_dir: Path, step: int, tmp_path: Path) -> dict[str, torch.Tensor]:
     out = export_model(run_dir / "checkpoints" / f"step-{step:08d}", tmp_path / f"w{step}.pt")
     state: dict[str, torch.Tensor] = torch.load(out)
     return state
@@ -81,7 +87,7 @@ def test_moe_gpt_trains_like_one_process(tmp_path: Path, layout: list[str]) -> N
 
     before = _moe_model(AUX, Z).state_dict()
     for step in range(STEPS):  # each update is -LR × that step's gradient
-        after = _weights(run_dir, step + 1, tmp_path)
+        after = exported_weights(run_dir, step + 1, tmp_path)
         assert set(after) == set(grads[step])
         for name, g in grads[step].items():
             torch.testing.assert_close((before[name] - after[name]) / LR, g, **tol, msg=name)
