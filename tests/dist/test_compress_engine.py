@@ -14,29 +14,15 @@ import torch.distributed as dist
 
 from plait.blocks import as_blocks
 from plait.config import ParallelPlan
-from plait.models import GPT, GPTConfig
+from plait.models import GPT
 from plait.train.engine import parallelize
 
 from .harness import run_world
+from .test_hybrid import BATCH, _batch, _full, _model
 
 pytestmark = pytest.mark.dist
 
-VOCAB, SEQ, BATCH, TAU, STEPS = 19, 8, 8, 0.004, 3
-
-
-def _model() -> GPT:
-    torch.manual_seed(0)
-    return GPT(GPTConfig(vocab_size=VOCAB, seq_len=SEQ, num_layers=2, hidden=16, num_heads=4))
-
-
-def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(7 + step)
-    ids = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
-    return ids[:, :-1], ids[:, 1:]
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
+TAU, STEPS = 0.004, 3
 
 
 def _replica_grads(ref: GPT, step: int, dp: int) -> list[list[torch.Tensor]]:
