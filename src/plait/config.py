@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from plait.compression import check_zero, parse_compression
-from plait.layout import RANK_ORDERS, check_ep, check_rank_order
+from plait.layout import RANK_ORDERS, check_ep, check_rank_order, global_rank
 from plait.schedule.registry import KINDS, schedule_kind
 
 __all__ = [
@@ -228,7 +228,8 @@ def _warn_unused(obj: Any, names: tuple[str, ...], why: str) -> None:
             warnings.warn(f"{f.name}={value!r} has no effect {why}: drop it", stacklevel=3)
 
 
-RECOMPUTE = ("none", "selective", "full")
+Recompute = typing.Literal["none", "selective", "full"]
+RECOMPUTE = typing.get_args(Recompute)
 DTYPES = ("fp32", "bf16", "fp16")
 
 
@@ -268,7 +269,7 @@ class ParallelPlan:
             "choices": (0, 1, 2, 3),
         },
     )
-    recompute: str = field(
+    recompute: Recompute = field(
         default="none",
         metadata={"help": "activation recomputation", "choices": ("none", "selective", "full")},
     )
@@ -308,6 +309,11 @@ class ParallelPlan:
 
     def __post_init__(self) -> None:
         _check_types(self)
+        self._check_layout()
+        self._check_trainable()
+
+    def _check_layout(self) -> None:
+        """What makes any layout well formed, trained or only simulated."""
         _positive(self, "dp", "tp", "pp", "microbatches", "chunks")
         if self.schedule not in KINDS:
             raise ValueError(f"schedule={self.schedule!r} is unknown; choose one of {list(KINDS)}")
@@ -316,6 +322,24 @@ class ParallelPlan:
             raise ValueError(f"zero={self.zero!r} must be 0, 1, 2 or 3 (ZeRO stage)")
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"recompute={self.recompute!r} must be one of {RECOMPUTE}")
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("sequence_parallel needs tp > 1: set tp or drop sequence_parallel")
+        object.__setattr__(self, "compress", str(parse_compression(self.compress)))
+        check_zero(self.compress, self.zero)
+        check_ep(self.ep, self.dp)
+        check_rank_order(self.rank_order)
+        if self.partition is not None:
+            object.__setattr__(self, "partition", tuple(self.partition))
+            if len(self.partition) != self.num_stages or min(self.partition) < 1:
+                raise ValueError(
+                    f"partition={list(self.partition)} must give >= 1 block to each of the "
+                    f"{self.num_stages} stages (pp × chunks)"
+                )
+
+    def _check_trainable(self) -> None:
+        """What the runtime cannot apply (or what does nothing when trained): refused here,
+        before any worker starts. The simulator's plan (`plait.sim.SimPlan`) skips these,
+        as it prices layouts training does not run (tf32, fp8, asynchronous with tp)."""
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r} must be one of {DTYPES}")
         if self.zero and self.dp == 1:
@@ -327,25 +351,12 @@ class ParallelPlan:
             warnings.warn(
                 f"microbatches={self.microbatches} is fewer than pp={self.pp} stages: some "
                 f"stages idle all step; use at least {self.pp} micro-batches",
-                stacklevel=3,
+                stacklevel=4,
             )
-        if self.sequence_parallel and self.tp == 1:
-            raise ValueError("sequence_parallel needs tp > 1: set tp or drop sequence_parallel")
         self._check_asynchronous()
         self._check_compression()
-        check_ep(self.ep, self.dp)
-        check_rank_order(self.rank_order)
-        if self.partition is not None:
-            object.__setattr__(self, "partition", tuple(self.partition))
-            if len(self.partition) != self.num_stages or min(self.partition) < 1:
-                raise ValueError(
-                    f"partition={list(self.partition)} must give >= 1 block to each of the "
-                    f"{self.num_stages} stages (pp × chunks)"
-                )
 
     def _check_compression(self) -> None:
-        object.__setattr__(self, "compress", str(parse_compression(self.compress)))
-        check_zero(self.compress, self.zero)
         if self.compress != "none" and self.dp == 1:
             raise ValueError(
                 f"compress={self.compress} with dp=1: there is no data-parallel reduction to "
@@ -364,6 +375,29 @@ class ParallelPlan:
     @property
     def num_stages(self) -> int:
         return self.pp * self.chunks
+
+    def global_rank(self, pp_rank: int, dp_rank: int = 0, tp_rank: int = 0) -> int:
+        """The global rank of a (pipeline, data, tensor) coordinate under `rank_order`, as
+        the runtime mesh places it (`plait.mesh.ParallelDims.rank_grid`)."""
+        degrees = {"pp": self.pp, "dp": self.dp, "tp": self.tp}
+        return global_rank(self.rank_order, degrees, {"pp": pp_rank, "dp": dp_rank, "tp": tp_rank})
+
+    def tp_group(self, pp_rank: int, dp_rank: int = 0) -> list[int]:
+        return [self.global_rank(pp_rank, dp_rank, t) for t in range(self.tp)]
+
+    def dp_group(self, pp_rank: int, tp_rank: int = 0) -> list[int]:
+        return [self.global_rank(pp_rank, d, tp_rank) for d in range(self.dp)]
+
+    def ep_group(self, pp_rank: int, dp_rank: int = 0, tp_rank: int = 0) -> list[int]:
+        """The ranks exchanging tokens with (pp_rank, dp_rank, tp_rank): ep neighbouring
+        data-parallel indices (`plait.layout.expert_index`)."""
+        first = dp_rank - dp_rank % self.ep
+        return [self.global_rank(pp_rank, first + e, tp_rank) for e in range(self.ep)]
+
+    def expert_dp_group(self, pp_rank: int, dp_rank: int = 0, tp_rank: int = 0) -> list[int]:
+        """The ranks holding the same experts as (pp_rank, dp_rank, tp_rank)."""
+        offset = dp_rank % self.ep
+        return [self.global_rank(pp_rank, d, tp_rank) for d in range(offset, self.dp, self.ep)]
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -68,9 +68,9 @@ def test_compression_pays_on_a_slow_link_and_not_on_a_fast_one() -> None:
 def test_zero_2_and_3_take_only_a_lower_reduce_dtype() -> None:
     from plait.sim import SimPlan
 
-    SimPlan(dp=2, zero_stage=3, compress="bf16")
+    SimPlan(dp=2, zero=3, compress="bf16")
     with pytest.raises(ValueError, match=r"compress=topk:0.1 with zero=2: .*fp16 or bf16"):
-        SimPlan(dp=2, zero_stage=2, compress="topk:0.1")
+        SimPlan(dp=2, zero=2, compress="topk:0.1")
 
 
 def _planned(inter_node_Bps: float, memory_Bps: float = 2e12) -> tuple[object, str]:

@@ -110,7 +110,7 @@ SLOW = Link(latency_s=1e-3, bandwidth_Bps=1e8)
 def _step(
     ep: int, *, dp: int, m: int, zero: int = 0, dtype: str = "fp32", cluster: Cluster | None = None
 ) -> tuple[SimResult, StageCost]:
-    plan = SimPlan(dp=dp, ep=ep, num_microbatches=m, dtype=dtype, seq_len=32, zero_stage=zero)
+    plan = SimPlan(dp=dp, ep=ep, microbatches=m, dtype=dtype, seq_len=32, zero=zero)
     stage = StageCost(tuple(SPEC.block_costs(dtype=dtype, ep=ep)))
     cluster = cluster or _cluster(SLOW, devices=dp)
     return simulate(build_schedule(plan), [stage], cluster, plan), stage
@@ -188,7 +188,7 @@ def test_the_estimator_charges_experts_as_the_simulator_does(dp: int, ep: int, z
 
     model = moe_spec(num_layers=2, hidden=64, num_heads=4, seq_len=32, vocab_size=96,
                      moe=MoEShape(num_experts=4, top_k=2, moe_every=1), dtype="bf16")  # fmt: skip
-    plan = SimPlan(dp=dp, ep=ep, num_microbatches=3, dtype="bf16", seq_len=32, zero_stage=zero)
+    plan = SimPlan(dp=dp, ep=ep, microbatches=3, dtype="bf16", seq_len=32, zero=zero)
     cluster = _cluster(SLOW, devices=dp)
     blocks = model.blocks_for(plan)
     guess = Estimator(cluster).estimate(plan, blocks)

@@ -12,10 +12,6 @@ import pytest
 from plait.config import ParallelPlan, TrainConfig
 from plait.mesh import ParallelDims
 from plait.plan.io import (
-    PLAN_KEYS,
-    SIM_FIELDS,
-    SIM_ONLY,
-    TRAIN_BATCH_KEYS,
     parallel_plan_of,
     plan_from_dict,
     plan_to_dict,
@@ -128,15 +124,24 @@ def test_ep_needs_a_model_with_experts() -> None:
 # ---- plan files: every field of every plan type has its counterpart ----
 
 
-def test_the_plan_types_and_plan_files_have_the_same_fields() -> None:
-    """Adding a field to ParallelPlan or SimPlan without a plan-file key (or the reverse)
-    fails here: the three must not drift apart again."""
+def test_the_simulators_plan_is_the_training_layout_plus_the_batch_shape() -> None:
+    """One plan type: every ParallelPlan field is a SimPlan field of the same meaning, and
+    a SimPlan gives training back exactly its layout."""
     parallel = {f.name for f in dataclasses.fields(ParallelPlan)}
     sim = {f.name for f in dataclasses.fields(SimPlan)}
-    assert parallel == set(PLAN_KEYS) - set(TRAIN_BATCH_KEYS)
-    assert set(SIM_FIELDS) == set(PLAN_KEYS)
-    mapped = {v for v in SIM_FIELDS.values() if v is not None}
-    assert mapped | set(SIM_ONLY) == sim and not mapped & set(SIM_ONLY)
+    assert parallel <= sim and sim - parallel == {"micro_batch_size", "seq_len", "optimizer"}
+    layout = ParallelPlan(dp=2, pp=2, ep=2, microbatches=4, rank_order="dp-tp-pp",
+                          compress="fp16", schedule="zb-h1", partition=(2, 3))  # fmt: skip
+    plan = SimPlan.of(layout, micro_batch_size=3, seq_len=16)
+    assert plan.layout() == layout and plan.global_batch_size == 2 * 4 * 3
+
+
+def test_training_refuses_what_the_simulator_only_prices() -> None:
+    SimPlan(dp=1, zero=1, dtype="tf32", schedule="pipedream", tp=2)  # priced, not trained
+    with pytest.raises(ValueError, match="dtype='tf32'"):
+        SimPlan(dtype="tf32").layout()
+    with pytest.raises(ValueError, match="zero=1 with dp=1"):
+        SimPlan(zero=1, dtype="fp32").layout()
 
 
 def _ranked(plan: SimPlan, sizes: tuple[int, ...]) -> RankedPlan:
@@ -148,29 +153,27 @@ def _ranked(plan: SimPlan, sizes: tuple[int, ...]) -> RankedPlan:
 
 def test_a_plan_file_round_trips_every_field(tmp_path: Path) -> None:
     plan = SimPlan(
-        dp=4, tp=1, pp=2, ep=2, schedule="interleaved", num_microbatches=4, micro_batch_size=2,
-        num_chunks=2, recompute="full", zero_stage=1, dtype="fp32", seq_len=32,
-        rank_order="tp-pp-dp", compress="bf16",
+        dp=4, tp=1, pp=2, ep=2, schedule="interleaved", microbatches=4, micro_batch_size=2,
+        chunks=2, recompute="full", zero=1, dtype="fp32", seq_len=32,
+        rank_order="tp-pp-dp", compress="bf16", partition=(1, 1, 1, 1),
     )  # fmt: skip
     model = {"layers": 2, "hidden": 64, "heads": 4, "seq_len": 32}
     path = tmp_path / "plan.json"
     write_plan(path, plan_to_dict(_ranked(plan, (1, 1, 1, 1)), model=model))
     data = read_plan(path)
-    back = plan_from_dict(data)
-    for f in dataclasses.fields(SimPlan):
-        assert getattr(back, f.name) == getattr(plan, f.name), f.name
-    layout = parallel_plan_of(data)
-    for key, name in SIM_FIELDS.items():
-        if key in TRAIN_BATCH_KEYS:
-            continue
-        expected = (1, 1, 1, 1) if name is None else getattr(plan, name)
-        assert getattr(layout, key) == expected, key
+    assert plan_from_dict(data) == plan
+    assert parallel_plan_of(data) == plan.layout()
+
+
+def test_a_hand_written_plan_file_reads_the_same_to_training_and_the_simulator() -> None:
+    data = {"dp": 2, "tp": 1, "pp": 2, "schedule": "1f1b", "microbatches": 2}
+    assert plan_from_dict(data).layout() == parallel_plan_of(data)
 
 
 def test_plait_train_takes_every_field_of_a_plan_file(tmp_path: Path) -> None:
     from plait.cli.train import _from_plan_file
 
-    plan = SimPlan(dp=2, pp=2, num_microbatches=2, micro_batch_size=2, rank_order="tp-pp-dp")
+    plan = SimPlan(dp=2, pp=2, microbatches=2, micro_batch_size=2, rank_order="tp-pp-dp")
     model = {"layers": 2, "hidden": 64, "heads": 4, "seq_len": 32}
     path = tmp_path / "plan.json"
     write_plan(path, plan_to_dict(_ranked(plan, (2, 2)), model=model))
@@ -181,7 +184,7 @@ def test_plait_train_takes_every_field_of_a_plan_file(tmp_path: Path) -> None:
 
 
 def test_a_heterogeneous_plan_file_is_refused_for_training(tmp_path: Path) -> None:
-    data = plan_to_dict(_ranked(SimPlan(dp=2, pp=2, num_microbatches=2), (2, 2)))
+    data = plan_to_dict(_ranked(SimPlan(dp=2, pp=2, microbatches=2), (2, 2)))
     data["pipelines"] = [{"devices": [0, 1], "partition": [2, 2], "microbatches": 2}] * 2
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(data))
@@ -191,3 +194,23 @@ def test_a_heterogeneous_plan_file_is_refused_for_training(tmp_path: Path) -> No
 
     with pytest.raises(ValueError, match="pipelines=2"):
         parallel_plan_from(data)
+
+
+def test_plait_train_adopts_a_moe_plans_model(tmp_path: Path) -> None:
+    from plait.cli.train import _from_plan_file
+
+    plan = SimPlan(dp=2, pp=1, ep=2, microbatches=2, micro_batch_size=2)
+    model = {"name": "moe-gpt", "layers": 2, "hidden": 64, "heads": 4, "seq_len": 32,
+             "ffn_hidden": 128, "experts": 4, "top_k": 2, "capacity_factor": 1.5,
+             "moe_every": 1, "shared_expert": True, "imbalance": 1.0, "vocab": 64}  # fmt: skip
+    path = tmp_path / "plan.json"
+    write_plan(path, plan_to_dict(_ranked(plan, (4,)), model=model))
+    out = _from_plan_file(str(path), {}, {})
+    adopted = {k[6:]: v for k, v in out.items() if k.startswith("model.")}
+    expected = {k: v for k, v in model.items() if k not in ("imbalance", "vocab")}
+    assert adopted == expected and out["parallel.ep"] == 2
+    with pytest.raises(ValueError, match="experts: plan 4, given 8"):
+        _from_plan_file(str(path), {"model.experts": 8}, {})
+    dense = {**model, "name": "gpt"}
+    write_plan(path, plan_to_dict(_ranked(SimPlan(dp=2, microbatches=2), (4,)), model=dense))
+    assert "model.name" not in _from_plan_file(str(path), {"model.name": "hf-gpt2"}, {})

@@ -69,11 +69,11 @@ def _brute_force(cluster: Cluster, global_batch: int, margin: float = 0.05) -> f
                     tp=tp,
                     pp=pp,
                     schedule=kind,
-                    num_microbatches=global_batch // (dp * b),
+                    microbatches=global_batch // (dp * b),
                     micro_batch_size=b,
-                    num_chunks=v,
+                    chunks=v,
                     recompute=rc,
-                    zero_stage=zero,
+                    zero=zero,
                     sequence_parallel=sp,
                     seq_len=MODEL.seq_len,
                 )
@@ -84,15 +84,11 @@ def _brute_force(cluster: Cluster, global_batch: int, margin: float = 0.05) -> f
 
 def _simulate(plan: SimPlan, cluster: Cluster, margin: float) -> float:
     blocks = MODEL.blocks(plan.micro_batch_size, plan.tp, plan.sequence_parallel)
-    k = plan.pp * plan.num_chunks
+    k = plan.pp * plan.chunks
     counts = [
         max(
             1,
-            round(
-                inflight(
-                    plan.schedule, plan.pp, plan.num_microbatches, plan.num_chunks, s % plan.pp
-                )
-            ),
+            round(inflight(plan.schedule, plan.pp, plan.microbatches, plan.chunks, s % plan.pp)),
         )
         for s in range(k)
     ]
@@ -103,7 +99,7 @@ def _simulate(plan: SimPlan, cluster: Cluster, margin: float) -> float:
             dtype=plan.dtype,
             recompute=plan.recompute,
             inflight=counts,
-            zero_stage=plan.zero_stage,
+            zero_stage=plan.zero,
             dp=plan.dp,
         )
     except ValueError:
@@ -155,7 +151,7 @@ def test_unequal_devices_get_speed_proportional_splits_and_shares() -> None:
     fast, slow = _device("fast", 200, 80), _device("slow", 100, 80)
     cluster = _cluster((fast, 2, 1), (slow, 2, 1))
     # pipelines inside one node kind: the fast pipeline takes twice the micro-batches
-    plan = SimPlan(dp=2, pp=2, num_microbatches=12, seq_len=MODEL.seq_len, rank_order="tp-pp-dp")
+    plan = SimPlan(dp=2, pp=2, microbatches=12, seq_len=MODEL.seq_len, rank_order="tp-pp-dp")
     het = plan_replicas(plan, MODEL, cluster)
     assert [r.devices for r in het.replicas] == [("fast", "fast"), ("slow", "slow")]
     assert [r.num_microbatches for r in het.replicas] == [16, 8]
@@ -163,7 +159,7 @@ def test_unequal_devices_get_speed_proportional_splits_and_shares() -> None:
     assert max(ends) / min(ends) < 1.15  # shares balance the finish times
     # pipelines across node kinds: the fast stage takes more blocks
     spread = plan_replicas(
-        SimPlan(dp=2, pp=2, num_microbatches=12, seq_len=MODEL.seq_len), MODEL, cluster
+        SimPlan(dp=2, pp=2, microbatches=12, seq_len=MODEL.seq_len), MODEL, cluster
     )
     first = spread.replicas[0]
     assert first.devices == ("fast", "slow") and first.sizes[0] > first.sizes[1]

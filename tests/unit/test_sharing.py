@@ -110,7 +110,7 @@ UNIT = BlockCost(name="unit", forward_flops=1.0, backward_input_flops=1.0,
 
 @pytest.mark.parametrize("kind", ["gpipe", "1f1b", "zb-h1"])
 def test_a_pipeline_on_one_processor_takes_all_its_work(kind: str) -> None:
-    plan = SimPlan(pp=2, num_microbatches=4, schedule=kind, dtype="fp32")
+    plan = SimPlan(pp=2, microbatches=4, schedule=kind, dtype="fp32")
     alone = simulate(build_schedule(plan), [UNIT] * 2, shared_cluster(2, None), plan)
     shared = simulate(build_schedule(plan), [UNIT] * 2, shared_cluster(2, 1), plan)
     assert alone.step_time_s <= (4 + 1) * 3 + 1e-9  # ZB-H1 fills part of the bubble
@@ -118,7 +118,7 @@ def test_a_pipeline_on_one_processor_takes_all_its_work(kind: str) -> None:
 
 
 def test_data_parallel_replicas_on_one_processor_load_it() -> None:
-    plan = SimPlan(dp=2, pp=1, num_microbatches=3, schedule="1f1b", dtype="fp32")
+    plan = SimPlan(dp=2, pp=1, microbatches=3, schedule="1f1b", dtype="fp32")
     alone = simulate(build_schedule(plan), [UNIT], shared_cluster(2, None), plan)
     shared = simulate(build_schedule(plan), [UNIT], shared_cluster(2, 1), plan)
     slow = simulate(build_schedule(plan), [UNIT], shared_cluster(2, 1, efficiency=0.5), plan)

@@ -46,9 +46,7 @@ def unit_block(v: int = 1, *, saved: float = 1.0, params: int = 0) -> BlockCost:
 
 
 def run(kind: str, p: int, m: int, v: int = 1, **plan_options: object):  # type: ignore[no-untyped-def]
-    plan = SimPlan(
-        pp=p, num_microbatches=m, schedule=kind, num_chunks=v, dtype="fp32", **plan_options
-    )  # type: ignore[arg-type]
+    plan = SimPlan(pp=p, microbatches=m, schedule=kind, chunks=v, dtype="fp32", **plan_options)  # type: ignore[arg-type]
     return simulate(build_schedule(plan), [unit_block(v)] * (p * v), unit_cluster(), plan)
 
 
@@ -84,7 +82,7 @@ def test_1f1b_holds_p_microbatches_gpipe_holds_m(p: int, m: int) -> None:
 
 
 def test_compute_only_schedule_and_timeline_labels() -> None:
-    plan = SimPlan(pp=3, num_microbatches=4, dtype="fp32")
+    plan = SimPlan(pp=3, microbatches=4, dtype="fp32")
     schedule = build_schedule(plan)
     lowered = simulate(schedule, [unit_block()] * 3, unit_cluster(), plan)
     bare = simulate(compute_only(schedule), [unit_block()] * 3, unit_cluster(), plan)
@@ -104,7 +102,7 @@ def test_transfers_cost_latency_plus_bytes_over_bandwidth() -> None:
         inter_node=slow,
     )
     block = BlockCost(name="b", forward_flops=1, backward_input_flops=2, activation_bytes=2)
-    plan = SimPlan(pp=2, num_microbatches=1, dtype="fp32")
+    plan = SimPlan(pp=2, microbatches=1, dtype="fp32")
     result = simulate(build_schedule(plan), [block, block], cluster, plan)
     # F on rank 0, 1 s to send (0.5 + 2/4), F and B on rank 1, 1 s back, B on rank 0
     assert result.step_time_s == pytest.approx(1 + 1 + 1 + 2 + 1 + 2)
@@ -112,7 +110,7 @@ def test_transfers_cost_latency_plus_bytes_over_bandwidth() -> None:
 
 
 def test_slow_device_sets_the_pace() -> None:
-    plan = SimPlan(pp=2, num_microbatches=8, dtype="fp32")
+    plan = SimPlan(pp=2, microbatches=8, dtype="fp32")
     even = simulate(build_schedule(plan), [unit_block()] * 2, unit_cluster(2), plan)
     slow = simulate(build_schedule(plan), [unit_block()] * 2, unit_cluster(2, speeds=(0.5,)), plan)
     assert slow.ranks[0].device == "x0.5"
@@ -130,7 +128,7 @@ def test_data_parallel_reduction_and_zero() -> None:
     stages = stage_costs(blocks, [0, 5, 10])
     results = {}
     for dp, zero in [(1, 0), (8, 0), (8, 1), (8, 3)]:
-        plan = SimPlan(dp=dp, pp=2, num_microbatches=4, zero_stage=zero, seq_len=1024)
+        plan = SimPlan(dp=dp, pp=2, microbatches=4, zero=zero, seq_len=1024)
         results[dp, zero] = simulate(build_schedule(plan), stages, cluster, plan)
     one, many = results[1, 0], results[8, 0]
     assert one.ranks[0].dp_comm_s == 0 and many.ranks[0].dp_comm_s > 0
@@ -143,16 +141,16 @@ def test_data_parallel_reduction_and_zero() -> None:
 
 
 def test_bad_inputs_name_the_fix() -> None:
-    plan = SimPlan(pp=4, num_microbatches=4, dtype="fp32")
+    plan = SimPlan(pp=4, microbatches=4, dtype="fp32")
     schedule = build_schedule(plan)
     with pytest.raises(ValueError, match="3 stage costs for a schedule of 4 stages"):
         simulate(schedule, [unit_block()] * 3, unit_cluster(), plan)
     with pytest.raises(ValueError, match=r"plan\.pp=2"):
-        simulate(schedule, [unit_block()] * 4, unit_cluster(), SimPlan(pp=2, num_microbatches=4))
+        simulate(schedule, [unit_block()] * 4, unit_cluster(), SimPlan(pp=2, microbatches=4))
     with pytest.raises(ValueError, match="has 2"):
         simulate(schedule, [unit_block()] * 4, unit_cluster(2), plan)
-    with pytest.raises(ValueError, match="num_microbatches=8"):
-        simulate(schedule, [unit_block()] * 4, unit_cluster(), SimPlan(pp=4, num_microbatches=8))
+    with pytest.raises(ValueError, match="microbatches=8"):
+        simulate(schedule, [unit_block()] * 4, unit_cluster(), SimPlan(pp=4, microbatches=8))
     with pytest.raises(ValueError, match="dp=0"):
         SimPlan(dp=0)
     with pytest.raises(ValueError, match="recompute='most'"):
@@ -174,7 +172,7 @@ def test_64_stages_512_microbatches_under_a_second() -> None:
     """CPU time of this process, best of three: other jobs on a shared machine stretch the
     wall clock but not the work the simulation does."""
     schedule = add_communication(one_f_one_b(64, 512))
-    plan = SimPlan(pp=64, num_microbatches=512, dtype="fp32")
+    plan = SimPlan(pp=64, microbatches=512, dtype="fp32")
     stages, cluster = [unit_block()] * 64, unit_cluster()
     best = float("inf")
     for _ in range(3):
@@ -202,7 +200,7 @@ def test_gpt3_175b_on_64_a100s() -> None:
     """GPT-3 175B, t=8, p=8, d=1, 64 micro-batches, full recomputation (Narayanan et al.
     2021 train it this way at larger scale and report ~50% of peak counting recompute)."""
     cluster = load_cluster("dgx-a100-80gb", num_nodes=8)
-    plan = SimPlan(tp=8, pp=8, num_microbatches=64, recompute="full", seq_len=2048)
+    plan = SimPlan(tp=8, pp=8, microbatches=64, recompute="full", seq_len=2048)
     blocks = gpt3_blocks()
     devices = [cluster.device(plan.global_rank(r)) for r in range(8)]
     split = partition_blocks(blocks, devices, recompute="full")
@@ -225,7 +223,7 @@ def test_gpt3_175b_on_64_a100s() -> None:
 
 def test_gpt3_without_recomputation_does_not_fit() -> None:
     cluster = load_cluster("dgx-a100-80gb", num_nodes=8)
-    plan = SimPlan(tp=8, pp=8, num_microbatches=64, seq_len=2048)
+    plan = SimPlan(tp=8, pp=8, microbatches=64, seq_len=2048)
     blocks = gpt3_blocks()
     stages = stage_costs(blocks, [0, 13, 25, 37, 49, 61, 73, 85, 98])
     result = simulate(build_schedule(plan), stages, cluster, plan)
@@ -237,7 +235,7 @@ def test_gpt3_without_recomputation_does_not_fit() -> None:
 
 def test_obviously_too_big_plan_names_rank_and_excess() -> None:
     cluster = load_cluster("dgx-a100-80gb")
-    plan = SimPlan(tp=8, pp=1, num_microbatches=1, recompute="full", seq_len=2048)
+    plan = SimPlan(tp=8, pp=1, microbatches=1, recompute="full", seq_len=2048)
     blocks = gpt3_blocks()
     result = simulate(build_schedule(plan), stage_costs(blocks, [0, len(blocks)]), cluster, plan)
     assert not result.fits
@@ -248,7 +246,7 @@ def test_obviously_too_big_plan_names_rank_and_excess() -> None:
 
 
 def test_build_schedule_matches_generators() -> None:
-    plan = SimPlan(pp=4, num_microbatches=8, schedule="interleaved", num_chunks=2)
+    plan = SimPlan(pp=4, microbatches=8, schedule="interleaved", chunks=2)
     assert build_schedule(plan) == build("interleaved", 4, 8, 2)
 
 
@@ -270,12 +268,12 @@ def test_weight_copies_are_counted_in_memory(kind: str) -> None:
     from plait.schedule import KINDS
 
     p, m, params = 4, 4, 1000
-    plan = SimPlan(pp=p, num_microbatches=m, schedule=kind, dtype="fp32", optimizer="sgd")
+    plan = SimPlan(pp=p, microbatches=m, schedule=kind, dtype="fp32", optimizer="sgd")
     blocks = [unit_block(params=params)] * p
     result = simulate(build_schedule(plan), blocks, unit_cluster(), plan)
     copies = [r.memory.weight_copies for r in result.ranks]
     assert copies == [KINDS[kind].copies(p, m, s) * params * 4.0 for s in range(p)]
-    sync = simulate(build_schedule(SimPlan(pp=p, num_microbatches=m, dtype="fp32")), blocks,
+    sync = simulate(build_schedule(SimPlan(pp=p, microbatches=m, dtype="fp32")), blocks,
                     unit_cluster(), plan)  # fmt: skip
     assert all(r.memory.weight_copies == 0 for r in sync.ranks)
 
@@ -297,7 +295,7 @@ def test_updates_per_microbatch_cost_an_optimizer_step_each() -> None:
     blocks = [unit_block(params=params)] * 2
     result = {}
     for kind in ("pipedream", "2bw"):
-        plan = SimPlan(pp=2, num_microbatches=m, schedule=kind, dtype="fp32", optimizer="sgd")
+        plan = SimPlan(pp=2, microbatches=m, schedule=kind, dtype="fp32", optimizer="sgd")
         result[kind] = simulate(build_schedule(plan), blocks, cluster, plan)
     assert result["pipedream"].ranks[1].optimizer_s == pytest.approx(m * step)
     assert result["2bw"].ranks[1].optimizer_s == pytest.approx(step + copy)

@@ -46,7 +46,7 @@ def predicted(kind: str = "1f1b", p: int = 2, m: int = 3) -> list[Span]:
     cluster = ClusterType(name="unit", groups=(group,), inter_node=link)
     block = BlockCost(name="b", forward_flops=1, backward_input_flops=1, backward_weight_flops=1,
                       activation_bytes=0.1)  # fmt: skip
-    plan = SimPlan(pp=p, num_microbatches=m, schedule=kind, dtype="fp32")
+    plan = SimPlan(pp=p, microbatches=m, schedule=kind, dtype="fp32")
     result = simulate(build_schedule(plan), [block] * p, cluster, plan)
     return spans_from_timeline(result.timeline)
 

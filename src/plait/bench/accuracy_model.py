@@ -61,8 +61,8 @@ def _simulate(c: AccuracyConfig, run: PlanRun, cal: dict[str, Any], cores: int) 
                       processors=cores if run.pp > cores else None,
                       sharing_efficiency=cal.get("sharing_efficiency", 1.0))  # fmt: skip
     cluster = Cluster(name=f"local-cpu ({run.pp} workers)", groups=(group,), inter_node=link)
-    plan = SimPlan(pp=run.pp, schedule=run.schedule, num_microbatches=run.num_microbatches,
-                   micro_batch_size=c.micro_batch_size, num_chunks=run.num_chunks,
+    plan = SimPlan(pp=run.pp, schedule=run.schedule, microbatches=run.num_microbatches,
+                   micro_batch_size=c.micro_batch_size, chunks=run.num_chunks,
                    dtype="fp32", seq_len=c.seq_len)  # fmt: skip
     schedule = build_schedule(plan)
     return simulate(schedule, _stage_costs(cal, run, schedule), cluster, plan)

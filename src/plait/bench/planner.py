@@ -63,7 +63,7 @@ def _grid(cfg: PlannerBenchConfig, spec: Any, cluster: Any) -> list[Any]:
         )  # fmt: skip
         result = search(spec, cluster, global_batch=cfg.batch_size, space=space,
                         top_k=1000, exact_limit=10**6, memory_margin=0.0)  # fmt: skip
-        found += [r for r in result.ranked if r.plan.num_microbatches == m]
+        found += [r for r in result.ranked if r.plan.microbatches == m]
     return found
 
 

@@ -122,8 +122,10 @@ def run(args: argparse.Namespace) -> int:
         "vocab": spec.vocab_size,
     }
     if isinstance(spec, MoESpec):  # what `plait simulate --plan` needs to cost it again
+        if spec.ffn_hidden:  # 0 stands for training's default, 4 × hidden
+            model_desc["ffn_hidden"] = spec.ffn_hidden
         model_desc.update(
-            ffn_hidden=spec.ffn_hidden, experts=spec.num_experts, top_k=spec.top_k,
+            experts=spec.num_experts, top_k=spec.top_k,
             capacity_factor=spec.capacity_factor, moe_every=spec.moe_every,
             shared_expert=spec.shared_expert, imbalance=spec.imbalance,
         )  # fmt: skip
@@ -192,11 +194,11 @@ def _table(found: Any, describe: Any) -> None:
         table.add_column(col, justify="right")
     for i, r in enumerate(found.top, 1):
         p = r.plan
-        sched = p.schedule + (f"×{p.num_chunks}" if p.num_chunks > 1 else "")
+        sched = p.schedule + (f"×{p.chunks}" if p.chunks > 1 else "")
         table.add_row(
             str(i), f"{p.dp}×{p.tp}{'+sp' if p.sequence_parallel else ''}×{p.pp}"
             + (f"×{p.ep}" if any(r.plan.ep > 1 for r in found.top) else ""), sched,
-            f"{p.num_microbatches}×{p.micro_batch_size}", p.recompute, str(p.zero_stage),
+            f"{p.microbatches}×{p.micro_batch_size}", p.recompute, str(p.zero),
             f"{r.step_time_s:.3g}", f"{r.tokens_per_s:,.0f}", f"{r.mfu:.1%}",
             f"{r.bubble_fraction:.1%}", f"{r.comm_share:.1%}",
             f"{max(r.peak_memory_bytes) / _GIB:.1f}",

@@ -116,7 +116,7 @@ def _partition(
             dtype=plan.dtype,
             recompute=plan.recompute,
             inflight=_inflight(schedule),
-            zero_stage=plan.zero_stage,
+            zero_stage=plan.zero,
             dp=plan.dp,
             optimizer=plan.optimizer,
             ep=plan.ep,
@@ -202,11 +202,11 @@ def _plan(args: argparse.Namespace, spec: GPTSpec, dtype: str) -> SimPlan:
         pp=args.pp,
         ep=args.ep,
         schedule=args.schedule,
-        num_microbatches=args.microbatches,
+        microbatches=args.microbatches,
         micro_batch_size=args.micro_batch_size,
-        num_chunks=chunks,
+        chunks=chunks,
         recompute=args.recompute,
-        zero_stage=args.zero,
+        zero=args.zero,
         dtype=dtype,
         sequence_parallel=args.sequence_parallel,
         optimizer=args.optimizer,
@@ -323,7 +323,7 @@ def _write_outputs(args: argparse.Namespace, prediction: Prediction) -> None:
         write_chrome_trace(args.trace, {"predicted": spans})
     if args.plot:
         plan = prediction.result.plan
-        title = f"{plan.schedule}: pp={plan.pp}, {plan.num_microbatches} micro-batches"
+        title = f"{plan.schedule}: pp={plan.pp}, {plan.microbatches} micro-batches"
         plot_timeline(spans, args.plot, title=title)
 
 
@@ -402,8 +402,8 @@ def _print(summary: dict[str, Any]) -> None:
     console = Console()
     console.print(
         f"[bold]{plan['schedule']}[/]: dp={plan['dp']} tp={plan['tp']} pp={plan['pp']} "
-        f"({plan['num_chunks']} chunk(s)), {plan['num_microbatches']} micro-batches of "
-        f"{plan['micro_batch_size']}, recompute {plan['recompute']}, ZeRO-{plan['zero_stage']}, "
+        f"({plan['chunks']} chunk(s)), {plan['microbatches']} micro-batches of "
+        f"{plan['micro_batch_size']}, recompute {plan['recompute']}, ZeRO-{plan['zero']}, "
         f"{plan['dtype']} on {c['num_nodes']} × {c['name']} ({c['device']})"
     )
     console.print(

@@ -143,8 +143,10 @@ def _noting_defaults(err: ValueError, given: set[str]) -> ValueError:
     return ValueError(f"{text} [not given, so the default: {', '.join(noted)}]")
 
 
-_PLAN_MODEL = {"layers": "layers", "hidden": "hidden", "heads": "heads", "seq_len": "seq_len",
-               "ffn_hidden": "ffn_hidden"}  # fmt: skip
+# the plan file's model keys training adopts (a plan for a MoE model also names it and
+# its experts; a dense plan's "gpt" stands for any dense transformer, so it is not adopted)
+_PLAN_MODEL = ("layers", "hidden", "heads", "seq_len", "ffn_hidden", "experts", "top_k",
+               "capacity_factor", "moe_every", "shared_expert")  # fmt: skip
 
 
 def _from_plan_file(
@@ -177,16 +179,17 @@ def _from_plan_file(
     mine.update(
         {k[6:]: v for k, v in overrides.items() if k.startswith("model.") and v is not None}
     )
-    differ = [f"{k}: plan {model[k]}, given {mine[k]}" for k in _PLAN_MODEL
+    keys = (*_PLAN_MODEL, "name") if model.get("name") == "moe-gpt" else _PLAN_MODEL
+    differ = [f"{k}: plan {model[k]}, given {mine[k]}" for k in keys
               if k in model and k in mine and mine[k] != model[k]]  # fmt: skip
     if differ:
         raise ValueError(
             f"plan file {path} was made for another model ({'; '.join(differ)}): drop those "
             "settings to train the plan's model, or plan again for yours"
         )
-    for key, field in _PLAN_MODEL.items():
+    for key in keys:
         if model.get(key) is not None:
-            out[f"model.{field}"] = model[key]
+            out[f"model.{key}"] = model[key]
     return out
 
 

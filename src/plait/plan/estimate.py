@@ -203,10 +203,10 @@ class Estimator:
 
     def profile(self, plan: SimPlan, blocks: Sequence[BlockCost]) -> RankProfile:
         ep = self._ep_key(plan)
-        key = (id(blocks), plan.pp, plan.num_chunks, plan.recompute, plan.dtype, *ep)
+        key = (id(blocks), plan.pp, plan.chunks, plan.recompute, plan.dtype, *ep)
         if key not in self._profiles:
             arrays = self._block_arrays(plan, blocks)
-            stages = plan.pp * plan.num_chunks
+            stages = plan.pp * plan.chunks
             split_key = (stages, plan.recompute, plan.tp, plan.sequence_parallel, *ep)
             if split_key not in self._splits:
                 work = arrays.forward_s + arrays.backward_input_s + arrays.backward_weight_s
@@ -218,14 +218,14 @@ class Estimator:
         """Model-state bytes per parameter (linear in the parameter count), ZeRO sharding
         over `dp` ranks (default: the plan's)."""
         dp = plan.dp if dp is None else dp
-        key = (plan.dtype, plan.zero_stage, dp, plan.optimizer)
+        key = (plan.dtype, plan.zero, dp, plan.optimizer)
         if key not in self._state:
             big = 1e9
             self._state[key] = (
                 model_state_bytes(
                     big,
                     dtype=plan.dtype,
-                    zero_stage=plan.zero_stage,
+                    zero_stage=plan.zero,
                     dp=dp,
                     optimizer=plan.optimizer,
                 ).total
@@ -266,7 +266,7 @@ def _rank_sums(arrays: _BlockArrays, sizes: list[int], p: int) -> RankProfile:
 def estimate(plan: SimPlan, profile: RankProfile, est: Estimator) -> Estimate:
     """Estimated step time and per-rank memory of `plan` on the cluster's first device kind."""
     kind = schedule_kind(plan.schedule)
-    p, v, m = plan.pp, plan.num_chunks, plan.num_microbatches
+    p, v, m = plan.pp, plan.chunks, plan.microbatches
     pbytes = dtype_bytes(plan.dtype)
     work = profile.forward_s + profile.backward_input_s + profile.backward_weight_s
     rank_experts = np.zeros(p) if profile.experts is None else profile.experts
@@ -275,7 +275,7 @@ def estimate(plan: SimPlan, profile: RankProfile, est: Estimator) -> Estimate:
         if profile.stage_experts is None
         else profile.stage_experts
     )
-    if plan.zero_stage == 3 and plan.dp > 1:  # weights gathered for forward and backward
+    if plan.zero == 3 and plan.dp > 1:  # weights gathered for forward and backward
         per_stage = np.array(
             [
                 _gather(plan, n - x, plan.dp, est.link(plan, "dp"))
@@ -341,10 +341,10 @@ def _dp_sync(plan: SimPlan, num_bytes: float, est: Estimator, edp: int | None = 
     if plan.compress != "none":
         pbytes = dtype_bytes(plan.dtype)
         return gradient_sync_time(
-            plan.compress, num_bytes / pbytes, zero_stage=plan.zero_stage, dp=dp,
+            plan.compress, num_bytes / pbytes, zero_stage=plan.zero, dp=dp,
             link=link, device=est.device, param_bytes=pbytes,
         )  # fmt: skip
-    return dp_sync_time(num_bytes, zero_stage=plan.zero_stage, dp=dp, link=link)
+    return dp_sync_time(num_bytes, zero_stage=plan.zero, dp=dp, link=link)
 
 
 def _optimizer(plan: SimPlan, num_params: float, est: Estimator, dp: int | None = None) -> float:
@@ -352,7 +352,7 @@ def _optimizer(plan: SimPlan, num_params: float, est: Estimator, dp: int | None 
         num_params,
         est.device,
         dtype=plan.dtype,
-        zero_stage=plan.zero_stage,
+        zero_stage=plan.zero,
         dp=plan.dp if dp is None else dp,
         optimizer=plan.optimizer,
     )

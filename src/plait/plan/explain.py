@@ -40,14 +40,14 @@ def _options(a: RankedPlan, b: RankedPlan) -> list[str]:
         ("tensor", pa.tp, pb.tp),
         ("pipeline", pa.pp, pb.pp),
         ("micro-batch size", pa.micro_batch_size, pb.micro_batch_size),
-        ("micro-batches", pa.num_microbatches, pb.num_microbatches),
-        ("ZeRO stage", pa.zero_stage, pb.zero_stage),
+        ("micro-batches", pa.microbatches, pb.microbatches),
+        ("ZeRO stage", pa.zero, pb.zero),
     ):
         if x != y:
             parallel = ("data", "expert", "tensor", "pipeline")
             degree = " parallel degree" if label in parallel else ""
             out.append(f"{label}{degree} {x} instead of {y}")
-    if (pa.schedule, pa.num_chunks) != (pb.schedule, pb.num_chunks):
+    if (pa.schedule, pa.chunks) != (pb.schedule, pb.chunks):
         out.append(f"schedule {_schedule(pa)} instead of {_schedule(pb)}")
     if pa.recompute != pb.recompute:
         out.append(f"recomputation {pa.recompute} instead of {pb.recompute}")
@@ -59,7 +59,7 @@ def _options(a: RankedPlan, b: RankedPlan) -> list[str]:
 
 
 def _schedule(p: SimPlan) -> str:
-    return p.schedule + (f"x{p.num_chunks}" if p.num_chunks > 1 else "")
+    return p.schedule + (f"x{p.chunks}" if p.chunks > 1 else "")
 
 
 def compression(search: PlanSearch) -> str:
@@ -205,7 +205,7 @@ def explain(search: PlanSearch) -> str:
 def _layout(r: RankedPlan) -> tuple[object, ...]:
     """What shapes the step: degrees, schedule and micro-batching (not memory options)."""
     p = r.plan
-    return (p.dp, p.ep, p.tp, p.pp, p.schedule, p.num_chunks, p.micro_batch_size, p.rank_order)
+    return (p.dp, p.ep, p.tp, p.pp, p.schedule, p.chunks, p.micro_batch_size, p.rank_order)
 
 
 def _top(items: list[tuple[str, float]]) -> list[tuple[str, float]]:

@@ -86,13 +86,13 @@ def split_replica(
 ) -> tuple[list[Device], Partition]:
     """The devices of replica `dp_rank`'s stages and the fastest split of `blocks` over
     them within their memory (raises ValueError, naming the stage, when none fits)."""
-    k = plan.pp * plan.num_chunks
+    k = plan.pp * plan.chunks
     devices = [cluster.device(plan.global_rank(s % plan.pp, dp_rank)) for s in range(k)]
-    held = [inflight(plan.schedule, plan.pp, plan.num_microbatches, plan.num_chunks, s % plan.pp)
+    held = [inflight(plan.schedule, plan.pp, plan.microbatches, plan.chunks, s % plan.pp)
             for s in range(k)]  # fmt: skip
     part = partition_blocks(
         blocks, devices, dtype=plan.dtype, recompute=plan.recompute,
-        inflight=[max(1, round(h)) for h in held], zero_stage=plan.zero_stage, dp=plan.dp,
+        inflight=[max(1, round(h)) for h in held], zero_stage=plan.zero, dp=plan.dp,
         optimizer=plan.optimizer, ep=plan.ep,
     )  # fmt: skip
     return devices, part
@@ -105,11 +105,11 @@ def plan_replicas(plan: SimPlan, model: ModelSpec, cluster: Cluster) -> HeteroPl
     so the total is dp × that."""
     blocks = model.blocks_for(plan)
     splits = [split_replica(plan, blocks, cluster, d) for d in range(plan.dp)]
-    total = plan.num_microbatches * plan.dp
+    total = plan.microbatches * plan.dp
     counts = shares(total, [1.0 / part.bottleneck_s for _, part in splits])
     replicas = []
     for d, ((devices, part), m) in enumerate(zip(splits, counts, strict=True)):
-        mine = replace(plan, num_microbatches=m)
+        mine = replace(plan, microbatches=m)
         stage_list = [StageCost(tuple(s)) for s in part.split(list(blocks))]
         run = simulate_replica(build_schedule(mine, check=False), stage_list, cluster, mine, d)
         kinds = tuple(dev.name for dev in devices[: plan.pp])

@@ -12,9 +12,8 @@ from plait.plan.search import RankedPlan
 from plait.sim import SimPlan
 
 __all__ = [
+    "LAYOUT_KEYS",
     "PLAN_KEYS",
-    "SIM_FIELDS",
-    "SIM_ONLY",
     "TRAIN_BATCH_KEYS",
     "check_trainable",
     "parallel_plan_of",
@@ -24,37 +23,16 @@ __all__ = [
     "write_plan",
 ]
 
-# the keys `plait.config.ParallelPlan` takes (its field names), plus the batch layout
-PLAN_KEYS = (
-    "dp", "tp", "pp", "ep", "schedule", "microbatches", "chunks", "zero", "recompute",
-    "sequence_parallel", "dtype", "partition", "micro_batch_size", "global_batch", "rank_order",
-    "compress",
-)  # fmt: skip
-
-# plan-file key -> the `SimPlan` field that holds it; None: the key is not a SimPlan field
-# (the partition is the `RankedPlan`'s, the global batch derives from the layout)
-SIM_FIELDS: dict[str, str | None] = {
-    "dp": "dp", "tp": "tp", "pp": "pp", "ep": "ep", "schedule": "schedule",
-    "microbatches": "num_microbatches", "chunks": "num_chunks", "zero": "zero_stage",
-    "recompute": "recompute", "sequence_parallel": "sequence_parallel", "dtype": "dtype",
-    "partition": None, "micro_batch_size": "micro_batch_size", "global_batch": None,
-    "rank_order": "rank_order", "compress": "compress",
-}  # fmt: skip
-# SimPlan fields a plan file keeps elsewhere: the sequence length under "model", the
-# optimizer in the training config (it weighs only in the simulator's memory)
-SIM_ONLY = {"seq_len": "model.seq_len", "optimizer": "the training config's optimizer"}
+# A plan file holds one `ParallelPlan` (the plan type training, the planner and the
+# simulator share) under its own field names, the batch, and what was predicted for it.
+LAYOUT_KEYS = tuple(f.name for f in dataclasses.fields(ParallelPlan))
 # plan-file keys that are no `ParallelPlan` field: the batch, which `plait train` sets
 TRAIN_BATCH_KEYS = ("micro_batch_size", "global_batch")
+PLAN_KEYS = LAYOUT_KEYS + TRAIN_BATCH_KEYS
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ParallelPlan)}
 
-
-_KINDS: dict[str, type] = {
-    **dict.fromkeys(("dp", "tp", "pp", "ep", "microbatches", "chunks", "zero", "micro_batch_size",
-                     "global_batch"), int),
-    **dict.fromkeys(("schedule", "recompute", "dtype", "rank_order", "compress"), str),
-    "sequence_parallel": bool,
-    "model": dict,
-}  # fmt: skip
-_KIND_NAMES = {int: "an integer", str: "a string", bool: "true or false", dict: "an object"}
+_KINDS: dict[str, type] = {"micro_batch_size": int, "global_batch": int, "model": dict}
+_KIND_NAMES = {int: "an integer", dict: "an object"}
 
 
 def plan_to_dict(
@@ -62,19 +40,15 @@ def plan_to_dict(
 ) -> dict[str, Any]:
     """The plan (layout and batch) and what the simulator predicts for it."""
     p = ranked.plan
-    out: dict[str, Any] = {
-        "dp": p.dp, "tp": p.tp, "pp": p.pp, "ep": p.ep, "schedule": p.schedule,
-        "microbatches": p.num_microbatches, "chunks": p.num_chunks, "zero": p.zero_stage,
-        "recompute": p.recompute, "sequence_parallel": p.sequence_parallel, "dtype": p.dtype,
-        "partition": list(ranked.sizes), "micro_batch_size": p.micro_batch_size,
-        "global_batch": p.global_batch_size, "rank_order": p.rank_order,
-        "compress": p.compress,
-        "predicted": {
-            "step_time_s": ranked.step_time_s, "tokens_per_s": ranked.tokens_per_s,
-            "mfu": ranked.mfu, "bubble_fraction": ranked.bubble_fraction,
-            "comm_share": ranked.comm_share, "peak_memory_bytes": list(ranked.peak_memory_bytes),
-            "headroom_bytes": ranked.headroom_bytes,
-        },
+    out: dict[str, Any] = {key: getattr(p, key) for key in LAYOUT_KEYS}
+    out["partition"] = list(ranked.sizes)
+    out["micro_batch_size"] = p.micro_batch_size
+    out["global_batch"] = p.global_batch_size
+    out["predicted"] = {
+        "step_time_s": ranked.step_time_s, "tokens_per_s": ranked.tokens_per_s,
+        "mfu": ranked.mfu, "bubble_fraction": ranked.bubble_fraction,
+        "comm_share": ranked.comm_share, "peak_memory_bytes": list(ranked.peak_memory_bytes),
+        "headroom_bytes": ranked.headroom_bytes,
     }  # fmt: skip
     if ranked.hetero is not None:
         out["pipelines"] = [
@@ -89,27 +63,29 @@ def plan_to_dict(
     return out
 
 
-def plan_from_dict(data: dict[str, Any]) -> SimPlan:
-    """The `SimPlan` a plan file describes (its partition stays in the dict)."""
+def _layout_values(data: dict[str, Any], *, complete: bool = True) -> dict[str, Any]:
+    """Every layout field a plan file's dict gives, and training's default for the rest:
+    a hand-written file reads the same to the simulator and to training. `complete`:
+    the keys no plan is without must be there."""
     missing = [k for k in ("dp", "tp", "pp", "schedule", "microbatches") if k not in data]
-    if missing:
+    if missing and complete:
         raise ValueError(f"plan file lacks keys {missing}; write plans with `plait plan --out`")
-    for key, kind in _KINDS.items():  # int() would read "2" and 2.7 as counts, bool() "no"
+    for key, kind in _KINDS.items():  # int() would read "2" and 2.7 as counts
         value = data.get(key)
-        wrong = not isinstance(value, kind) or isinstance(value, bool) != (kind is bool)
-        if value is not None and wrong:
+        if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
             raise ValueError(f"{key}={value!r} must be {_KIND_NAMES[kind]}")
+    values = {k: data[k] for k in LAYOUT_KEYS if data.get(k) is not None}
+    return {**_DEFAULTS, **values}
+
+
+def plan_from_dict(data: dict[str, Any]) -> SimPlan:
+    """The `SimPlan` a plan file describes: its layout, the batch and the model's
+    sequence length."""
     return SimPlan(
-        dp=int(data["dp"]), tp=int(data["tp"]), pp=int(data["pp"]), ep=int(data.get("ep", 1)),
-        schedule=str(data["schedule"]), num_microbatches=int(data["microbatches"]),
-        micro_batch_size=int(data.get("micro_batch_size", 1)),
-        num_chunks=int(data.get("chunks", 1)), recompute=data.get("recompute", "none"),
-        zero_stage=int(data.get("zero", 0)), dtype=str(data.get("dtype", "bf16")),
-        sequence_parallel=bool(data.get("sequence_parallel", False)),
-        seq_len=int(data.get("model", {}).get("seq_len", 1)),
-        rank_order=str(data.get("rank_order", "tp-dp-pp")),
-        compress=str(data.get("compress", "none")),
-    )  # fmt: skip
+        **_layout_values(data),
+        micro_batch_size=data.get("micro_batch_size", 1),
+        seq_len=data.get("model", {}).get("seq_len", 1),
+    )
 
 
 def check_trainable(data: dict[str, Any]) -> None:
@@ -126,8 +102,7 @@ def parallel_plan_of(data: dict[str, Any]) -> ParallelPlan:
     """The training layout a plan file's dict describes: every `ParallelPlan` field is a
     plan-file key of the same name. Refuses what training cannot apply (`check_trainable`)."""
     check_trainable(data)
-    keys = [f.name for f in dataclasses.fields(ParallelPlan)]
-    return ParallelPlan(**{k: data[k] for k in keys if data.get(k) is not None})
+    return ParallelPlan(**_layout_values(data, complete=False))
 
 
 def write_plan(path: str | Path, data: dict[str, Any]) -> None:
@@ -168,13 +143,6 @@ def _check_batch_and_partition(plan: SimPlan, data: dict[str, Any]) -> None:
     sizes = data.get("partition")
     if sizes is None:
         return
-    stages = plan.pp * plan.num_chunks
-    ok = isinstance(sizes, list) and all(isinstance(n, int) and n >= 1 for n in sizes)
-    if not ok or len(sizes) != stages:
-        raise ValueError(
-            f"partition={sizes!r} must give >= 1 block to each of the {stages} stages "
-            f"(pp={plan.pp} × chunks={plan.num_chunks})"
-        )
     layers = data.get("model", {}).get("layers")
     if isinstance(layers, int) and sum(sizes) != layers + 2:
         raise ValueError(

@@ -97,14 +97,14 @@ class PlanSearch:
 
 
 def describe(plan: SimPlan) -> str:
-    sched = plan.schedule + (f"x{plan.num_chunks}" if plan.num_chunks > 1 else "")
+    sched = plan.schedule + (f"x{plan.chunks}" if plan.chunks > 1 else "")
     sp = "+sp" if plan.sequence_parallel else ""
     order = "" if plan.rank_order == "tp-dp-pp" else f" order={plan.rank_order}"
     compress = "" if plan.compress == "none" else f" compress={plan.compress}"
     ep = f" ep={plan.ep}" if plan.ep > 1 else ""
     return (
-        f"dp={plan.dp}{ep} tp={plan.tp}{sp} pp={plan.pp} {sched} m={plan.num_microbatches} "
-        f"b={plan.micro_batch_size} recompute={plan.recompute} zero={plan.zero_stage}{order}"
+        f"dp={plan.dp}{ep} tp={plan.tp}{sp} pp={plan.pp} {sched} m={plan.microbatches} "
+        f"b={plan.micro_batch_size} recompute={plan.recompute} zero={plan.zero}{order}"
         f"{compress}"
     )
 
@@ -142,7 +142,7 @@ def _exact_hetero(plan: SimPlan, model: ModelSpec, cluster: Cluster) -> RankedPl
         b.forward_flops + b.backward_input_flops + b.backward_weight_flops
         for b in model.blocks_for(plan)
     )
-    total_flops = flops * plan.tp * plan.num_microbatches * plan.dp
+    total_flops = flops * plan.tp * plan.microbatches * plan.dp
     peak = sum(cluster.device(g).peak(plan.dtype) for g in range(plan.num_devices))
     bubble = max(1.0 - r.run.busy_s / (plan.pp * r.run.pipeline_time_s) for r in het.replicas)
     batch = plan.global_batch_size
@@ -169,7 +169,7 @@ def _preference(r: RankedPlan) -> tuple[int, bool, int, int, bool, float]:
     return (
         step,
         p.compress != "none",
-        p.zero_stage,
+        p.zero,
         ("none", "selective", "full").index(p.recompute),
         p.sequence_parallel,
         max(r.peak_memory_bytes),

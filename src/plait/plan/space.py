@@ -340,11 +340,11 @@ def _layouts(
                 pp=pp,
                 ep=ep,
                 schedule=kind,
-                num_microbatches=global_batch // (dp * b),
+                microbatches=global_batch // (dp * b),
                 micro_batch_size=b,
-                num_chunks=chunks,
+                chunks=chunks,
                 recompute=recompute,  # type: ignore[arg-type]
-                zero_stage=zero,
+                zero=zero,
                 dtype=space.dtype,
                 sequence_parallel=sp,
                 optimizer=space.optimizer,  # type: ignore[arg-type]

@@ -121,7 +121,7 @@ class _Replica:
 
     def _zero3_gather(self, stage: int) -> float:
         plan, st = self.plan, self.stages[stage]
-        if plan.zero_stage < 3 or plan.dp == 1:
+        if plan.zero < 3 or plan.dp == 1:
             return 0.0
         width, rank = dtype_bytes(plan.dtype), self.s.stage_to_rank[stage]
         rest = Collective(kind="all_gather", num_bytes=(st.num_params - st.expert_params) * width)
@@ -141,7 +141,7 @@ class _Replica:
                 self.stages[i].expert_params,
                 self.devices[place[i]],
                 dtype=plan.dtype,
-                zero_stage=plan.zero_stage,
+                zero_stage=plan.zero,
                 dp=plan.dp,
                 ep=plan.ep,
                 optimizer=plan.optimizer,
@@ -178,19 +178,19 @@ class _Replica:
         if plan.compress != "none":
             rest = st.num_params - st.expert_params
             time = gradient_sync_time(
-                plan.compress, rest, zero_stage=plan.zero_stage, dp=plan.dp, link=link,
+                plan.compress, rest, zero_stage=plan.zero, dp=plan.dp, link=link,
                 device=self.devices[rank], param_bytes=dtype_bytes(plan.dtype),
             )  # fmt: skip
             if st.expert_params and plan.dp > plan.ep:
                 time += gradient_sync_time(
-                    plan.compress, st.expert_params, zero_stage=plan.zero_stage,
+                    plan.compress, st.expert_params, zero_stage=plan.zero,
                     dp=plan.dp // plan.ep, link=self.edp_links[rank],
                     device=self.devices[rank], param_bytes=dtype_bytes(plan.dtype),
                 )  # fmt: skip
             return time
         return expert_sync_time(
             st.num_params, st.expert_params, param_bytes=dtype_bytes(plan.dtype),
-            zero_stage=plan.zero_stage, dp=plan.dp, ep=plan.ep, dp_link=link,
+            zero_stage=plan.zero, dp=plan.dp, ep=plan.ep, dp_link=link,
             edp_link=self.edp_links[rank],
         )  # fmt: skip
 
@@ -308,13 +308,13 @@ class _Replica:
             params,
             sum(self.stages[i].expert_params for i in mine),
             dtype=plan.dtype,
-            zero_stage=plan.zero_stage,
+            zero_stage=plan.zero,
             dp=plan.dp,
             ep=plan.ep,
             optimizer=plan.optimizer,
         )
         transient = max(self.stages[i].transient_bytes(plan.recompute) for i in mine)
-        if plan.zero_stage == 3 and plan.dp > 1:
+        if plan.zero == 3 and plan.dp > 1:
             transient += max(self._param_bytes(i) for i in mine)
         return MemoryUse(
             params=state.params,

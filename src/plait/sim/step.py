@@ -21,7 +21,7 @@ __all__ = ["build_schedule", "simulate"]
 def build_schedule(plan: SimPlan, *, check: bool = True) -> Schedule:
     """The lowered schedule `plan` names (kind, pp, micro-batches, chunks), validated
     unless `check` is False."""
-    return build(plan.schedule, plan.pp, plan.num_microbatches, plan.num_chunks, check=check)
+    return build(plan.schedule, plan.pp, plan.microbatches, plan.chunks, check=check)
 
 
 def _check(schedule: Schedule, num_stages: int, cluster: Cluster, plan: SimPlan) -> None:
@@ -35,10 +35,10 @@ def _check(schedule: Schedule, num_stages: int, cluster: Cluster, plan: SimPlan)
             f"{num_stages} stage costs for a schedule of {schedule.num_stages} stages "
             f"(pp × chunks): partition the blocks into {schedule.num_stages} stages"
         )
-    if schedule.num_microbatches != plan.num_microbatches:
+    if schedule.num_microbatches != plan.microbatches:
         raise ValueError(
             f"the schedule runs {schedule.num_microbatches} micro-batches but "
-            f"plan.num_microbatches={plan.num_microbatches}: make them agree"
+            f"plan.microbatches={plan.microbatches}: make them agree"
         )
     if cluster.num_devices < plan.num_devices:
         raise ValueError(
@@ -84,7 +84,7 @@ def simulate(
         runs.append(cache[key])
     worst = max(cache.values(), key=lambda run: run.step_time_s)
     step = worst.step_time_s  # a synchronous step, or an asynchronous window in steady state
-    m = plan.num_microbatches
+    m = plan.microbatches
     model_flops = sum(st.model_flops for st in stage_list) * m * plan.tp * plan.dp
     peak = sum(cluster.device(g).peak(plan.dtype) for g in range(plan.num_devices))
     span = worst.pipeline_time_s

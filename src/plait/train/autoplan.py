@@ -152,7 +152,7 @@ def fit_sharing_efficiency(
     space = SearchSpace(
         schedules=(target.schedule,), allow_staleness=not KINDS[target.schedule].synchronous,
         recompute=(target.recompute,),
-        zero_stages=(target.zero_stage,), chunks=(), micro_batch_sizes=(target.micro_batch_size,),
+        zero_stages=(target.zero,), chunks=(), micro_batch_sizes=(target.micro_batch_size,),
         sequence_parallel=(target.sequence_parallel,), dtype=target.dtype,
     )  # fmt: skip
 

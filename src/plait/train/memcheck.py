@@ -20,12 +20,10 @@ need more than the memory there is.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
-from typing import cast
+from dataclasses import dataclass, replace
 
 from plait.cluster import GIB
 from plait.config import TrainConfig
-from plait.cost.blocks import Recompute
 from plait.cost.memory import Optimizer
 
 __all__ = ["MemoryEstimate", "check_memory", "estimate_memory", "worker_memory_bytes"]
@@ -73,7 +71,6 @@ def estimate_memory(cfg: TrainConfig, nproc: int) -> MemoryEstimate | None:
     from plait.cli.simulate import predict
     from plait.cluster import local_cpu
     from plait.profile import GPTSpec
-    from plait.schedule import schedule_kind
     from plait.sim import SimPlan
 
     m, par = cfg.model, cfg.parallel
@@ -86,26 +83,21 @@ def estimate_memory(cfg: TrainConfig, nproc: int) -> MemoryEstimate | None:
         pp = max(k for k in range(1, min(nproc, m.layers + 2) + 1) if nproc % k == 0)
         dp = nproc // pp
         size = 1 if cfg.batch_size % dp == 0 else cfg.batch_size // dp
-        plan = SimPlan(dp=dp, pp=pp, num_microbatches=max(1, cfg.batch_size // (dp * size)),
-                       micro_batch_size=size, recompute="full", zero_stage=3 if dp > 1 else 0,
+        plan = SimPlan(dp=dp, pp=pp, microbatches=max(1, cfg.batch_size // (dp * size)),
+                       micro_batch_size=size, recompute="full", zero=3 if dp > 1 else 0,
                        dtype=par.dtype, optimizer=optimizer, seq_len=m.seq_len)  # fmt: skip
     else:
-        chunks = schedule_kind(par.schedule).chunks(par.chunks)
-        plan = SimPlan(dp=par.dp, tp=par.tp, pp=par.pp, schedule=par.schedule,
-                       num_microbatches=par.microbatches,
-                       micro_batch_size=max(1, cfg.batch_size // (par.dp * par.microbatches)),
-                       num_chunks=chunks, recompute=cast(Recompute, par.recompute),
-                       zero_stage=par.zero,
-                       dtype=par.dtype, sequence_parallel=par.sequence_parallel,
-                       optimizer=optimizer, seq_len=m.seq_len)  # fmt: skip
+        plan = SimPlan.of(replace(par, partition=None),
+                          micro_batch_size=max(1, cfg.batch_size // (par.dp * par.microbatches)),
+                          optimizer=optimizer, seq_len=m.seq_len)  # fmt: skip
     blocks = spec.block_costs(micro_batch_size=plan.micro_batch_size, dtype=plan.dtype,
                               tp=plan.tp, sequence_parallel=plan.sequence_parallel)  # fmt: skip
     cluster = local_cpu(devices=plan.num_devices)  # memory is judged here, not by the cluster
     result = predict(blocks, cluster, plan).result
     worst = max(result.ranks, key=lambda r: r.memory.total).memory
     state = worst.params + worst.grads + worst.optimizer + worst.weight_copies
-    layout = (f"dp={plan.dp} tp={plan.tp} pp={plan.pp} microbatches={plan.num_microbatches} "
-              f"recompute={plan.recompute} zero={plan.zero_stage}")  # fmt: skip
+    layout = (f"dp={plan.dp} tp={plan.tp} pp={plan.pp} microbatches={plan.microbatches} "
+              f"recompute={plan.recompute} zero={plan.zero}")  # fmt: skip
     return MemoryEstimate(worst.total, state, worst.total - state, layout)
 
 
