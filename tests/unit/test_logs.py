@@ -200,3 +200,21 @@ def test_bad_logging_options_are_errors(monkeypatch: pytest.MonkeyPatch) -> None
     )
     with pytest.raises(ValueError, match=r"pip install 'plait\[tensorboard\]'"):
         load_config(**SMALL, tensorboard="tb")
+
+
+def test_the_measured_bubble_counts_idle_time_within_the_pipelined_compute() -> None:
+    from plait.train.logs import _measured_bubble
+
+    def rec(label: str, start: float, end: float) -> dict[str, object]:
+        return {"label": label, "start": start, "end": end}
+
+    # one stage: forward, backward, then a long optimizer step — no bubble at all
+    alone = [[rec("0F0", 0.0, 1.0), rec("0B0", 1.0, 3.0), rec("0UPDATE0v1", 3.0, 9.0)]]
+    assert _measured_bubble(alone) == 0.0
+    # two stages, one micro-batch: rank 1 waits 1 for the forward, rank 0 waits 3 for the
+    # backward; compute spans 0..6 on each of 2 ranks, 6 of the 12 rank-seconds are busy
+    two = [
+        [rec("0F0", 0.0, 1.0), rec("0RECV_B0", 1.0, 4.0), rec("0B0", 4.0, 6.0)],
+        [rec("1F0", 1.0, 2.0), rec("1B0", 2.0, 4.0), rec("1UPDATE0v1", 4.0, 8.0)],
+    ]
+    assert _measured_bubble(two) == 1.0 - 6.0 / 12.0

@@ -292,14 +292,18 @@ def _continued(path: Path, start: int) -> Any:
 
 
 def _measured_bubble(records: list[list[dict[str, Any]]]) -> float:
-    """Idle share of the last step: 1 - compute time / (ranks × step span)."""
+    """Idle share of the ranks during the last step's pipelined compute, as the simulator
+    defines it (`plait.sim.SimResult`): 1 - compute time / (ranks × the span from the
+    first forward to the last backward). The optimizer step and reductions after the last
+    backward are no bubble: a one-stage run has none."""
     from plait.schedule import Action
 
-    busy = span = 0.0
+    busy = 0.0
+    first, last = float("inf"), 0.0
     for rank_records in records:
         for r in rank_records:
             if Action.parse(r["label"]).is_compute:
                 busy += r["end"] - r["start"]
-        if rank_records:
-            span = max(span, max(r["end"] for r in rank_records))
+                first, last = min(first, r["start"]), max(last, r["end"])
+    span = last - first if last > first else 0.0
     return 1.0 - busy / (span * len(records)) if span else 0.0
