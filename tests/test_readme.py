@@ -11,6 +11,7 @@ under the launcher it names.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -51,6 +52,22 @@ SHORTEST = {
                   "--experts", "4", "--steps", "1", "--warmup", "0"],
     "experiment staleness": ["--stages", "1,2", "--microbatches", "2", "--budget", "4"],
 }  # fmt: skip
+
+
+def _faults_recovered(out: dict[str, object]) -> None:
+    """One SIGKILLed run recovered, ending bit-identical to an uninterrupted one."""
+    assert {"trials", "recovered", "bit_identical", "median_recovery_s", "max_recovery_s",
+            "lost_steps_median"} <= out.keys()  # fmt: skip
+    assert (out["trials"], out["recovered"], out["bit_identical"]) == (1, 1, 1), out
+    trial = out["per_trial"][0]  # type: ignore[index]
+    assert trial["cause"] == "SIGKILL" and 0 <= trial["failed_rank"] < 2
+    assert trial["resumed_from"] <= trial["steps_done_at_kill"]
+    assert trial["lost_steps"] == trial["steps_done_at_kill"] - trial["resumed_from"]
+    assert 0 < out["median_recovery_s"] <= out["max_recovery_s"]  # type: ignore[operator]
+
+
+# what a bench's JSON (its last line) must say in its shortest form, beyond succeeding
+CHECKS = {"bench faults": _faults_recovered}
 # the checkpointed run `plait checkpoint` reads, trained for real on a small model
 CHECKPOINTED = "--run-dir runs/ck"
 _SMALL = ["--layers", "2", "--hidden", "32", "--heads", "2", "--seq-len", "16",
@@ -120,14 +137,21 @@ def _main(argv: list[str], cwd: Path) -> None:
 
 
 @pytest.mark.parametrize("command", COMMANDS)
-def test_readme_command(command: str, workdir: Path, request: pytest.FixtureRequest) -> None:
+def test_readme_command(
+    command: str, workdir: Path, request: pytest.FixtureRequest, capsys: pytest.CaptureFixture[str]
+) -> None:
     words = _words(command)
     if words[0] in SKIPPED:
         pytest.skip(SKIPPED[words[0]])
     if words[0] == "checkpoint":
         request.getfixturevalue("checkpointed")
     if words[0] != "train":
-        _main([*words, *SHORTEST.get(" ".join(words[:2]), [])], workdir)
+        name = " ".join(words[:2])
+        capsys.readouterr()
+        _main([*words, *SHORTEST.get(name, [])], workdir)
+        if name in CHECKS:
+            assert "--json" in words, command
+            CHECKS[name](json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
         return
     _main([*words, "--dry-run"], workdir)
     if any(part in command for part in TRAINED):
