@@ -16,6 +16,7 @@ from typing import Any
 
 from plait.compression import check_zero, parse_compression
 from plait.layout import RANK_ORDERS, check_ep, check_rank_order
+from plait.offload import check_offload_blocks, normalize_offload
 from plait.schedule.registry import KINDS, schedule_kind
 
 __all__ = [
@@ -306,9 +307,23 @@ class ParallelPlan:
         },
     )
 
+    offload_activations: str = field(
+        default="none",
+        metadata={
+            "help": "swap the activations blocks save for backward to host memory during "
+            "forward, back in backward (vDNN): none, all, or block indices e.g. 1,2",
+            "metavar": "BLOCKS",
+        },
+    )
+    offload_optimizer: bool = field(
+        default=False,
+        metadata={"help": "keep optimizer state in host memory outside the optimizer step"},
+    )
+
     def __post_init__(self) -> None:
         _check_types(self)
         _positive(self, "dp", "tp", "pp", "microbatches", "chunks")
+        object.__setattr__(self, "offload_activations", normalize_offload(self.offload_activations))
         if self.schedule not in KINDS:
             raise ValueError(f"schedule={self.schedule!r} is unknown; choose one of {list(KINDS)}")
         schedule_kind(self.schedule).chunks(self.chunks)
@@ -520,6 +535,8 @@ class TrainConfig:
             raise ValueError(
                 f"pp × chunks = {par.num_stages} stages exceed the model's {blocks} blocks {what}"
             )
+        if self.model.name != "custom":
+            check_offload_blocks(par.offload_activations, blocks)
         if self.model.name != "custom" and par.partition and sum(par.partition) != blocks:
             raise ValueError(f"partition={list(par.partition)} must add up to {blocks} blocks")
         if self.batch_size % (par.dp * par.microbatches):

@@ -94,7 +94,15 @@ _FLOAT_RANGE: dict[str, tuple[float, bool, float | None]] = {
 }  # fmt: skip
 # ... and the free-text settings with a closed vocabulary (an unknown word is an error; any
 # free text, a path included, must not be empty)
-_VOCABULARY = ("optimizer", "lr_schedule", "data", "profile_steps", "parallel.compress", "plan")
+_VOCABULARY = (
+    "optimizer",
+    "lr_schedule",
+    "data",
+    "profile_steps",
+    "parallel.compress",
+    "plan",
+    "parallel.offload_activations",
+)
 
 
 def _fields() -> dict[str, tuple[dataclasses.Field[Any], Any]]:

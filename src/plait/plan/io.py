@@ -28,7 +28,7 @@ __all__ = [
 PLAN_KEYS = (
     "dp", "tp", "pp", "ep", "schedule", "microbatches", "chunks", "zero", "recompute",
     "sequence_parallel", "dtype", "partition", "micro_batch_size", "global_batch", "rank_order",
-    "compress",
+    "compress", "offload_activations", "offload_optimizer",
 )  # fmt: skip
 
 # plan-file key -> the `SimPlan` field that holds it; None: the key is not a SimPlan field
@@ -39,6 +39,7 @@ SIM_FIELDS: dict[str, str | None] = {
     "recompute": "recompute", "sequence_parallel": "sequence_parallel", "dtype": "dtype",
     "partition": None, "micro_batch_size": "micro_batch_size", "global_batch": None,
     "rank_order": "rank_order", "compress": "compress",
+    "offload_activations": "offload_activations", "offload_optimizer": "offload_optimizer",
 }  # fmt: skip
 # SimPlan fields a plan file keeps elsewhere: the sequence length under "model", the
 # optimizer in the training config (it weighs only in the simulator's memory)
@@ -50,8 +51,9 @@ TRAIN_BATCH_KEYS = ("micro_batch_size", "global_batch")
 _KINDS: dict[str, type] = {
     **dict.fromkeys(("dp", "tp", "pp", "ep", "microbatches", "chunks", "zero", "micro_batch_size",
                      "global_batch"), int),
-    **dict.fromkeys(("schedule", "recompute", "dtype", "rank_order", "compress"), str),
-    "sequence_parallel": bool,
+    **dict.fromkeys(("schedule", "recompute", "dtype", "rank_order", "compress",
+                     "offload_activations"), str),
+    **dict.fromkeys(("sequence_parallel", "offload_optimizer"), bool),
     "model": dict,
 }  # fmt: skip
 _KIND_NAMES = {int: "an integer", str: "a string", bool: "true or false", dict: "an object"}
@@ -68,7 +70,8 @@ def plan_to_dict(
         "recompute": p.recompute, "sequence_parallel": p.sequence_parallel, "dtype": p.dtype,
         "partition": list(ranked.sizes), "micro_batch_size": p.micro_batch_size,
         "global_batch": p.global_batch_size, "rank_order": p.rank_order,
-        "compress": p.compress,
+        "compress": p.compress, "offload_activations": p.offload_activations,
+        "offload_optimizer": p.offload_optimizer,
         "predicted": {
             "step_time_s": ranked.step_time_s, "tokens_per_s": ranked.tokens_per_s,
             "mfu": ranked.mfu, "bubble_fraction": ranked.bubble_fraction,
@@ -109,6 +112,8 @@ def plan_from_dict(data: dict[str, Any]) -> SimPlan:
         seq_len=int(data.get("model", {}).get("seq_len", 1)),
         rank_order=str(data.get("rank_order", "tp-dp-pp")),
         compress=str(data.get("compress", "none")),
+        offload_activations=str(data.get("offload_activations", "none")),
+        offload_optimizer=bool(data.get("offload_optimizer", False)),
     )  # fmt: skip
 
 

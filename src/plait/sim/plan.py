@@ -13,6 +13,7 @@ from plait.cluster import normalize_dtype
 from plait.compression import check_zero, parse_compression
 from plait.cost import RECOMPUTE_MODES, Optimizer, Recompute
 from plait.layout import RANK_ORDERS, check_ep, check_rank_order, global_rank
+from plait.offload import normalize_offload
 
 __all__ = ["RANK_ORDERS", "SimPlan"]
 
@@ -39,6 +40,10 @@ class SimPlan:
     seq_len: int = 1
     rank_order: str = "tp-dp-pp"  # innermost axis first
     compress: str = "none"  # gradient compression of the dp reduction (plait.compression)
+    # host-memory offload (plait.offload, plait.train.offload): the blocks whose saved
+    # activations are swapped out ("none", "all" or indices "1,2"), the optimizer state
+    offload_activations: str = "none"
+    offload_optimizer: bool = False
 
     def __post_init__(self) -> None:
         for name in (
@@ -64,6 +69,9 @@ class SimPlan:
         object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
         object.__setattr__(self, "compress", str(parse_compression(self.compress)))
         check_zero(self.compress, self.zero_stage)
+        object.__setattr__(self, "offload_activations", normalize_offload(self.offload_activations))
+        if not isinstance(self.offload_optimizer, bool):
+            raise ValueError(f"offload_optimizer={self.offload_optimizer!r} must be true or false")
 
     @property
     def num_devices(self) -> int:
