@@ -511,9 +511,26 @@ class TrainConfig:
         metadata={"help": "data: " + "; ".join(f"{k} ({v})" for k, v in DATA.items())},
     )
 
+    repartition: str = field(
+        default="off",
+        metadata={
+            "help": "move blocks between pipeline ranks while training when stage times "
+            "drift apart (plait.train.repartition)",
+            "choices": ("off", "auto"),
+        },
+    )
+    repartition_threshold: float = field(
+        default=0.2,
+        metadata={"help": "re-partition when the slowest stage exceeds the fastest by this"},
+    )
+    repartition_patience: int = field(
+        default=3, metadata={"help": "steps in a row over the threshold before re-partitioning"}
+    )
+
     def __post_init__(self) -> None:
         _check_types(self)
         par = self.parallel
+        self._check_repartition()
         if self.nproc is None:
             object.__setattr__(self, "nproc", par.world_size)
         _positive(self, "nproc", "max_steps", "batch_size", "log_every", "trace_steps")
@@ -584,6 +601,25 @@ class TrainConfig:
         if self.sample_chars < 0:
             raise ValueError(f"sample_chars={self.sample_chars} must be 0 or more (0: no sample)")
         self._check_paths()
+
+    def _check_repartition(self) -> None:
+        if self.repartition not in ("off", "auto"):
+            raise ValueError(f"repartition={self.repartition!r} must be 'off' or 'auto'")
+        if not self.repartition_threshold > 0 or not math.isfinite(self.repartition_threshold):
+            raise ValueError(
+                f"repartition_threshold={self.repartition_threshold} must be a positive number "
+                "(0.2: the slowest stage 20% slower than the fastest)"
+            )
+        _positive(self, "repartition_patience")
+        par = self.parallel
+        if self.repartition == "auto" and (
+            par.pp == 1 or par.dp > 1 or par.tp > 1 or not schedule_kind(par.schedule).synchronous
+        ):
+            raise ValueError(
+                f"repartition='auto' needs a synchronous pipeline (pp > 1) without data or "
+                f"tensor parallelism; got pp={par.pp}, dp={par.dp}, tp={par.tp}, schedule="
+                f"{par.schedule!r}: use repartition='off' or such a layout"
+            )
 
     def _check_optimizer(self) -> None:
         for name in ("lr", "weight_decay", "beta1", "beta2", "eps", "momentum", "min_lr"):
