@@ -15,6 +15,7 @@ from plait.blocks import as_blocks
 from plait.config import ParallelPlan
 from plait.models import GPT
 from plait.train.engine import Engine, parallelize
+from plait.train.optim import param_groups
 from plait.train.repartition import Repartitioner
 
 from .harness import run_world
@@ -59,6 +60,12 @@ def _halving(optimizer: torch.optim.Optimizer, updates: int) -> torch.optim.lr_s
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: 0.5**k)
 
 
+def _grouped(ps: object) -> torch.optim.Optimizer:
+    # two groups (matrices decayed), one where a stage holds only the embedding
+    groups = param_groups(ps, 0.1)  # type: ignore[arg-type]
+    return torch.optim.SGD(groups, lr=0.1, momentum=0.9)  # type: ignore[arg-type]
+
+
 def _repartition_matches() -> None:
     """Blocks move at steps 1 and 2 (weights, momentum, the schedule's position): losses,
     weights and momentum equal one process's run without any move."""
@@ -66,11 +73,12 @@ def _repartition_matches() -> None:
     ref = copy.deepcopy(model)
 
     def build(plan: ParallelPlan) -> Engine:
-        return parallelize(model, plan, _sgd, GPT.loss, device="cpu", scheduler_factory=_halving)
+        return parallelize(model, plan, _grouped, GPT.loss, device="cpu",
+                           scheduler_factory=_halving)  # fmt: skip
 
     engine = build(ParallelPlan(pp=2, microbatches=2, partition=(2, 2)))
     mover = Repartitioner(model, build)
-    ref_opt = _sgd(ref.parameters())
+    ref_opt = _grouped(ref.parameters())
     ref_lr = _halving(ref_opt, 1)
     for step, sizes in enumerate([(1, 3), (3, 1), None]):
         x, y = _batch(step)

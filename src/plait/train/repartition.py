@@ -5,7 +5,8 @@ devices' performance and redistributes the workload at run time (seed 003's "per
 shuffling of the partitions"). Each step the executor's action stamps give every stage's
 compute seconds (forward and backward actions, waits excluded); the ranks share them. A
 calibration (the first measured step, when the workers are assumed equal) spreads each
-stage's time evenly over its blocks: the per-block costs. Later steps give each rank's
+stage's time evenly over its blocks: the per-block costs (the first step of an engine,
+which also negotiates the boundaries' shapes, is not measured). Later steps give each rank's
 speed as its blocks' cost over its measured time. When the slowest stage takes more than
 (1 + threshold) × the fastest for `patience` steps in a row, `plait.plan.partition`
 splits the per-block costs over the ranks' speeds anew, and if the split differs, the
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +41,7 @@ from plait.config import ParallelPlan, TrainConfig
 from plait.plan.partition import partition
 from plait.schedule import Op
 from plait.train.engine import Engine, StepReport
+from plait.train.logs import LOGGER
 
 __all__ = ["Repartitioner", "repartitioner", "stage_seconds"]
 
@@ -72,6 +75,7 @@ class Repartitioner:
     block_costs: list[float] | None = None  # per block; None: calibrated at the first step
     moves: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)  # (step, sizes)
     _late: int = 0
+    _engine: Engine | None = None
 
     def __post_init__(self) -> None:
         if not self.threshold > 0:
@@ -82,6 +86,9 @@ class Repartitioner:
     def after_step(self, engine: Engine, report: StepReport, step: int) -> Engine:
         """The engine for the next step: `engine`, or a re-partitioned one."""
         seconds = stage_seconds(engine, report)
+        if self._engine is not engine:  # its first step also describes the boundaries
+            self._engine = engine
+            return engine
         sizes = _sizes(engine)
         if self.block_costs is None:
             self.block_costs = [
@@ -124,8 +131,11 @@ class Repartitioner:
         plan = dataclasses.replace(engine.plan, partition=tuple(sizes))
         rebuilt = self.build(plan)
         _restore_optimizers(engine, rebuilt, {**state, **received})
-        self.moves.append((step, tuple(sizes)))
-        self.block_costs = None  # calibrate again on the new split
+        self.moves.append((step, tuple(sizes)))  # the block costs hold: blocks are the same
+        logging.getLogger(LOGGER).info(
+            "re-partitioned after step %d: blocks per stage %s -> %s", step + 1, list(old),
+            list(sizes),
+        )  # fmt: skip
         return rebuilt
 
 
@@ -221,16 +231,22 @@ def _to(value: Any, device: torch.device) -> Any:
 def _restore_optimizers(
     old: Engine, new: Engine, state: dict[torch.Tensor, dict[str, Any]]
 ) -> None:
-    """Give the rebuilt optimizers the state of their parameters, the old optimizers'
-    hyperparameters (a schedule's current learning rate) and the schedules' positions."""
-    template = next(iter(old.optimizers.values()))
+    """Give the rebuilt optimizers the state of their parameters, the schedules' position
+    and the learning rate it reached. A stage's parameter groups may differ from the old
+    stage's (a block with no weight-decay exclusions): the rate is carried as the factor
+    the schedule applies to each group's own initial rate, never group by group."""
+    template = next(iter(old.optimizers.values())).param_groups[0]
     schedule = next(iter(old.schedulers.values()), None)
+    factor = template["lr"] / template["initial_lr"] if "initial_lr" in template else None
     for s, opt in new.optimizers.items():
-        for group, like in zip(opt.param_groups, template.param_groups, strict=False):
-            group.update({k: v for k, v in like.items() if k != "params"})
         for group in opt.param_groups:
+            if factor is not None:
+                group["lr"] = group["initial_lr"] * factor
             for p in group["params"]:
                 if p in state:  # received state sits where the block was; follow it
                     opt.state[p] = {k: _to(v, p.device) for k, v in state[p].items()}
         if schedule is not None and s in new.schedulers:
-            new.schedulers[s].load_state_dict(schedule.state_dict())
+            position = schedule.state_dict()
+            position["base_lrs"] = [g["initial_lr"] for g in opt.param_groups]
+            position["_last_lr"] = [g["lr"] for g in opt.param_groups]
+            new.schedulers[s].load_state_dict(position)
