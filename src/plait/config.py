@@ -749,6 +749,11 @@ class TrainConfig:
             (("eval_every",), self.eval_batches == 0, "with eval_batches=0 (no validation)"),
             (("allow_staleness",), self.plan != "auto", "unless plan='auto' (the planner's)"),
             (("sample_chars",), not samples, "unless a language model trains on data='stdlib'"),
+            (
+                ("repartition_threshold", "repartition_patience"),
+                self.repartition == "off",
+                "with repartition='off'",
+            ),
         ):
             if idle:
                 _warn_unused(self, names, why)
