@@ -72,15 +72,19 @@ def _positive(owner: str, name: str, value: float) -> None:
 @dataclass(frozen=True, kw_only=True)
 class Device:
     """One accelerator: peak FLOP/s per dtype, the fraction of peak large matmuls achieve,
-    memory capacity, memory bandwidth (which bounds the optimizer step), and the measured
-    seconds per gradient entry of each gradient compression's encode + decode, by
-    `--compress` value (`plait.profile.codec`; empty: the cost model estimates them)."""
+    memory capacity, memory bandwidth (which bounds the optimizer step), the bandwidth of the
+    link to host memory (which bounds offload), and the measured seconds per gradient entry
+    of each gradient compression's encode + decode, by `--compress` value
+    (`plait.profile.codec`; empty: the cost model estimates them)."""
 
     name: str
     peak_flops: Mapping[str, float] = field(hash=False)
     efficiency: float = 1.0
     memory_bytes: int
     memory_bandwidth_Bps: float = 1e11
+    # the host link (PCIe 4.0 x16 moves about 25 GB/s each way): offloaded activations and
+    # optimizer state cross it (`plait.cost.memory.offload_time`)
+    host_bandwidth_Bps: float = 2.5e10
     codec_s_per_entry: Mapping[str, float] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
@@ -95,6 +99,7 @@ class Device:
             raise ValueError(f"{owner}: efficiency={self.efficiency} must lie in (0, 1]")
         _positive(owner, "memory_bytes", self.memory_bytes)
         _positive(owner, "memory_bandwidth_Bps", self.memory_bandwidth_Bps)
+        _positive(owner, "host_bandwidth_Bps", self.host_bandwidth_Bps)
         codec = {str(k): float(v) for k, v in self.codec_s_per_entry.items()}
         for key, value in codec.items():
             if not math.isfinite(value):

@@ -16,6 +16,7 @@ from typing import Any
 
 from plait.compression import check_zero, parse_compression
 from plait.layout import RANK_ORDERS, check_ep, check_rank_order, global_rank
+from plait.offload import check_offload_blocks, normalize_offload
 from plait.schedule.registry import KINDS, schedule_kind
 
 __all__ = [
@@ -307,6 +308,19 @@ class ParallelPlan:
         },
     )
 
+    offload_activations: str = field(
+        default="none",
+        metadata={
+            "help": "swap the activations blocks save for backward to host memory during "
+            "forward, back in backward (vDNN): none, all, or block indices e.g. 1,2",
+            "metavar": "BLOCKS",
+        },
+    )
+    offload_optimizer: bool = field(
+        default=False,
+        metadata={"help": "keep optimizer state in host memory outside the optimizer step"},
+    )
+
     def __post_init__(self) -> None:
         _check_types(self)
         self._check_layout()
@@ -315,6 +329,7 @@ class ParallelPlan:
     def _check_layout(self) -> None:
         """What makes any layout well formed, trained or only simulated."""
         _positive(self, "dp", "tp", "pp", "microbatches", "chunks")
+        object.__setattr__(self, "offload_activations", normalize_offload(self.offload_activations))
         if self.schedule not in KINDS:
             raise ValueError(f"schedule={self.schedule!r} is unknown; choose one of {list(KINDS)}")
         schedule_kind(self.schedule).chunks(self.chunks)
@@ -530,9 +545,26 @@ class TrainConfig:
         metadata={"help": "data: " + "; ".join(f"{k} ({v})" for k, v in DATA.items())},
     )
 
+    repartition: str = field(
+        default="off",
+        metadata={
+            "help": "move blocks between pipeline ranks while training when stage times "
+            "drift apart (plait.train.repartition)",
+            "choices": ("off", "auto"),
+        },
+    )
+    repartition_threshold: float = field(
+        default=0.2,
+        metadata={"help": "re-partition when the slowest stage exceeds the fastest by this"},
+    )
+    repartition_patience: int = field(
+        default=3, metadata={"help": "steps in a row over the threshold before re-partitioning"}
+    )
+
     def __post_init__(self) -> None:
         _check_types(self)
         par = self.parallel
+        self._check_repartition()
         if self.nproc is None:
             object.__setattr__(self, "nproc", par.world_size)
         _positive(self, "nproc", "max_steps", "batch_size", "log_every", "trace_steps")
@@ -554,6 +586,8 @@ class TrainConfig:
             raise ValueError(
                 f"pp × chunks = {par.num_stages} stages exceed the model's {blocks} blocks {what}"
             )
+        if self.model.name != "custom":
+            check_offload_blocks(par.offload_activations, blocks)
         if self.model.name != "custom" and par.partition and sum(par.partition) != blocks:
             raise ValueError(f"partition={list(par.partition)} must add up to {blocks} blocks")
         if self.batch_size % (par.dp * par.microbatches):
@@ -601,6 +635,25 @@ class TrainConfig:
         if self.sample_chars < 0:
             raise ValueError(f"sample_chars={self.sample_chars} must be 0 or more (0: no sample)")
         self._check_paths()
+
+    def _check_repartition(self) -> None:
+        if self.repartition not in ("off", "auto"):
+            raise ValueError(f"repartition={self.repartition!r} must be 'off' or 'auto'")
+        if not self.repartition_threshold > 0 or not math.isfinite(self.repartition_threshold):
+            raise ValueError(
+                f"repartition_threshold={self.repartition_threshold} must be a positive number "
+                "(0.2: the slowest stage 20% slower than the fastest)"
+            )
+        _positive(self, "repartition_patience")
+        par = self.parallel
+        if self.repartition == "auto" and (
+            par.pp == 1 or par.dp > 1 or par.tp > 1 or not schedule_kind(par.schedule).synchronous
+        ):
+            raise ValueError(
+                f"repartition='auto' needs a synchronous pipeline (pp > 1) without data or "
+                f"tensor parallelism; got pp={par.pp}, dp={par.dp}, tp={par.tp}, schedule="
+                f"{par.schedule!r}: use repartition='off' or such a layout"
+            )
 
     def _check_optimizer(self) -> None:
         for name in ("lr", "weight_decay", "beta1", "beta2", "eps", "momentum", "min_lr"):
@@ -730,6 +783,11 @@ class TrainConfig:
             (("eval_every",), self.eval_batches == 0, "with eval_batches=0 (no validation)"),
             (("allow_staleness",), self.plan != "auto", "unless plan='auto' (the planner's)"),
             (("sample_chars",), not samples, "unless a language model trains on data='stdlib'"),
+            (
+                ("repartition_threshold", "repartition_patience"),
+                self.repartition == "off",
+                "with repartition='off'",
+            ),
         ):
             if idle:
                 _warn_unused(self, names, why)

@@ -82,7 +82,7 @@ _INT_MIN: dict[str, int | None] = {
     "model.hidden": 1, "model.heads": 1, "model.seq_len": 1, "model.ffn_hidden": 1,
     "model.width": 1, "parallel.dp": 1, "parallel.tp": 1, "parallel.pp": 1,
     "parallel.microbatches": 1, "parallel.chunks": 1, "model.experts": 1, "model.top_k": 1,
-    "model.moe_every": 1, "parallel.ep": 1,
+    "model.moe_every": 1, "parallel.ep": 1, "repartition_patience": 1,
 }  # fmt: skip
 # ... the range of each number: (lowest, whether the lowest itself is allowed, highest or None)
 _FLOAT_RANGE: dict[str, tuple[float, bool, float | None]] = {
@@ -91,10 +91,19 @@ _FLOAT_RANGE: dict[str, tuple[float, bool, float | None]] = {
     "min_lr": (0.0, True, None), "grad_clip": (0.0, True, None), "timeout_s": (0.0, False, None),
     "model.dropout": (0.0, True, 1.0), "model.capacity_factor": (0.0, True, None),
     "model.aux_loss_coef": (0.0, True, None), "model.z_loss_coef": (0.0, True, None),
+    "repartition_threshold": (0.0, False, None),
 }  # fmt: skip
 # ... and the free-text settings with a closed vocabulary (an unknown word is an error; any
 # free text, a path included, must not be empty)
-_VOCABULARY = ("optimizer", "lr_schedule", "data", "profile_steps", "parallel.compress", "plan")
+_VOCABULARY = (
+    "optimizer",
+    "lr_schedule",
+    "data",
+    "profile_steps",
+    "parallel.compress",
+    "plan",
+    "parallel.offload_activations",
+)
 
 
 def _fields() -> dict[str, tuple[dataclasses.Field[Any], Any]]:

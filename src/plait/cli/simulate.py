@@ -66,6 +66,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     a("--compress", default="none", metavar="METHOD",
       help="gradient compression of the dp reduction: none, fp16, bf16, powersgd:RANK, "
       "threshold:TAU, topk:RATIO or sign")  # fmt: skip
+    a(
+        "--offload-activations",
+        default="none",
+        metavar="BLOCKS",
+        dest="offload_activations",
+        help="blocks whose saved activations go to host memory: none, all or indices 1,2",
+    )
+    a("--offload-optimizer", action="store_true", dest="offload_optimizer",
+      help="optimizer state in host memory outside the step")  # fmt: skip
     a("--profile", help="a profile `plait profile --json` wrote: its measured encode/decode "
       "times of --compress replace the estimate from memory bandwidth")  # fmt: skip
     a("--json", action="store_true", help="print one JSON object")
@@ -212,6 +221,8 @@ def _plan(args: argparse.Namespace, spec: GPTSpec, dtype: str) -> SimPlan:
         optimizer=args.optimizer,
         seq_len=spec.seq_len,
         compress=args.compress,
+        offload_activations=args.offload_activations,
+        offload_optimizer=args.offload_optimizer,
     )
 
 
@@ -220,7 +231,8 @@ _FROM_PLAN = {
     "microbatches": "microbatches",
     "chunks": "chunks", "recompute": "recompute", "zero": "zero", "dtype": "dtype",
     "sequence_parallel": "sequence_parallel", "micro_batch_size": "micro_batch_size",
-    "compress": "compress",
+    "compress": "compress", "offload_activations": "offload_activations",
+    "offload_optimizer": "offload_optimizer",
 }  # fmt: skip
 _MODEL_FROM_PLAN = {"name": "model", "layers": "layers", "hidden": "hidden", "heads": "heads",
                     "seq_len": "seq_len", "vocab": "vocab", "ffn_hidden": "ffn_hidden",

@@ -27,7 +27,14 @@ from plait.cost.comm import (
     ring_all_reduce_time,
     tree_all_reduce_time,
 )
-from plait.cost.memory import ModelState, Optimizer, model_state_bytes, optimizer_step_time
+from plait.cost.memory import (
+    ModelState,
+    Optimizer,
+    model_state_bytes,
+    offload_time,
+    optimizer_step_time,
+    swapped_optimizer_bytes,
+)
 from plait.cost.moe import (
     MoEShape,
     expert_state_bytes,
@@ -70,11 +77,13 @@ __all__ = [
     "model_state_bytes",
     "moe_block_costs",
     "moe_optimizer_step_time",
+    "offload_time",
     "optimizer_step_time",
     "p2p_time",
     "reduce_scatter_time",
     "ring_all_reduce_time",
     "stage_costs",
+    "swapped_optimizer_bytes",
     "transformer_block_costs",
     "tree_all_reduce_time",
 ]

@@ -9,8 +9,16 @@ weights, momentum, variance). Over N data-parallel ranks: stage 0 keeps (2 + 2 +
 gradients and 8Ψ of Adam moments (SGD with momentum: 4Ψ; mixed precision adds 4Ψ master
 weights). Activations are the simulator's business (they depend on the schedule).
 
+Offload (`plait.train.offload`) moves bytes off the device at the price of the host
+link: activations swapped out in forward and back in backward (vDNN, Rhu et al. 2016)
+leave on the device only the block being computed, and cost one crossing each way of
+what the block saves; optimizer state swapped in for the step and out after it costs two
+crossings of the state per step, and the device holds it only while the step's
+activations are gone: the peak is params + grads + max(activations, optimizer state).
+
 Limits: no fragmentation, no communication buffers (ZeRO's bucket sizes), no framework
-workspace; real peaks run some percent higher.
+workspace; real peaks run some percent higher. Transfers are charged in full to the
+compute that waits for them (no overlap with the next layer, as vDNN's prefetch would).
 """
 
 from __future__ import annotations
@@ -20,7 +28,14 @@ from typing import Literal
 
 from plait.cluster import Device, dtype_bytes
 
-__all__ = ["ModelState", "Optimizer", "model_state_bytes", "optimizer_step_time"]
+__all__ = [
+    "ModelState",
+    "Optimizer",
+    "model_state_bytes",
+    "offload_time",
+    "optimizer_step_time",
+    "swapped_optimizer_bytes",
+]
 
 Optimizer = Literal["adam", "sgd"]
 _STATE_BYTES = {"adam": 8, "sgd": 4}  # fp32 moments per parameter
@@ -88,3 +103,17 @@ def optimizer_step_time(
     p, g, k = _per_param(dtype, optimizer)
     updated = num_params / (dp if zero_stage >= 1 else 1)
     return updated * (p + g + 2 * k) / device.memory_bandwidth_Bps
+
+
+def offload_time(num_bytes: float, device: Device) -> float:
+    """Seconds to move `num_bytes` one way over `device`'s link to host memory."""
+    if num_bytes < 0:
+        raise ValueError(f"num_bytes={num_bytes} must be >= 0")
+    return num_bytes / device.host_bandwidth_Bps
+
+
+def swapped_optimizer_bytes(optimizer_bytes: float, working_bytes: float) -> float:
+    """Device bytes that optimizer state swapped in for the step adds to a peak of
+    `working_bytes` (activations and workspace of forward and backward, gone by the
+    step): only what exceeds them, since the two are never on the device together."""
+    return max(0.0, optimizer_bytes - working_bytes)

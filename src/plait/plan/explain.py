@@ -53,6 +53,12 @@ def _options(a: RankedPlan, b: RankedPlan) -> list[str]:
         out.append(f"recomputation {pa.recompute} instead of {pb.recompute}")
     if pa.sequence_parallel != pb.sequence_parallel:
         out.append("sequence parallelism " + ("on" if pa.sequence_parallel else "off"))
+    if (pa.offload_activations, pa.offload_optimizer) != (pb.offload_activations,
+                                                          pb.offload_optimizer):  # fmt: skip
+        out.append(
+            f"offload of activations {pa.offload_activations}, optimizer state "
+            f"{'on' if pa.offload_optimizer else 'off'}"
+        )
     if pa.compress != pb.compress:
         out.append(f"gradient compression {pa.compress} instead of {pb.compress}")
     return out
@@ -164,7 +170,8 @@ def explain(search: PlanSearch) -> str:
     asynchronous best plan, what its staleness costs."""
     a = search.best
     runner = next((r for r in search.ranked[1:] if _layout(r) != _layout(a)), None)
-    stale = " ".join(x for x in (staleness(search), compression(search), experts(search)) if x)
+    why = search.offload_reason and f"It offloads: {search.offload_reason}."
+    stale = " ".join(x for x in (staleness(search), compression(search), experts(search), why) if x)
     if runner is None:
         return " ".join(x for x in (f"only one layout fits: {describe(a.plan)}", stale) if x)
     b = runner

@@ -25,6 +25,7 @@ from typing import TypeVar
 
 from plait.cluster import Device
 from plait.cost import BlockCost, Optimizer, Recompute, expert_state_bytes
+from plait.offload import offloaded_blocks
 
 __all__ = ["MemoryShortfall", "Partition", "partition", "partition_blocks"]
 
@@ -198,11 +199,15 @@ def partition_blocks(
     dp: int = 1,
     optimizer: Optimizer = "adam",
     ep: int = 1,
+    offload_activations: str = "none",
+    offload_optimizer: bool = False,
 ) -> Partition:
     """Partition cost-model blocks over `devices` (stage i on devices[i]): times from
     FLOPs (recomputation included) at each device's achievable rate, memory from model
     state and saved activations against each device's capacity (expert state sharded by
-    ZeRO over the dp / ep ranks holding the same experts)."""
+    ZeRO over the dp / ep ranks holding the same experts). Offloaded activations
+    (`plait.offload`) and optimizer state count nothing here: the simulator charges the
+    block left on the device and the state swapped in for the step."""
     if not devices:
         raise ValueError("devices is empty: give one device per stage")
     work = [
@@ -221,15 +226,19 @@ def partition_blocks(
             dp=dp,
             ep=ep,
             optimizer=optimizer,
-        ).total
+        )
         for b in blocks
     ]
+    static = [x.params + x.grads + (0.0 if offload_optimizer else x.optimizer) for x in state]
+    moved = offloaded_blocks(offload_activations, len(blocks))
     return partition(
         work,
         len(devices),
         speeds=[d.achievable_flops(dtype) for d in devices],
-        static_bytes=state,
-        activation_bytes=[b.saved_for(recompute) for b in blocks],
+        static_bytes=static,
+        activation_bytes=[
+            0.0 if i in moved else b.saved_for(recompute) for i, b in enumerate(blocks)
+        ],
         inflight=inflight,
         memory_caps=[float(d.memory_bytes) for d in devices],
     )

@@ -13,6 +13,7 @@ homogeneous blocks, so it searches whole-model layouts and lets the simulator ju
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -86,6 +87,8 @@ class PlanSearch:
     num_simulated: int
     plan_seconds: float
     top_k: int = 5
+    # why the plans offload to host memory (empty when they do not): nothing fit without
+    offload_reason: str = ""
 
     @property
     def top(self) -> tuple[RankedPlan, ...]:
@@ -102,10 +105,14 @@ def describe(plan: SimPlan) -> str:
     order = "" if plan.rank_order == "tp-dp-pp" else f" order={plan.rank_order}"
     compress = "" if plan.compress == "none" else f" compress={plan.compress}"
     ep = f" ep={plan.ep}" if plan.ep > 1 else ""
+    offload = [
+        *(["activations"] if plan.offload_activations != "none" else []),
+        *(["optimizer"] if plan.offload_optimizer else []),
+    ]
     return (
         f"dp={plan.dp}{ep} tp={plan.tp}{sp} pp={plan.pp} {sched} m={plan.microbatches} "
         f"b={plan.micro_batch_size} recompute={plan.recompute} zero={plan.zero}{order}"
-        f"{compress}"
+        f"{compress}" + (f" offload={'+'.join(offload)}" if offload else "")
     )
 
 
@@ -257,6 +264,12 @@ def search(
             ranked.append(outcome)
         else:
             rejected.append(outcome)
+    reason = ""
+    if not ranked:  # the memory savers that cost host-link time, tried last
+        reason, found = _offloaded(rejected, model, cluster, max_simulated)
+        margined = [_with_margin(x, memory_margin) for x in found if isinstance(x, RankedPlan)]
+        ranked = [r for r in margined if isinstance(r, RankedPlan)]
+        simulated += len(found)
     ranked.sort(key=_preference)
     if not ranked:
         raise NoFeasiblePlan(_nothing_fits(rejected, model, cluster, devices))
@@ -269,7 +282,35 @@ def search(
         simulated,
         time.perf_counter() - t0,
         top_k=top_k,
+        offload_reason=reason,
     )
+
+
+_OFFLOADS = ({"offload_activations": "all"}, {"offload_optimizer": True},
+             {"offload_activations": "all", "offload_optimizer": True})  # fmt: skip
+
+
+def _offloaded(
+    rejected: list[Rejection], model: ModelSpec, cluster: Cluster, limit: int
+) -> tuple[str, list[RankedPlan | Rejection]]:
+    """When no plan fits, the `limit` plans closest to fitting again with activations,
+    optimizer state or both in host memory (`plait.train.offload`): (why, outcomes)."""
+    short = sorted((r for r in rejected if r.excess_bytes > 0), key=lambda r: r.excess_bytes)
+    if not short:
+        return "", []
+    closest = short[0]
+    reason = (
+        f"no plan fits in device memory without offload (the closest, "
+        f"{describe(closest.plan)}, is {closest.excess_bytes / _GIB:.2f} GiB over): "
+        "it swaps to host memory and pays the host-link transfers"
+    )
+    exact = _exact if cluster.is_homogeneous else _exact_hetero
+    found = [
+        exact(dataclasses.replace(r.plan, **option), model, cluster)
+        for r in short[:limit]
+        for option in _OFFLOADS
+    ]
+    return reason, found
 
 
 def _estimates(

@@ -15,6 +15,10 @@ as a run long enough to reach its steady state, whose window period is the step 
 Memory per rank is the model state, the activations of the micro-batches in flight at the
 peak, the weight copies alive at their peak (asynchronous schedules: see
 `plait.schedule.asynchronous` for each kind's count), and the transient working set.
+Offload (`plait.cost.memory`) takes the chosen blocks' saved activations off the device,
+leaving one block's, and adds their host-link crossings to its forward and backward; an
+offloaded optimizer state is charged to the device only beyond the step-free working set,
+and its two crossings to the update.
 
 Limits: one data-parallel replica is replayed per distinct hardware signature (replicas
 on identical devices and links behave identically); ZeRO-3 gathers a stage's weights
@@ -32,13 +36,17 @@ from plait.cost import (
     AxisLinks,
     BlockCost,
     Collective,
+    ModelState,
     StageCost,
     collective_time,
     expert_state_bytes,
     expert_sync_time,
     moe_optimizer_step_time,
+    offload_time,
+    swapped_optimizer_bytes,
 )
 from plait.cost.compress import gradient_sync_time
+from plait.offload import offloaded_blocks
 from plait.schedule import Action, Op, Replay, Schedule, Unrolled, replay, unroll, window_ends
 from plait.schedule.sharing import Sharing, replay_shared
 from plait.sim.plan import SimPlan
@@ -109,12 +117,27 @@ class _Replica:
             for i, st in enumerate(stages)
         ]
         self.gather = [self._zero3_gather(i) for i in range(len(stages))]
+        self.offloaded = self._offloaded()
         self.durations = self._durations()
         self.transfers = self._transfers()
         self.sharing = _sharing(cluster, plan, dp_rank) if cluster.shares_processors else None
         # one window, or a run whose middle windows are in the steady state
         steady = schedule.reach == 0 and schedule.policy == "sync"
         self.num_windows = 1 if steady else schedule.reach + 4
+
+    def _offloaded(self) -> list[tuple[float, float]]:
+        """Per stage: (saved bytes its offloaded blocks move to the host per micro-batch, the
+        largest of them: the one block whose activations are on the device while it
+        computes), under the plan's recomputation."""
+        rc, out, first = self.plan.recompute, [], 0
+        chosen = offloaded_blocks(
+            self.plan.offload_activations, sum(len(st.blocks) for st in self.stages)
+        )
+        for st in self.stages:
+            moved = [b.saved_for(rc) for i, b in enumerate(st.blocks) if first + i in chosen]
+            out.append((sum(moved), max(moved, default=0.0)))
+            first += len(st.blocks)
+        return out
 
     def _param_bytes(self, stage: int) -> float:
         return self.stages[stage].num_params * dtype_bytes(self.plan.dtype)
@@ -148,10 +171,16 @@ class _Replica:
             )
             for i in range(n)
         ]
+        # offloaded activations cross the host link out in forward, back before backward
+        host = [offload_time(self.offloaded[i][0], self.devices[place[i]]) for i in range(n)]
+        if plan.offload_optimizer:  # the state in before the step, out after it
+            for i in range(n):
+                state = self._state(i).optimizer
+                update[i] += 2 * offload_time(state, self.devices[place[i]])
         return {
-            Op.F: [x.forward_s + y for x, y in zip(t, g, strict=True)],
-            Op.B: [x.backward_s + y for x, y in zip(t, g, strict=True)],
-            Op.BI: [x.backward_input_s + y for x, y in zip(t, g, strict=True)],
+            Op.F: [x.forward_s + y + h for x, y, h in zip(t, g, host, strict=True)],
+            Op.B: [x.backward_s + y + h for x, y, h in zip(t, g, host, strict=True)],
+            Op.BI: [x.backward_input_s + y + h for x, y, h in zip(t, g, host, strict=True)],
             Op.BW: [x.backward_weight_s for x in t],
             Op.REDUCE: [self.dp_sync_time(i) for i in range(n)],
             Op.UPDATE: update,
@@ -239,7 +268,10 @@ class _Replica:
     def _walk(self, rank: int, result: Replay, unrolled: Unrolled, first: int) -> _Walk:
         """One pass over the rank's events: peaks over the whole run, and per-window work
         over the steady windows. A hot loop (200 000 events for 64 × 512), hence locals."""
-        saved = [st.saved_bytes(self.plan.recompute) for st in self.stages]
+        saved = [
+            st.saved_bytes(self.plan.recompute) - moved[0]
+            for st, moved in zip(self.stages, self.offloaded, strict=True)
+        ]
         copy = [self._param_bytes(i) for i in range(len(self.stages))]
         f, b, bw, bi = Op.F, Op.B, Op.BW, Op.BI
         marks = unrolled.starts[rank]
@@ -301,25 +333,35 @@ class _Replica:
             ep_comm_s=ep_comm,
         )
 
-    def _memory(self, rank: int, mine: list[int], walk: _Walk) -> MemoryUse:
+    def _state(self, *stages: int) -> ModelState:
+        """Model-state bytes of `stages` together on one rank."""
         plan = self.plan
-        params = sum(self.stages[i].num_params for i in mine)
-        state = expert_state_bytes(
-            params,
-            sum(self.stages[i].expert_params for i in mine),
+        return expert_state_bytes(
+            sum(self.stages[i].num_params for i in stages),
+            sum(self.stages[i].expert_params for i in stages),
             dtype=plan.dtype,
             zero_stage=plan.zero,
             dp=plan.dp,
             ep=plan.ep,
             optimizer=plan.optimizer,
         )
-        transient = max(self.stages[i].transient_bytes(plan.recompute) for i in mine)
+
+    def _memory(self, rank: int, mine: list[int], walk: _Walk) -> MemoryUse:
+        plan = self.plan
+        state = self._state(*mine)
+        transient = max(
+            self.stages[i].transient_bytes(plan.recompute) + self.offloaded[i][1] for i in mine
+        )
         if plan.zero == 3 and plan.dp > 1:
             transient += max(self._param_bytes(i) for i in mine)
+        optimizer = state.optimizer
+        if plan.offload_optimizer:  # on the device only for the step, without activations
+            working = walk.activation_peak + transient + walk.copies_peak
+            optimizer = swapped_optimizer_bytes(state.optimizer, working)
         return MemoryUse(
             params=state.params,
             grads=state.grads,
-            optimizer=state.optimizer,
+            optimizer=optimizer,
             activations=walk.activation_peak,
             transient=transient,
             weight_copies=walk.copies_peak,

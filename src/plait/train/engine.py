@@ -54,6 +54,7 @@ from plait.runtime.evaluate import MetricFn
 from plait.runtime.predict import optimizer_predictor
 from plait.runtime.transport import DEFAULT_TIMEOUT_S, timed_wait, timeout_message
 from plait.schedule import Schedule, build
+from plait.train.offload import apply_offload
 from plait.train.precision import LossScaler, autocast_context
 from plait.train.recompute import apply_recompute
 
@@ -481,6 +482,8 @@ def parallelize(
         s: _optimizer(optimizer_factory, [p for p in m.parameters() if p.requires_grad], plan, mesh)
         for s, m in stages.items()
     }
+    apply_offload(stages, optimizers, activations=plan.offload_activations,
+                  optimizer=plan.offload_optimizer, num_blocks=len(names))  # fmt: skip
     schedulers = (
         {
             s: scheduler_factory(o, max(1, schedule.updates_per_window))

@@ -22,6 +22,7 @@ from plait.train.engine import Engine, StepReport, parallelize
 from plait.train.logs import RecentSteps, RunLogger, setup
 from plait.train.optim import optimizer_factory, scheduler_factory
 from plait.train.profiling import StepProfiler
+from plait.train.repartition import repartitioner
 from plait.train.task import CustomTask, Task, gathered_model, task_from_config
 from plait.train.validate import Validation, due, summarise, validate
 
@@ -49,16 +50,14 @@ def train_worker(
     task = custom.task(cfg) if custom is not None else task_from_config(cfg)
     model = task.model()
     cfg = _layout(cfg, model, task, Path(run_dir), env.rank)
-    engine = parallelize(
-        model,
-        cfg.parallel,
-        optimizer_factory(cfg),
-        task.loss,
-        device=device,
-        grad_clip=cfg.grad_clip,
-        timeout_s=cfg.timeout_s,
-        scheduler_factory=scheduler_factory(cfg),
-    )
+
+    def build(plan: ParallelPlan) -> Engine:
+        return parallelize(model, plan, optimizer_factory(cfg), task.loss, device=device,
+                           grad_clip=cfg.grad_clip, timeout_s=cfg.timeout_s,
+                           scheduler_factory=scheduler_factory(cfg))  # fmt: skip
+
+    engine = build(cfg.parallel)
+    moving = repartitioner(cfg, model, build)
     store, start = _checkpoints(cfg, engine, Path(run_dir))
     window = engine.schedule
     group = window.num_microbatches // max(1, window.updates_per_window)
@@ -74,6 +73,8 @@ def train_worker(
         t0 = time.perf_counter()
         report = engine.step(batch)
         times.append(time.perf_counter() - t0)
+        if moving is not None:  # between steps: the next one may run on another partition
+            engine = moving.after_step(engine, report, step)
         recent.add(step, report.result)
         if due(cfg, step + 1):
             val = validate(engine, task, cfg, step, whole=step + 1 == cfg.max_steps)
@@ -94,7 +95,7 @@ def train_worker(
     memory = max(_gather(_peak_memory_bytes()))
     sample = ""
     if task.sample is not None:  # the text of the whole model, gathered on rank 0
-        full = gathered_model(engine, task, cfg.parallel.partition, env.rank)
+        full = gathered_model(engine, task, engine.plan.partition, env.rank)
         sample = task.sample(full) if full is not None else ""
     if log is None:
         return None
