@@ -16,6 +16,7 @@ from typing import Any
 
 from plait.compression import check_zero, parse_compression
 from plait.layout import RANK_ORDERS, check_ep, check_rank_order
+from plait.pipelines import check_hetero_plan
 from plait.schedule.registry import KINDS, schedule_kind
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "MODELS",
     "ModelConfig",
     "ParallelPlan",
+    "PipelineSpec",
     "TrainConfig",
     "load_config",
     "read_config_file",
@@ -233,6 +235,39 @@ DTYPES = ("fp32", "bf16", "fp16")
 
 
 @dataclass(frozen=True, kw_only=True)
+class PipelineSpec:
+    """One pipeline (HetPipe's virtual worker) of a heterogeneous plan: its blocks per
+    stage (pp = len(partition) / chunks ranks), its micro-batches per step (its share of
+    the batch) and the device kind of each rank (informative)."""
+
+    partition: tuple[int, ...]
+    microbatches: int
+    devices: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        _check_types(self)
+        _positive(self, "microbatches")
+        if not self.partition or min(self.partition) < 1:
+            raise ValueError(
+                f"pipelines: partition={list(self.partition)} must give >= 1 block to each stage"
+            )
+
+
+def _pipeline_specs(value: Any) -> Any:
+    """`pipelines` as read from TOML/JSON (a list of objects) -> PipelineSpecs."""
+    if value is None or not isinstance(value, list | tuple):
+        return value
+    if not all(isinstance(v, dict | PipelineSpec) for v in value):
+        raise ValueError(
+            f"pipelines={value!r} must be a list of objects, each with partition and microbatches"
+        )
+    try:
+        return tuple(v if isinstance(v, PipelineSpec) else PipelineSpec(**v) for v in value)
+    except TypeError as err:
+        raise ValueError(f"pipelines={value!r}: {err}") from None
+
+
+@dataclass(frozen=True, kw_only=True)
 class ParallelPlan:
     """How one model is spread over dp × tp × pp workers, and with which memory options.
 
@@ -305,10 +340,32 @@ class ParallelPlan:
             "metavar": "METHOD",
         },
     )
+    # a heterogeneous plan (`plait plan` on a mixed cluster writes it): see plait.train.hetero
+    pipelines: tuple[PipelineSpec, ...] | None = field(
+        default=None,
+        metadata={"help": "per-pipeline partitions and micro-batches (plan files)", "flag": None},
+    )
+    wsp_staleness: int | None = field(
+        default=None,
+        metadata={
+            "help": "Wave Synchronous Parallel: replicas push their updates once per wave and "
+            "run exactly this many waves ahead of the others' (0: every wave); unset: "
+            "synchronous gradient averaging",
+            "metavar": "D",
+        },
+    )
+    wsp_wave: int = field(
+        default=1, metadata={"help": "WSP: optimizer steps per wave (pushes every N steps)"}
+    )
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "pipelines", _pipeline_specs(self.pipelines))
         _check_types(self)
-        _positive(self, "dp", "tp", "pp", "microbatches", "chunks")
+        _positive(self, "dp", "tp", "pp", "microbatches", "chunks", "wsp_wave")
+        if self.wsp_staleness is not None and self.wsp_staleness < 0:
+            raise ValueError(
+                f"wsp_staleness={self.wsp_staleness} must be >= 0 waves (0: push every wave)"
+            )
         if self.schedule not in KINDS:
             raise ValueError(f"schedule={self.schedule!r} is unknown; choose one of {list(KINDS)}")
         schedule_kind(self.schedule).chunks(self.chunks)
@@ -342,6 +399,8 @@ class ParallelPlan:
                     f"partition={list(self.partition)} must give >= 1 block to each of the "
                     f"{self.num_stages} stages (pp × chunks)"
                 )
+        if self.pipelines is not None or self.wsp_staleness is not None:
+            check_hetero_plan(self)
 
     def _check_compression(self) -> None:
         object.__setattr__(self, "compress", str(parse_compression(self.compress)))
@@ -359,6 +418,8 @@ class ParallelPlan:
 
     @property
     def world_size(self) -> int:
+        if self.pipelines is not None:
+            return sum(len(p.partition) // self.chunks for p in self.pipelines)
         return self.dp * self.tp * self.pp
 
     @property

@@ -82,7 +82,7 @@ _INT_MIN: dict[str, int | None] = {
     "model.hidden": 1, "model.heads": 1, "model.seq_len": 1, "model.ffn_hidden": 1,
     "model.width": 1, "parallel.dp": 1, "parallel.tp": 1, "parallel.pp": 1,
     "parallel.microbatches": 1, "parallel.chunks": 1, "model.experts": 1, "model.top_k": 1,
-    "model.moe_every": 1, "parallel.ep": 1,
+    "model.moe_every": 1, "parallel.ep": 1, "parallel.wsp_staleness": 0, "parallel.wsp_wave": 1,
 }  # fmt: skip
 # ... the range of each number: (lowest, whether the lowest itself is allowed, highest or None)
 _FLOAT_RANGE: dict[str, tuple[float, bool, float | None]] = {

@@ -113,13 +113,11 @@ def plan_from_dict(data: dict[str, Any]) -> SimPlan:
 
 
 def check_trainable(data: dict[str, Any]) -> None:
-    """Raise ValueError for what a plan file may say that training cannot apply yet."""
-    if "pipelines" in data:
-        raise ValueError(
-            f"pipelines={len(data['pipelines'])} per-pipeline partitions (a heterogeneous plan): "
-            "training runs one partition on every replica and cannot apply it; plan without "
-            "heterogeneous pipelines (`plait plan` on a cluster of one device kind)"
-        )
+    """Raise ValueError for what a plan file may say that training cannot apply yet.
+    (Heterogeneous `pipelines` train: `plait.train.hetero`.)"""
+    pipelines = data.get("pipelines")
+    if pipelines is not None and not isinstance(pipelines, list):
+        raise ValueError(f"pipelines={pipelines!r} must be a list of per-pipeline objects")
 
 
 def parallel_plan_of(data: dict[str, Any]) -> ParallelPlan:
