@@ -426,6 +426,13 @@ class ParallelPlan:
     def num_stages(self) -> int:
         return self.pp * self.chunks
 
+    @property
+    def step_microbatches(self) -> int:
+        """Micro-batches of one step over all replicas (each pipeline's own with pipelines)."""
+        if self.pipelines is not None:
+            return sum(p.microbatches for p in self.pipelines)
+        return self.dp * self.microbatches
+
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
@@ -583,10 +590,14 @@ class TrainConfig:
             )
         if self.model.name != "custom" and par.partition and sum(par.partition) != blocks:
             raise ValueError(f"partition={list(par.partition)} must add up to {blocks} blocks")
-        if self.batch_size % (par.dp * par.microbatches):
+        if par.pipelines is not None:
+            sizes = [list(p.partition) for p in par.pipelines]
+            if self.model.name != "custom" and sum(sizes[0]) != blocks:
+                raise ValueError(f"pipelines: partitions {sizes} must add up to {blocks} blocks")
+        if self.batch_size % par.step_microbatches:
             raise ValueError(
                 f"batch_size={self.batch_size} is not divisible by dp × microbatches = "
-                f"{par.dp * par.microbatches}: use a multiple"
+                f"{par.step_microbatches}: use a multiple"
             )
         if par.ep > 1:  # what the runtime cannot combine with experts spread yet
             from plait.parallel.experts import check_expert_plan

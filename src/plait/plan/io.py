@@ -28,7 +28,7 @@ __all__ = [
 PLAN_KEYS = (
     "dp", "tp", "pp", "ep", "schedule", "microbatches", "chunks", "zero", "recompute",
     "sequence_parallel", "dtype", "partition", "micro_batch_size", "global_batch", "rank_order",
-    "compress",
+    "compress", "pipelines", "wsp_staleness", "wsp_wave",
 )  # fmt: skip
 
 # plan-file key -> the `SimPlan` field that holds it; None: the key is not a SimPlan field
@@ -39,6 +39,9 @@ SIM_FIELDS: dict[str, str | None] = {
     "recompute": "recompute", "sequence_parallel": "sequence_parallel", "dtype": "dtype",
     "partition": None, "micro_batch_size": "micro_batch_size", "global_batch": None,
     "rank_order": "rank_order", "compress": "compress",
+    # the simulator takes heterogeneous pipelines from the planner's `HeteroPlan`, and
+    # does not replay WSP's waves
+    "pipelines": None, "wsp_staleness": None, "wsp_wave": None,
 }  # fmt: skip
 # SimPlan fields a plan file keeps elsewhere: the sequence length under "model", the
 # optimizer in the training config (it weighs only in the simulator's memory)
@@ -49,7 +52,7 @@ TRAIN_BATCH_KEYS = ("micro_batch_size", "global_batch")
 
 _KINDS: dict[str, type] = {
     **dict.fromkeys(("dp", "tp", "pp", "ep", "microbatches", "chunks", "zero", "micro_batch_size",
-                     "global_batch"), int),
+                     "global_batch", "wsp_staleness", "wsp_wave"), int),
     **dict.fromkeys(("schedule", "recompute", "dtype", "rank_order", "compress"), str),
     "sequence_parallel": bool,
     "model": dict,
@@ -125,7 +128,15 @@ def parallel_plan_of(data: dict[str, Any]) -> ParallelPlan:
     plan-file key of the same name. Refuses what training cannot apply (`check_trainable`)."""
     check_trainable(data)
     keys = [f.name for f in dataclasses.fields(ParallelPlan)]
-    return ParallelPlan(**{k: data[k] for k in keys if data.get(k) is not None})
+    fields = {k: data[k] for k in keys if data.get(k) is not None}
+    first = (data.get("pipelines") or [None])[0]
+    if isinstance(first, dict) and isinstance(first.get("microbatches"), int):
+        # each pipeline runs its own count; the top-level one (the planner's equal split)
+        # becomes the first pipeline's, by which the logs count rank 0's micro-batches
+        fields["microbatches"] = data["pipelines"][0].get(
+            "microbatches", fields.get("microbatches")
+        )
+    return ParallelPlan(**fields)
 
 
 def write_plan(path: str | Path, data: dict[str, Any]) -> None:

@@ -115,6 +115,11 @@ class HeteroEngine(Engine):
         if self.waves is not None:
             self.waves.finish()
 
+    def drain(self) -> StepReport:
+        """After the last step: `finish`, then the engine's drain."""
+        self.finish()
+        return super().drain()
+
     def run(self, microbatches: Any) -> Any:
         raise NotImplementedError("a heterogeneous plan trains by step(batch), not a stream")
 
@@ -133,31 +138,30 @@ class HeteroEngine(Engine):
         return _rows(value, first, layout.microbatches[i] * each)
 
     def _report(self, result: StepResult, *, last: bool = False) -> StepReport:
-        mine = (
-            torch.stack([x.detach().float() for x in result.losses]).mean()
-            if result.losses
-            else None
-        )
-        if self.waves is None:  # the batch's mean loss: Σ_i share_i · mean_i, on every rank
-            share = self.groups.layout.batch_shares()[self.groups.pipeline]
-            value = torch.zeros(1, device=self.device)
-            if mine is not None:
-                value += mine.to(self.device) * share
-            dist.all_reduce(value)
-        else:  # the pipeline's own loss, from its last stage
-            owner = (self.schedule.num_stages - 1) % len(
-                self.groups.layout.ranks[self.groups.pipeline]
-            )
-            value = (
-                mine.reshape(1).to(self.device)
-                if mine is not None
-                else torch.zeros(1, device=self.device)
-            )
+        if last:  # a drain: a synchronous pipeline has nothing left to report
+            return StepReport(float("nan"), False, None, result, (), (), result.updates)
+        loss = self._loss(result)
+        # one loss per micro-batch of this pipeline's step (ids as the logs count them)
+        m = self.schedule.num_microbatches
+        ids = tuple(range((self.executor.windows - 1) * m, self.executor.windows * m))
+        norm = self._norm if self.synchronous else None
+        return StepReport(loss, self._skipped, norm, result, (loss,) * m, ids, result.updates)
+
+    def _loss(self, result: StepResult) -> float:
+        """Synchronous: the batch's mean loss, Σ_i share_i · mean_i, from every pipeline's
+        last stage. WSP: the pipeline's own (pipelines train on different weights), from
+        its last stage, without waiting for the other pipelines."""
+        value = torch.zeros(1, device=self.device)
+        if result.losses:
+            value += torch.stack([x.detach().float() for x in result.losses]).mean()
+        layout, i = self.groups.layout, self.groups.pipeline
+        if self.waves is None:
+            dist.all_reduce(value.mul_(layout.batch_shares()[i]))
+        else:
+            owner = (self.schedule.num_stages - 1) % len(layout.ranks[i])
             src = dist.get_global_rank(self.groups.pp_group, owner)
             dist.broadcast(value, src=src, group=self.groups.pp_group)
-        loss = float(value) if result.losses or not last else float("nan")
-        norm = self._norm if self.synchronous else None
-        return StepReport(loss, self._skipped, norm, result, (loss,), (), result.updates)
+        return float(value)
 
 
 def parallelize_hetero(
