@@ -17,6 +17,7 @@ _BENCHES = {
     "faults": "plait.bench.faults",
     "compress": "plait.bench.compress",
     "moe": "plait.bench.moe",
+    "hetpipe": "plait.bench.hetpipe",
 }
 
 
