@@ -71,6 +71,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--global-batch and --top must be >= 1")
     if args.devices is not None and args.devices < 1:
         raise ValueError(f"--devices {args.devices} must be at least 1 (or unset: all)")
+    if args.wsp_allowance is not None and args.wsp_allowance < 0:
+        raise ValueError(f"--wsp-staleness {args.wsp_allowance} must be >= 0 waves")
     if args.out:  # checked now, not after the whole search ran
         check_out(args.out)
     if args.micro_batch_size != 1:  # the search chooses micro-batch sizes itself
@@ -172,8 +174,6 @@ def _wsp(best: Any, model: Any, cluster: Any, allowance: int, data: dict[str, An
     """Choose WSP's D for the best plan (written into its plan-file dict) and say why."""
     from plait.plan.wsp import staleness_for
 
-    if allowance < 0:
-        raise ValueError(f"--wsp-staleness {allowance} must be >= 0 waves")
     plan = best.plan
     if plan.dp < 2 or plan.tp > 1 or plan.zero_stage or plan.ep > 1:
         return (
