@@ -1,6 +1,6 @@
-"""Heterogeneous pipelines (HetPipe's virtual workers) on 4 gloo workers: a synchronous
-plan of a 1-rank and a 3-rank pipeline with different micro-batch counts trains like one
-process on the whole batch; WSP (D = 1, 2) and SSP (4 one-rank workers) end with the
+"""Heterogeneous pipelines (HetPipe's virtual workers) on 4 gloo workers: synchronous
+plans (a 1-rank and a 3-rank pipeline; two 2-rank pipelines cut differently) with
+different micro-batch counts train like one process on the whole batch; WSP (D = 1, 2) and SSP (4 one-rank workers) end with the
 weights of a single-process emulator of the wave rule written here."""
 
 from __future__ import annotations
@@ -53,8 +53,7 @@ def _assert_blocks(engine: object, ref: torch.nn.Module, where: str) -> None:
                                            msg=f"{where} block {stage.first_block + j} {name}")  # fmt: skip
 
 
-def _synchronous() -> None:
-    plan = ParallelPlan(dp=2, pp=1, microbatches=2, pipelines=PIPELINES)
+def _synchronous(plan: ParallelPlan) -> None:
     model = _model()
     ref = copy.deepcopy(model)
     engine = parallelize_hetero(model, plan, _sgd, GPT.loss, device="cpu", grad_clip=0.5)
@@ -67,7 +66,7 @@ def _synchronous() -> None:
         torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
         ref_opt.step()
         report = engine.step((x, y))
-        where = f"synchronous step {step} rank {dist.get_rank()}"
+        where = f"synchronous {plan.pipelines} step {step} rank {dist.get_rank()}"
         torch.testing.assert_close(torch.tensor(report.loss), ref_loss.detach(), **TOL, msg=where)
         _assert_blocks(engine, ref, where)
 
@@ -129,7 +128,11 @@ def _wsp(plan: ParallelPlan, shares: list[tuple[int, int]], steps: int) -> None:
 
 
 def _all(rank: int, world: int) -> None:
-    _synchronous()
+    _synchronous(ParallelPlan(dp=2, pp=1, microbatches=2, pipelines=PIPELINES))
+    # two pipelines of one depth, cut differently, on ranks (0, 2) and (1, 3) (tp-dp-pp)
+    same_depth = (PipelineSpec(partition=(3, 1), microbatches=4),
+                  PipelineSpec(partition=(1, 3), microbatches=2))  # fmt: skip
+    _synchronous(ParallelPlan(dp=2, pp=2, microbatches=4, pipelines=same_depth))
     hetero = [(0, 4), (4, 8)]  # rows of each pipeline: 2 and 4 micro-batches of 2
     for staleness, wave in ((1, 2), (2, 1)):
         plan = ParallelPlan(dp=2, pp=1, microbatches=2, pipelines=PIPELINES,

@@ -63,9 +63,9 @@ class HetPipeBenchConfig:
     turn: int = 10  # steps of one configuration before the next one's turn
     target_loss: float | None = None
     layers: int = 2
-    hidden: int = 64
+    hidden: int = 128
     heads: int = 2
-    seq_len: int = 32
+    seq_len: int = 64
     batch_size: int = 24
     lr: float = 3e-3  # AdamW's (see the module docstring)
     # WSP's per-pipeline learning rate: lr × its batch share ("share": a wave's summed
