@@ -590,6 +590,12 @@ class TrainConfig:
             )
         if self.model.name != "custom" and par.partition and sum(par.partition) != blocks:
             raise ValueError(f"partition={list(par.partition)} must add up to {blocks} blocks")
+        if (par.pipelines is not None or par.wsp_staleness is not None) and self.checkpoint_every:
+            raise ValueError(
+                f"checkpoint_every={self.checkpoint_every} with heterogeneous pipelines or "
+                "wsp_staleness: their checkpoints (per-pipeline cuts, WSP's waves in flight) "
+                "are not written yet; drop checkpoint_every"
+            )
         if par.pipelines is not None:
             sizes = [list(p.partition) for p in par.pipelines]
             if self.model.name != "custom" and sum(sizes[0]) != blocks:

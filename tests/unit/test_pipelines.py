@@ -69,3 +69,10 @@ def test_wsp_needs_replicas() -> None:
     with pytest.raises(ValueError, match="wsp_staleness=-1"):
         ParallelPlan(dp=2, pp=1, wsp_staleness=-1)
     assert ParallelPlan(dp=2, pp=1, wsp_staleness=0).world_size == 2
+
+
+def test_checkpoints_of_pipelines_and_wsp_are_refused() -> None:
+    from plait.config import TrainConfig
+
+    with pytest.raises(ValueError, match="checkpoint_every=5 with heterogeneous pipelines"):
+        TrainConfig(parallel=ParallelPlan(dp=2, pp=1, wsp_staleness=1), checkpoint_every=5)
