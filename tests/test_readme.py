@@ -49,8 +49,8 @@ SHORTEST = {
     "bench faults": ["--trials", "1", "--steps", "4", "--every", "2"],
     "bench moe": ["--workers", "1,2", "--tokens", "16", "--hidden", "16", "--ffn", "24",
                   "--experts", "4", "--steps", "1", "--warmup", "0"],
-    "bench hetpipe": ["--steps", "4", "--turn", "2", "--window", "2", *_TINY, "--heads", "2",
-                      "--batch-size", "8"],
+    "bench hetpipe": ["--workers", "2", "--slow", "1", "--steps", "2", "--turn", "1",
+                      "--window", "1", *_TINY, "--heads", "2", "--batch-size", "8"],
     "experiment staleness": ["--stages", "1,2", "--microbatches", "2", "--budget", "4"],
 }  # fmt: skip
 # the checkpointed run `plait checkpoint` reads, trained for real on a small model
