@@ -52,6 +52,8 @@ SHORTEST = {
                   "--experts", "4", "--steps", "1", "--warmup", "0"],
     "bench repartition": ["--steps", "4", "--slow-from", "1", "--window", "1", "--layers", "1",
                           "--block-ms", "1"],
+    "bench hetpipe": ["--workers", "2", "--slow", "1", "--steps", "2", "--turn", "1",
+                      "--window", "1", *_TINY, "--heads", "2", "--batch-size", "8"],
     "experiment staleness": ["--stages", "1,2", "--microbatches", "2", "--budget", "4"],
 }  # fmt: skip
 

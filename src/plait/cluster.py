@@ -86,6 +86,10 @@ class Device:
     # optimizer state cross it (`plait.cost.memory.offload_time`)
     host_bandwidth_Bps: float = 2.5e10
     codec_s_per_entry: Mapping[str, float] = field(default_factory=dict, hash=False)
+    # a device this many times slower than its numbers say: its achievable FLOP/s are
+    # divided by it, and plait's runtime pads its ranks' compute to that many times its
+    # time (`plait.runtime.slowdown`), so heterogeneous plans can be tried on one CPU
+    slowdown: float = 1.0
 
     def __post_init__(self) -> None:
         owner = f"device {self.name!r}"
@@ -106,6 +110,8 @@ class Device:
                 raise ValueError(f"{owner}: codec_s_per_entry[{key}]={value!r} must be finite")
             _positive(owner, f"codec_s_per_entry[{key}]", value)
         object.__setattr__(self, "codec_s_per_entry", codec)
+        if not (isinstance(self.slowdown, int | float) and 1 <= self.slowdown < math.inf):
+            raise ValueError(f"{owner}: slowdown={self.slowdown!r} must be a number >= 1")
 
     def peak(self, dtype: str) -> float:
         """Peak FLOP/s in `dtype` (fp32 falls back on nothing: name what the device has)."""
@@ -118,8 +124,8 @@ class Device:
         return self.peak_flops[key]
 
     def achievable_flops(self, dtype: str) -> float:
-        """FLOP/s a large matmul reaches: peak × efficiency."""
-        return self.peak(dtype) * self.efficiency
+        """FLOP/s a large matmul reaches: peak × efficiency (/ slowdown)."""
+        return self.peak(dtype) * self.efficiency / self.slowdown
 
 
 @dataclass(frozen=True, kw_only=True)

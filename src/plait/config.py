@@ -17,6 +17,7 @@ from typing import Any
 from plait.compression import check_zero, parse_compression
 from plait.layout import RANK_ORDERS, check_ep, check_rank_order, global_rank
 from plait.offload import check_offload_blocks, normalize_offload
+from plait.pipelines import check_hetero_plan
 from plait.schedule.registry import KINDS, schedule_kind
 
 __all__ = [
@@ -24,6 +25,7 @@ __all__ = [
     "MODELS",
     "ModelConfig",
     "ParallelPlan",
+    "PipelineSpec",
     "TrainConfig",
     "load_config",
     "read_config_file",
@@ -235,6 +237,39 @@ DTYPES = ("fp32", "bf16", "fp16")
 
 
 @dataclass(frozen=True, kw_only=True)
+class PipelineSpec:
+    """One pipeline (HetPipe's virtual worker) of a heterogeneous plan: its blocks per
+    stage (pp = len(partition) / chunks ranks), its micro-batches per step (its share of
+    the batch) and the device kind of each rank (informative)."""
+
+    partition: tuple[int, ...]
+    microbatches: int
+    devices: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        _check_types(self)
+        _positive(self, "microbatches")
+        if not self.partition or min(self.partition) < 1:
+            raise ValueError(
+                f"pipelines: partition={list(self.partition)} must give >= 1 block to each stage"
+            )
+
+
+def _pipeline_specs(value: Any) -> Any:
+    """`pipelines` as read from TOML/JSON (a list of objects) -> PipelineSpecs."""
+    if value is None or not isinstance(value, list | tuple):
+        return value
+    if not all(isinstance(v, dict | PipelineSpec) for v in value):
+        raise ValueError(
+            f"pipelines={value!r} must be a list of objects, each with partition and microbatches"
+        )
+    try:
+        return tuple(v if isinstance(v, PipelineSpec) else PipelineSpec(**v) for v in value)
+    except TypeError as err:
+        raise ValueError(f"pipelines={value!r}: {err}") from None
+
+
+@dataclass(frozen=True, kw_only=True)
 class ParallelPlan:
     """How one model is spread over dp × tp × pp workers, and with which memory options.
 
@@ -307,6 +342,23 @@ class ParallelPlan:
             "metavar": "METHOD",
         },
     )
+    # a heterogeneous plan (`plait plan` on a mixed cluster writes it): see plait.train.hetero
+    pipelines: tuple[PipelineSpec, ...] | None = field(
+        default=None,
+        metadata={"help": "per-pipeline partitions and micro-batches (plan files)", "flag": None},
+    )
+    wsp_staleness: int | None = field(
+        default=None,
+        metadata={
+            "help": "Wave Synchronous Parallel: replicas push their updates once per wave and "
+            "run exactly this many waves ahead of the others' (0: every wave); unset: "
+            "synchronous gradient averaging",
+            "metavar": "D",
+        },
+    )
+    wsp_wave: int = field(
+        default=1, metadata={"help": "WSP: optimizer steps per wave (pushes every N steps)"}
+    )
 
     offload_activations: str = field(
         default="none",
@@ -322,14 +374,19 @@ class ParallelPlan:
     )
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "pipelines", _pipeline_specs(self.pipelines))
         _check_types(self)
         self._check_layout()
         self._check_trainable()
 
     def _check_layout(self) -> None:
         """What makes any layout well formed, trained or only simulated."""
-        _positive(self, "dp", "tp", "pp", "microbatches", "chunks")
+        _positive(self, "dp", "tp", "pp", "microbatches", "chunks", "wsp_wave")
         object.__setattr__(self, "offload_activations", normalize_offload(self.offload_activations))
+        if self.wsp_staleness is not None and self.wsp_staleness < 0:
+            raise ValueError(
+                f"wsp_staleness={self.wsp_staleness} must be >= 0 waves (0: push every wave)"
+            )
         if self.schedule not in KINDS:
             raise ValueError(f"schedule={self.schedule!r} is unknown; choose one of {list(KINDS)}")
         schedule_kind(self.schedule).chunks(self.chunks)
@@ -370,6 +427,8 @@ class ParallelPlan:
             )
         self._check_asynchronous()
         self._check_compression()
+        if self.pipelines is not None or self.wsp_staleness is not None:
+            check_hetero_plan(self)
 
     def _check_compression(self) -> None:
         if self.compress != "none" and self.dp == 1:
@@ -385,6 +444,8 @@ class ParallelPlan:
 
     @property
     def world_size(self) -> int:
+        if self.pipelines is not None:
+            return sum(len(p.partition) // self.chunks for p in self.pipelines)
         return self.dp * self.tp * self.pp
 
     @property
@@ -413,6 +474,13 @@ class ParallelPlan:
         """The ranks holding the same experts as (pp_rank, dp_rank, tp_rank)."""
         offset = dp_rank % self.ep
         return [self.global_rank(pp_rank, d, tp_rank) for d in range(offset, self.dp, self.ep)]
+
+    @property
+    def step_microbatches(self) -> int:
+        """Micro-batches of one step over all replicas (each pipeline's own with pipelines)."""
+        if self.pipelines is not None:
+            return sum(p.microbatches for p in self.pipelines)
+        return self.dp * self.microbatches
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -590,10 +658,20 @@ class TrainConfig:
             check_offload_blocks(par.offload_activations, blocks)
         if self.model.name != "custom" and par.partition and sum(par.partition) != blocks:
             raise ValueError(f"partition={list(par.partition)} must add up to {blocks} blocks")
-        if self.batch_size % (par.dp * par.microbatches):
+        if (par.pipelines is not None or par.wsp_staleness is not None) and self.checkpoint_every:
+            raise ValueError(
+                f"checkpoint_every={self.checkpoint_every} with heterogeneous pipelines or "
+                "wsp_staleness: their checkpoints (per-pipeline cuts, WSP's waves in flight) "
+                "are not written yet; drop checkpoint_every"
+            )
+        if par.pipelines is not None:
+            sizes = [list(p.partition) for p in par.pipelines]
+            if self.model.name != "custom" and sum(sizes[0]) != blocks:
+                raise ValueError(f"pipelines: partitions {sizes} must add up to {blocks} blocks")
+        if self.batch_size % par.step_microbatches:
             raise ValueError(
                 f"batch_size={self.batch_size} is not divisible by dp × microbatches = "
-                f"{par.dp * par.microbatches}: use a multiple"
+                f"{par.step_microbatches}: use a multiple"
             )
         if par.ep > 1:  # what the runtime cannot combine with experts spread yet
             from plait.parallel.experts import check_expert_plan

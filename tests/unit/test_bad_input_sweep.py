@@ -83,6 +83,7 @@ _INT_MIN: dict[str, int | None] = {
     "model.width": 1, "parallel.dp": 1, "parallel.tp": 1, "parallel.pp": 1,
     "parallel.microbatches": 1, "parallel.chunks": 1, "model.experts": 1, "model.top_k": 1,
     "model.moe_every": 1, "parallel.ep": 1, "repartition_patience": 1,
+    "parallel.wsp_staleness": 0, "parallel.wsp_wave": 1,
 }  # fmt: skip
 # ... the range of each number: (lowest, whether the lowest itself is allowed, highest or None)
 _FLOAT_RANGE: dict[str, tuple[float, bool, float | None]] = {
@@ -414,7 +415,8 @@ def _command_cases() -> list[Case]:
     plan = [
         ("--nodes", "0"), ("--nodes", "x"), ("--devices", "-1"), ("--global-batch", "0"),
         ("--global-batch", "x"), ("--top", "0"), ("--dtype", "fp64"), ("--compress", "bogus"),
-        ("--out", "folder"), ("--devices", "99999"),
+        ("--out", "folder"), ("--devices", "99999"), ("--wsp-staleness", "-1"),
+        ("--wsp-staleness", "x"),
     ]  # fmt: skip
     cases += [_flag_case(*_PLAN, f, v, flag=f, value=v) for f, v in plan]
     cases += [

@@ -4,7 +4,6 @@ same way in the runtime mesh and the simulator, and plan files carry every field
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import pytest
@@ -183,17 +182,25 @@ def test_plait_train_takes_every_field_of_a_plan_file(tmp_path: Path) -> None:
     assert layout.rank_order == "tp-pp-dp" and layout.ep == 1 and layout.partition == (2, 2)
 
 
-def test_a_heterogeneous_plan_file_is_refused_for_training(tmp_path: Path) -> None:
+def test_a_heterogeneous_plan_file_trains_its_pipelines(tmp_path: Path) -> None:
     data = plan_to_dict(_ranked(SimPlan(dp=2, pp=2, microbatches=2), (2, 2)))
-    data["pipelines"] = [{"devices": [0, 1], "partition": [2, 2], "microbatches": 2}] * 2
-    path = tmp_path / "plan.json"
-    path.write_text(json.dumps(data))
-    with pytest.raises(ValueError, match="pipelines=2 per-pipeline partitions"):
+    data["pipelines"] = [
+        {"devices": ["a100", "a100"], "partition": [3, 1], "microbatches": 3},
+        {"devices": ["t4", "t4"], "partition": [1, 3], "microbatches": 1},
+    ]
+    layout = parallel_plan_of(data)
+    assert layout.pipelines is not None
+    assert [(p.partition, p.microbatches, p.devices) for p in layout.pipelines] == [
+        ((3, 1), 3, ("a100", "a100")),
+        ((1, 3), 1, ("t4", "t4")),
+    ]
+    assert layout.world_size == 4
+    data["pipelines"][1]["partition"] = [1, 2]  # a pipeline that drops a block
+    with pytest.raises(ValueError, match="cut different numbers of blocks"):
         parallel_plan_of(data)
-    from plait.train.autoplan import parallel_plan_from
-
-    with pytest.raises(ValueError, match="pipelines=2"):
-        parallel_plan_from(data)
+    data["pipelines"] = 3
+    with pytest.raises(ValueError, match="pipelines=3"):
+        parallel_plan_of(data)
 
 
 def test_plait_train_adopts_a_moe_plans_model(tmp_path: Path) -> None:

@@ -4,6 +4,7 @@ recomputation and sharding for a model on a cluster, and explain the choice."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import time
@@ -41,6 +42,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
       "none,fp16,powersgd:4); lossy ones change what training converges to")  # fmt: skip
     a("--profile", help="a profile `plait profile --json` wrote: its measured encode/decode "
       "times of --compress replace the estimate from memory bandwidth")  # fmt: skip
+    a("--wsp-staleness", type=int, metavar="N", dest="wsp_allowance",
+      help="let data-parallel replicas train under Wave Synchronous Parallel with at most N "
+      "waves of staleness: the planner chooses D <= N and explains the trade")  # fmt: skip
     a("--json", action="store_true", help="print one JSON object")
     a("--out", help="write the best plan as JSON (for `plait train --plan`)")
     p.set_defaults(func=run)
@@ -67,6 +71,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--global-batch and --top must be >= 1")
     if args.devices is not None and args.devices < 1:
         raise ValueError(f"--devices {args.devices} must be at least 1 (or unset: all)")
+    if args.wsp_allowance is not None and args.wsp_allowance < 0:
+        raise ValueError(f"--wsp-staleness {args.wsp_allowance} must be >= 0 waves")
     if args.out:  # checked now, not after the whole search ran
         check_out(args.out)
     if args.micro_batch_size != 1:  # the search chooses micro-batch sizes itself
@@ -104,6 +110,8 @@ def run(args: argparse.Namespace) -> int:
         allow_staleness=args.allow_staleness,
         compress=tuple(c for c in args.compress.split(",") if c),
     )
+    if args.wsp_allowance is not None:  # WSP exchanges whole weights, unsharded
+        space = dataclasses.replace(space, zero_stages=(0,))
     found = search(
         model,
         cluster,
@@ -134,6 +142,8 @@ def run(args: argparse.Namespace) -> int:
     codec = _codec_line(found.best.plan.compress, cluster)
     if codec:
         why = f"{why} {codec}"
+    if args.wsp_allowance is not None:
+        why = f"{why}\n{_wsp(found.best, model, cluster, args.wsp_allowance, plans[0])}"
     if args.out:
         write_plan(args.out, plans[0])
     if args.json:
@@ -160,6 +170,21 @@ def run(args: argparse.Namespace) -> int:
         f"in {seconds:.2f} s" + (f"; best plan written to {args.out}" if args.out else "")
     )
     return 0
+
+
+def _wsp(best: Any, model: Any, cluster: Any, allowance: int, data: dict[str, Any]) -> str:
+    """Choose WSP's D for the best plan (written into its plan-file dict) and say why."""
+    from plait.plan.wsp import staleness_for
+
+    plan = best.plan
+    if plan.dp < 2 or plan.tp > 1 or plan.zero or plan.ep > 1:
+        return (
+            f"WSP: not applied (it joins whole unsharded pipelines: the best plan has "
+            f"dp={plan.dp}, tp={plan.tp}, zero={plan.zero}, ep={plan.ep})"
+        )
+    choice = staleness_for(best, model, cluster, allowance)
+    data["wsp_staleness"] = choice.staleness
+    return f"WSP: {choice.explanation}"
 
 
 def _codec_line(compress: str, cluster: Any) -> str:

@@ -102,7 +102,7 @@ def split_replica(
 def plan_replicas(plan: SimPlan, model: ModelSpec, cluster: Cluster) -> HeteroPlan:
     """Partition each replica by its devices, share the batch by throughput, simulate.
 
-    `plan.num_microbatches` is read as the micro-batches of one replica in an equal split,
+    `plan.microbatches` is read as the micro-batches of one replica in an equal split,
     so the total is dp × that."""
     blocks = model.blocks_for(plan)
     splits = [split_replica(plan, blocks, cluster, d) for d in range(plan.dp)]

@@ -40,7 +40,8 @@ def plan_to_dict(
 ) -> dict[str, Any]:
     """The plan (layout and batch) and what the simulator predicts for it."""
     p = ranked.plan
-    out: dict[str, Any] = {key: getattr(p, key) for key in LAYOUT_KEYS}
+    # a heterogeneous plan's pipelines are the planner's `HeteroPlan`'s (below)
+    out: dict[str, Any] = {key: getattr(p, key) for key in LAYOUT_KEYS if key != "pipelines"}
     out["partition"] = list(ranked.sizes)
     out["micro_batch_size"] = p.micro_batch_size
     out["global_batch"] = p.global_batch_size
@@ -89,20 +90,24 @@ def plan_from_dict(data: dict[str, Any]) -> SimPlan:
 
 
 def check_trainable(data: dict[str, Any]) -> None:
-    """Raise ValueError for what a plan file may say that training cannot apply yet."""
-    if "pipelines" in data:
-        raise ValueError(
-            f"pipelines={len(data['pipelines'])} per-pipeline partitions (a heterogeneous plan): "
-            "training runs one partition on every replica and cannot apply it; plan without "
-            "heterogeneous pipelines (`plait plan` on a cluster of one device kind)"
-        )
+    """Raise ValueError for what a plan file may say that training cannot apply yet.
+    (Heterogeneous `pipelines` train: `plait.train.hetero`.)"""
+    pipelines = data.get("pipelines")
+    if pipelines is not None and not isinstance(pipelines, list):
+        raise ValueError(f"pipelines={pipelines!r} must be a list of per-pipeline objects")
 
 
 def parallel_plan_of(data: dict[str, Any]) -> ParallelPlan:
     """The training layout a plan file's dict describes: every `ParallelPlan` field is a
     plan-file key of the same name. Refuses what training cannot apply (`check_trainable`)."""
     check_trainable(data)
-    return ParallelPlan(**_layout_values(data, complete=False))
+    values = _layout_values(data, complete=False)
+    first = (data.get("pipelines") or [None])[0]
+    if isinstance(first, dict) and isinstance(first.get("microbatches"), int):
+        # each pipeline runs its own count; the top-level one (the planner's equal split)
+        # becomes the first pipeline's, by which the logs count rank 0's micro-batches
+        values["microbatches"] = first["microbatches"]
+    return ParallelPlan(**values)
 
 
 def write_plan(path: str | Path, data: dict[str, Any]) -> None:

@@ -3,10 +3,11 @@
 A file has a `name`, an `inter_node` link, and one `[[nodes]]` table per node kind, in
 rank order: either `preset` (a shipped node) and `count`, or `count`, `devices_per_node`,
 `intra_node = { latency_s, bandwidth_Bps }` and `device = { name, peak_flops = { bf16 =
-... }, efficiency, memory_bytes or memory_gib, memory_bandwidth_Bps, host_bandwidth_Bps }`.
-The `*.toml` files beside this module are the presets (one node each); `local-cpu` is built
-in code because it reads this machine. Unknown keys and bad values raise `ValueError` naming
-key and value.
+... }, efficiency, memory_bytes or memory_gib, memory_bandwidth_Bps, host_bandwidth_Bps,
+slowdown }` (a device `slowdown` times slower than its numbers, which plait's CPU runtime
+enforces). The `*.toml` files beside this module are the presets (one node each);
+`local-cpu` is built in code because it reads this machine. Unknown keys and bad values
+raise `ValueError` naming key and value.
 """
 
 from __future__ import annotations
@@ -68,7 +69,8 @@ _DEVICE_KEYS = {"name", "peak_flops", "efficiency", "memory_bytes", "memory_gib"
 _KEYS = {
     "cluster": {"name", "inter_node", "nodes"},
     "link": {"latency_s", "bandwidth_Bps"},
-    "device": _DEVICE_KEYS | {"memory_bandwidth_Bps", "host_bandwidth_Bps", "codec_s_per_entry"},
+    "device": _DEVICE_KEYS | {"memory_bandwidth_Bps", "host_bandwidth_Bps", "codec_s_per_entry",
+               "slowdown"},
     "node": {"preset", "count", "devices_per_node", "device", "intra_node", "processors",
              "sharing_efficiency"},
 }  # fmt: skip

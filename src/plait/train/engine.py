@@ -423,6 +423,12 @@ def parallelize(
     updates_per_window)` builds each stage's learning-rate schedule, stepped once per
     update of that stage (an asynchronous schedule makes several updates per window).
     """
+    if plan.pipelines is not None or plan.wsp_staleness is not None:  # pipelines of their own
+        from plait.train.hetero import parallelize_hetero
+
+        return parallelize_hetero(model, plan, optimizer_factory, loss_fn, device=device,
+                                  grad_clip=grad_clip, timeout_s=timeout_s,
+                                  scheduler_factory=scheduler_factory)  # fmt: skip
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     check_expert_plan(ep=plan.ep, zero=plan.zero, compress=plan.compress, schedule=plan.schedule)
     if mesh is not None and plan.ep > 1:

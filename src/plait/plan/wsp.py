@@ -1,0 +1,99 @@
+"""Choosing WSP's staleness bound D within the user's allowance, and saying what it buys.
+
+A larger D lets the wave exchange overlap more computation (`plait.sim.wsp`), but each
+virtual worker then computes on the others' updates D waves late, which costs updates to
+reach a loss (HetPipe, Park et al., ATC 2020; Ho et al., NIPS 2013 for SSP). The planner
+takes the smallest D within the allowance whose replayed pace is within `tolerance` of
+the fastest D in it: beyond it, staleness is paid for nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from plait.cluster import Cluster
+from plait.cost.comm import all_reduce_time
+from plait.plan.search import RankedPlan
+from plait.plan.space import ModelSpec
+from plait.sim.wsp import replay_wsp, wsp_memory_bytes
+
+__all__ = ["StalenessChoice", "choose_staleness", "staleness_for"]
+
+
+@dataclass(frozen=True)
+class StalenessChoice:
+    staleness: int
+    seconds_per_wave: tuple[float, ...]  # replayed pace for D = 0..allowance
+    extra_bytes: tuple[float, ...]  # WSP's memory per rank for each D
+    explanation: str
+
+
+def choose_staleness(
+    wave_s: Sequence[float],
+    *,
+    exchange_s: float,
+    allowance: int,
+    weight_bytes: float = 0.0,
+    tolerance: float = 0.01,
+    waves: int = 32,
+) -> StalenessChoice:
+    """The D in 0..`allowance` for workers of wave times `wave_s` and an exchange of
+    `exchange_s` seconds (see the module docstring), with the reason in words."""
+    if allowance < 0:
+        raise ValueError(f"allowance={allowance}: give the most waves of staleness, >= 0")
+    paces = tuple(
+        replay_wsp(wave_s, staleness=d, waves=waves, exchange_s=exchange_s).seconds_per_wave
+        for d in range(allowance + 1)
+    )
+    best = min(paces)
+    chosen = next(d for d, p in enumerate(paces) if p <= best * (1 + tolerance))
+    memory = tuple(wsp_memory_bytes(weight_bytes, d) for d in range(allowance + 1))
+    lines = [
+        f"D={d}: {p * 1e3:.2f} ms per wave ({paces[0] / p:.2f}× D=0's waves/s), "
+        f"+{memory[d] / 2**20:.1f} MiB per rank" + (" <- chosen" if d == chosen else "")
+        for d, p in enumerate(paces)
+    ]
+    slowest = max(wave_s)
+    if chosen == 0:
+        why = (
+            f"D=0: the exchange ({exchange_s * 1e3:.2f} ms) is not worth hiding behind "
+            "stale weights"
+            if allowance
+            else "D=0: no staleness allowed, every wave waits for the exchange"
+        )
+    else:
+        why = (
+            f"D={chosen} hides the {exchange_s * 1e3:.2f} ms exchange behind the next "
+            f"waves; more staleness would not go faster (every worker keeps the slowest "
+            f"one's pace, {slowest * 1e3:.2f} ms a wave) and would cost updates to converge"
+        )
+    return StalenessChoice(chosen, paces, memory, "\n".join([why, *lines]))
+
+
+def staleness_for(
+    ranked: RankedPlan, model: ModelSpec, cluster: Cluster, allowance: int
+) -> StalenessChoice:
+    """`choose_staleness` for a searched plan: each pipeline's wave is one step of its
+    simulated pipeline (for a heterogeneous plan its own; the gradient reduction it would
+    replace included otherwise, an overestimate), and the exchange is an all-reduce over
+    the replicas of the largest rank's weights (fp32) on the slowest link between them."""
+    plan = ranked.plan
+    if ranked.hetero is not None:
+        wave_s = [r.run.pipeline_time_s for r in ranked.hetero.replicas]
+        cuts = [r.sizes for r in ranked.hetero.replicas]
+    else:
+        wave_s, cuts = [ranked.step_time_s] * plan.dp, [ranked.sizes] * plan.dp
+    blocks = model.blocks_for(plan)
+    largest = 0
+    for sizes in cuts:
+        first = 0
+        for n in sizes:
+            largest = max(largest, sum(b.num_params for b in blocks[first : first + n]))
+            first += n
+    weight_bytes = 4.0 * largest
+    link = max((cluster.link(0, r) for r in range(1, plan.num_devices)),
+               key=lambda k: k.time(weight_bytes), default=cluster.link(0, 0))  # fmt: skip
+    exchange_s = all_reduce_time(plan.dp, weight_bytes, link)
+    return choose_staleness(wave_s, exchange_s=exchange_s, allowance=allowance,
+                            weight_bytes=weight_bytes)  # fmt: skip
