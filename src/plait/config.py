@@ -286,8 +286,8 @@ class ParallelPlan:
     ep: int = field(
         default=1,
         metadata={
-            "help": "expert-parallel degree: experts spread over ep of the dp ranks (must "
-            "divide dp; needs a model with experts)"
+            "help": "expert-parallel degree: experts spread over ep of the dp × tp ranks "
+            "(must divide dp × tp; not sharded by tp; needs a model with experts)"
         },
     )
     rank_order: str = field(
@@ -333,7 +333,7 @@ class ParallelPlan:
             raise ValueError("sequence_parallel needs tp > 1: set tp or drop sequence_parallel")
         self._check_asynchronous()
         self._check_compression()
-        check_ep(self.ep, self.dp)
+        check_ep(self.ep, self.dp, self.tp)
         check_rank_order(self.rank_order)
         if self.partition is not None:
             object.__setattr__(self, "partition", tuple(self.partition))
@@ -537,12 +537,12 @@ class TrainConfig:
                 f"ep={par.ep} with model {self.model.name!r}: expert parallelism spreads the "
                 "experts of a mixture-of-experts model; use --model moe-gpt or ep=1"
             )
-        if par.tp > 1 and self.model.name in ("resnet18", "moe-gpt"):
+        if par.tp > 1 and self.model.name == "resnet18":
             raise ValueError(
                 f"tp={par.tp} with model {self.model.name!r}: its layers have no "
                 "tensor-parallel plan in plait yet; use tp=1 (dp and pp work)"
             )
-        if par.sequence_parallel and self.model.name in ("hf-gpt2", "hf-llama"):
+        if par.sequence_parallel and self.model.name in ("hf-gpt2", "hf-llama", "moe-gpt"):
             raise ValueError(
                 f"sequence_parallel with model {self.model.name!r}: its tensor-parallel plan "
                 "keeps whole sequences on every rank; drop sequence_parallel"

@@ -117,15 +117,15 @@ def moe_spec(
     dtype: str = "bf16",
 ) -> ModelSpec:
     """A MoE-GPT described analytically (`plait.cost.moe_block_costs`); `moe.ep` is
-    ignored: each plan's ep picks how many experts a rank holds. No tensor parallelism."""
+    ignored: each plan's ep picks how many experts a rank holds. No sequence parallelism."""
 
     def costs(b: int, tp: int, sp: bool, ep: int) -> list[BlockCost]:
-        if tp != 1 or sp:
-            raise ValueError(f"tp={tp}: a MoE-GPT has no tensor-parallel plan yet")
+        if sp:
+            raise ValueError("sequence_parallel: a MoE-GPT's MoE layers take whole sequences")
         return moe_block_costs(
             num_layers=num_layers, hidden=hidden, num_heads=num_heads, seq_len=seq_len,
             vocab_size=vocab_size, moe=replace(moe, ep=ep), micro_batch_size=b,
-            ffn_hidden=ffn_hidden, dtype=dtype,
+            ffn_hidden=ffn_hidden, dtype=dtype, tp=tp,
         )  # fmt: skip
 
     name = f"moe-gpt-{num_layers}x{hidden}-e{moe.num_experts}k{moe.top_k}"

@@ -21,7 +21,7 @@ __all__ = ["RANK_ORDERS", "SimPlan"]
 class SimPlan:
     """One training layout: `dp`×`tp`×`pp` ranks, `schedule` over `num_microbatches` of
     `micro_batch_size` samples (`seq_len` tokens each) per data-parallel rank and step.
-    `ep` spreads experts over ep of the dp ranks (`plait.layout`: it adds no ranks)."""
+    `ep` spreads experts over ep of the dp × tp ranks (`plait.layout`: it adds no ranks)."""
 
     dp: int = 1
     tp: int = 1
@@ -60,7 +60,7 @@ class SimPlan:
         if self.optimizer not in ("adam", "sgd"):
             raise ValueError(f"optimizer={self.optimizer!r} is unknown; use 'adam' or 'sgd'")
         check_rank_order(self.rank_order)
-        check_ep(self.ep, self.dp)
+        check_ep(self.ep, self.dp, self.tp)
         object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
         object.__setattr__(self, "compress", str(parse_compression(self.compress)))
         check_zero(self.compress, self.zero_stage)
@@ -68,6 +68,11 @@ class SimPlan:
     @property
     def num_devices(self) -> int:
         return self.dp * self.tp * self.pp
+
+    @property
+    def edp(self) -> int:
+        """The replicas of each expert: dp × tp / ep (`plait.layout`)."""
+        return self.dp * self.tp // self.ep
 
     @property
     def num_stages(self) -> int:
@@ -93,11 +98,16 @@ class SimPlan:
 
     def ep_group(self, pp_rank: int, dp_rank: int = 0, tp_rank: int = 0) -> list[int]:
         """The ranks exchanging tokens with (pp_rank, dp_rank, tp_rank): ep neighbouring
-        data-parallel indices (`plait.layout.expert_index`)."""
-        first = dp_rank - dp_rank % self.ep
-        return [self.global_rank(pp_rank, first + e, tp_rank) for e in range(self.ep)]
+        (dp, tp) indices, tp innermost (`plait.layout.expert_index`)."""
+        flat = dp_rank * self.tp + tp_rank  # dp × tp, tp innermost (plait.layout)
+        first = flat - flat % self.ep
+        return [self._flat_rank(pp_rank, first + e) for e in range(self.ep)]
 
     def expert_dp_group(self, pp_rank: int, dp_rank: int = 0, tp_rank: int = 0) -> list[int]:
         """The ranks holding the same experts as (pp_rank, dp_rank, tp_rank)."""
-        offset = dp_rank % self.ep
-        return [self.global_rank(pp_rank, d, tp_rank) for d in range(offset, self.dp, self.ep)]
+        offset = (dp_rank * self.tp + tp_rank) % self.ep
+        return [self._flat_rank(pp_rank, f) for f in range(offset, self.dp * self.tp, self.ep)]
+
+    def _flat_rank(self, pp_rank: int, flat: int) -> int:
+        """The global rank of index `flat` of the dp × tp ranks (tp innermost)."""
+        return self.global_rank(pp_rank, *divmod(flat, self.tp))

@@ -434,7 +434,7 @@ def parallelize(
         if mesh is not None
         else ParallelDims(
             dp=plan.dp, tp=plan.tp, pp=plan.pp, ep=plan.ep, rank_order=plan.rank_order
-        ).build_mesh(device.type)
+        ).build_mesh(device.type, experts=bool(expert_params(model)))
     )
     mesh = meshes.main
     names = block_names(model)
@@ -444,9 +444,10 @@ def parallelize(
         local_stages(model, schedule, pp_rank, sizes=plan.partition, device=device)
     )
     ep_group = meshes.ep_group()
+    tp_group = mesh.get_group("tp") if plan.tp > 1 else None
     for stage in stages.values():
-        if ep_group is not None:  # built from the same seed everywhere: keep our experts
-            shard_experts(stage, ep_group)
+        if ep_group is not None or tp_group is not None:  # same seed everywhere: keep ours
+            shard_experts(stage, ep_group, tp_group=tp_group)
         if plan.tp > 1:
             apply_tensor_parallel(stage, mesh["tp"], sequence_parallel=plan.sequence_parallel)
         apply_recompute(stage, plan.recompute)
@@ -460,8 +461,8 @@ def parallelize(
             for s, m in stages.items()
         }
         scaled = {s: expert_params(m) for s, m in stages.items()} if edp is not None else None
-        grad_sync = FSDPGradSync(sharded, scaled=scaled, scale=expert_grad_scale(plan.ep))
-    elif plan.dp > 1:
+        grad_sync = FSDPGradSync(sharded, scaled=scaled, scale=expert_grad_scale(plan.ep, plan.tp))
+    elif plan.dp > 1 or meshes.expert is not None:
         per_stage = {s: list(m.parameters()) for s, m in stages.items()}
         group = mesh.get_group("dp")
         hook, state = hook_for(plan.compress, group) or (None, None)
@@ -471,8 +472,8 @@ def parallelize(
         grad_sync = GradReducer(
             per_stage,
             group,
-            param_groups=experts if ep_group is not None else None,
-            group_scale=expert_grad_scale(plan.ep),
+            param_groups=experts if meshes.expert is not None else None,
+            group_scale=expert_grad_scale(plan.ep, plan.tp),
             timeout_s=timeout_s,
             hook=hook,
             hook_state=state,

@@ -1,0 +1,88 @@
+"""Expert parallelism composed with tensor parallelism against one process, in one world
+of four gloo ranks running every layout in turn.
+
+Under tp > 1 the tp ranks of a replica split a MoE layer's tokens, so routing, capacity
+and the router losses must still be those of the replica's whole micro-batch: one process
+that runs the model on each replica's micro-batch separately and averages the losses
+computes them. Token dropping is active (capacity factor 1.0, `test_moe_ep_train.py`'s
+`test_capacity_one_drops_tokens`) and the router losses are weighted heavily, so their
+gradients are in the compared ones. Each case trains `STEPS` SGD steps; the whole model
+gathered after every step gives that step's update (-LR × its gradient)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from .test_moe_train import BATCH, LR, STEPS, sgd_reference
+
+pytestmark = pytest.mark.dist
+
+AUX, Z, M = 0.5, 0.05, 2  # STEPS, BATCH and LR are test_moe_train.py's
+TOL = {"rtol": 1e-5, "atol": 1e-5}
+
+# (name, ParallelPlan fields, shared expert) on 4 ranks; ep borrows dp × tp ranks
+CASES: list[tuple[str, dict[str, Any], bool]] = [
+    ("tp2dp2ep2", {"dp": 2, "tp": 2, "ep": 2}, False),
+    ("tp2dp2ep4", {"dp": 2, "tp": 2, "ep": 4}, True),
+    ("tp2pp2ep2", {"dp": 1, "tp": 2, "pp": 2, "ep": 2, "schedule": "1f1b"}, False),
+    ("tp2dp2ep1", {"dp": 2, "tp": 2, "ep": 1}, True),
+]
+
+
+def _model(shared: bool) -> torch.nn.Module:
+    from plait.models import MoEConfig, MoEGPT
+
+    torch.manual_seed(0)
+    cfg = MoEConfig(vocab_size=64, seq_len=32, num_layers=2, hidden=64, num_heads=4,
+                    num_experts=4, top_k=2, capacity_factor=1.0, moe_every=1,
+                    shared_expert=shared, aux_loss_coef=AUX, z_loss_coef=Z)  # fmt: skip
+    return MoEGPT(cfg)
+
+
+def _world(rank: int, world: int, out: str) -> None:
+    """Every case: the loss and the gathered model's state after each step (rank 0)."""
+    from plait.config import ParallelPlan
+    from plait.data import SyntheticTokens
+    from plait.models import MoEGPT
+    from plait.train.engine import parallelize
+    from plait.train.task import Task, gathered_model
+
+    data = SyntheticTokens(vocab=64, seq_len=32, size=4096, seed=0)
+    found: dict[str, Any] = {}
+    for name, fields, shared in CASES:
+        plan = ParallelPlan(microbatches=M, **{"pp": 1, **fields})
+        engine = parallelize(_model(shared), plan, lambda ps: torch.optim.SGD(ps, lr=LR),
+                             MoEGPT.loss, device="cpu")  # fmt: skip
+        task = Task(build=lambda s=shared: _model(s), batch=data.batch, loss=MoEGPT.loss)
+        losses, states = [], []
+        for step in range(STEPS):
+            losses.append(engine.step(data.batch(step, BATCH)).loss)
+            full = gathered_model(engine, task, None, rank)
+            if full is not None:
+                states.append({k: v.clone() for k, v in full.state_dict().items()})
+        found[name] = {"losses": losses, "states": states}
+    if rank == 0:
+        torch.save(found, out)
+
+
+def test_expert_parallel_composes_like_one_process(tmp_path: Path) -> None:
+    from tests.dist.harness import run_world
+
+    out = tmp_path / "found.pt"
+    run_world(tmp_path, 4, _world, str(out))
+    found = torch.load(out)
+    for name, fields, shared in CASES:
+        losses, grads = sgd_reference(_model(shared), fields["dp"] * M)
+        got = found[name]
+        torch.testing.assert_close(got["losses"], losses, **TOL, msg=name)
+        before = _model(shared).state_dict()
+        for step, after in enumerate(got["states"]):
+            assert set(after) == set(grads[step]), name
+            for key, g in grads[step].items():
+                diff = (before[key] - after[key]) / LR
+                torch.testing.assert_close(diff, g, **TOL, msg=f"{name} step {step} {key}")
+            before = after
