@@ -1,5 +1,5 @@
-"""Expert parallelism composed with tensor parallelism against one process, in one world
-of four gloo ranks running every layout in turn.
+"""Expert parallelism composed with tensor parallelism and ZeRO-1 against one process, in
+one world of four gloo ranks running every layout in turn.
 
 Under tp > 1 the tp ranks of a replica split a MoE layer's tokens, so routing, capacity
 and the router losses must still be those of the replica's whole micro-batch: one process
@@ -30,6 +30,8 @@ CASES: list[tuple[str, dict[str, Any], bool]] = [
     ("tp2dp2ep4", {"dp": 2, "tp": 2, "ep": 4}, True),
     ("tp2pp2ep2", {"dp": 1, "tp": 2, "pp": 2, "ep": 2, "schedule": "1f1b"}, False),
     ("tp2dp2ep1", {"dp": 2, "tp": 2, "ep": 1}, True),
+    # ZeRO-1: experts partitioned over their 2 replicas, the rest over the 4 dp ranks
+    ("dp4ep2zero1", {"dp": 4, "ep": 2, "zero": 1}, False),
 ]
 
 

@@ -128,7 +128,6 @@ def test_ep_checkpoint_resumes_under_another_layout(
 @pytest.mark.parametrize(
     ("extra", "named"),
     [
-        (["--zero", "1"], "zero=1"),
         (["--compress", "fp16"], "compress='fp16'"),
     ],
 )

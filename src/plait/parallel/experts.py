@@ -94,10 +94,6 @@ def check_expert_parallel(num_experts: int, ep: int) -> None:
 def check_expert_plan(*, ep: int, zero: int, compress: str, schedule: str) -> None:
     """Raise ValueError for what the runtime cannot yet combine with ep > 1 (nothing at ep=1).
 
-    - ZeRO-1: torch's ZeroRedundancyOptimizer partitions every parameter over one
-      data-parallel group and broadcasts the updates over it, which would mix the
-      different experts of an ep group's ranks (ZeRO-2/3 shard experts over their
-      replicas: `plait.parallel.sharding.apply_fsdp`);
     - gradient compression: a communication hook reduces over one group, while expert
       gradients are reduced over their replica group (`plait.parallel.data.GradReducer`).
 
@@ -107,12 +103,6 @@ def check_expert_plan(*, ep: int, zero: int, compress: str, schedule: str) -> No
     """
     if ep == 1:
         return
-    if zero == 1:
-        raise ValueError(
-            f"zero=1 with ep={ep} is not supported yet: torch's ZeroRedundancyOptimizer "
-            "partitions and broadcasts every parameter over all data-parallel ranks, whose "
-            "experts differ; use zero=0, 2 or 3"
-        )
     if compress != "none":
         raise ValueError(
             f"compress={compress!r} with ep={ep} is not supported yet: a compression hook "

@@ -479,7 +479,14 @@ def parallelize(
             hook_state=state,
         )
     optimizers = {
-        s: _optimizer(optimizer_factory, [p for p in m.parameters() if p.requires_grad], plan, mesh)
+        s: _optimizer(
+            optimizer_factory,
+            [p for p in m.parameters() if p.requires_grad],
+            plan,
+            mesh,
+            meshes,
+            expert_params(m),
+        )
         for s, m in stages.items()
     }
     schedulers = (
@@ -508,35 +515,29 @@ def parallelize(
 
 
 def _optimizer(
-    factory: OptimizerFactory, params: list[nn.Parameter], plan: ParallelPlan, mesh: DeviceMesh
+    factory: OptimizerFactory,
+    params: list[nn.Parameter],
+    plan: ParallelPlan,
+    mesh: DeviceMesh,
+    meshes: Meshes | None = None,
+    experts: list[nn.Parameter] | None = None,
 ) -> torch.optim.Optimizer:
-    optimizer = factory(params)
     if plan.zero != 1 or plan.dp == 1:
-        return optimizer
+        return factory(params)
     if plan.tp > 1:
         raise ValueError(
             "zero=1 with tp > 1 is not supported (torch's ZeroRedundancyOptimizer takes plain "
             "tensors): use zero=2 or zero=3, which shard optimizer state too, or tp=1"
         )
-    import inspect
+    from plait.parallel.expert_zero import ExpertZero, partitioned
 
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    # `defaults` may hold entries the constructor does not take (AdamW's
-    # decoupled_weight_decay): pass on only the constructor's own arguments
-    accepted = inspect.signature(type(optimizer).__init__).parameters
-    settings = {k: v for k, v in optimizer.defaults.items() if k in accepted}
-    # keep the factory's parameter groups (weight-decay exclusions) and their settings
-    groups = [
-        {k: v for k, v in g.items() if k == "params" or v != optimizer.defaults.get(k)}
-        for g in optimizer.param_groups
-    ]
-    return ZeroRedundancyOptimizer(
-        groups,
-        optimizer_class=type(optimizer),
-        process_group=mesh.get_group("dp"),
-        **settings,
-    )
+    if meshes is None or meshes.expert is None or not experts:
+        return partitioned(factory(params), mesh.get_group("dp"))
+    # experts partitioned over the ranks holding the same ones, the rest over dp
+    ids = {id(p) for p in experts}
+    rest, mine = [p for p in params if id(p) not in ids], [p for p in params if id(p) in ids]
+    return ExpertZero([partitioned(factory(rest), mesh.get_group("dp")),
+                       partitioned(factory(mine), meshes.expert_dp_group())])  # fmt: skip
 
 
 def _batch_size(value: Any) -> int:
