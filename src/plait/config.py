@@ -527,11 +527,6 @@ class TrainConfig:
                 f"batch_size={self.batch_size} is not divisible by dp × microbatches = "
                 f"{par.dp * par.microbatches}: use a multiple"
             )
-        if par.ep > 1:  # what the runtime cannot combine with experts spread yet
-            from plait.parallel.experts import check_expert_plan
-
-            check_expert_plan(ep=par.ep, zero=par.zero, compress=par.compress,
-                              schedule=par.schedule)  # fmt: skip
         if par.ep > 1 and self.model.name != "moe-gpt":
             raise ValueError(
                 f"ep={par.ep} with model {self.model.name!r}: expert parallelism spreads the "

@@ -72,7 +72,6 @@ __all__ = [
     "TokenSplit",
     "bench_expert_parallel",
     "check_expert_parallel",
-    "check_expert_plan",
     "expert_grad_scale",
     "expert_param_names",
     "expert_params",
@@ -88,25 +87,6 @@ def check_expert_parallel(num_experts: int, ep: int) -> None:
         raise ValueError(
             f"num_experts={num_experts} cannot be split over ep={ep} ranks: use an ep that "
             f"divides it ({', '.join(map(str, divisors))}) or a multiple of ep experts"
-        )
-
-
-def check_expert_plan(*, ep: int, zero: int, compress: str, schedule: str) -> None:
-    """Raise ValueError for what the runtime cannot yet combine with ep > 1 (nothing at ep=1).
-
-    - gradient compression: a communication hook reduces over one group, while expert
-      gradients are reduced over their replica group (`plait.parallel.data.GradReducer`).
-
-    Zero-bubble schedules need nothing: the all-to-all's backward lies on the path from
-    the outputs to the inputs, so it runs in the input half, and the ranks of an ep group
-    (one pipeline rank) run the same program, so their collectives pair up in order.
-    """
-    if ep == 1:
-        return
-    if compress != "none":
-        raise ValueError(
-            f"compress={compress!r} with ep={ep} is not supported yet: a compression hook "
-            "reduces over one group, expert gradients over their replicas; use compress=none"
         )
 
 

@@ -182,9 +182,9 @@ class _Replica:
                 plan.compress, rest, zero_stage=plan.zero_stage, dp=plan.dp, link=link,
                 device=self.devices[rank], param_bytes=dtype_bytes(plan.dtype),
             )  # fmt: skip
-            if st.expert_params and plan.edp > 1:
+            if st.expert_params and plan.edp > 1:  # experts are reduced uncompressed
                 time += gradient_sync_time(
-                    plan.compress, st.expert_params, zero_stage=plan.zero_stage,
+                    "none", st.expert_params, zero_stage=plan.zero_stage,
                     dp=plan.edp, link=self.edp_links[rank],
                     device=self.devices[rank], param_bytes=dtype_bytes(plan.dtype),
                 )  # fmt: skip

@@ -47,7 +47,6 @@ from plait.parallel import (
     shard_experts,
 )
 from plait.parallel.compress import hook_for
-from plait.parallel.experts import check_expert_plan
 from plait.parallel.sync import GradSync
 from plait.runtime import PipelineExecutor, StepResult, local_stages, split_microbatches
 from plait.runtime.evaluate import MetricFn
@@ -423,7 +422,6 @@ def parallelize(
     update of that stage (an asynchronous schedule makes several updates per window).
     """
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    check_expert_plan(ep=plan.ep, zero=plan.zero, compress=plan.compress, schedule=plan.schedule)
     if mesh is not None and plan.ep > 1:
         raise ValueError(
             f"ep={plan.ep} with a mesh given: the expert view of the ranks is built with it; "
