@@ -120,6 +120,7 @@ def _partition(
             dp=plan.dp,
             optimizer=plan.optimizer,
             ep=plan.ep,
+            tp=plan.tp,
         )
     except ValueError:
         work = [

@@ -43,13 +43,22 @@ i's loss `loss_i` is a mean over its own micro-batch and the step minimises
   would count each contribution ep times. Gradient accumulation changes nothing: every
   micro-batch's loss is divided by the number of micro-batches on every rank alike.
 
-Every forward of a sharded layer is a collective: all ranks of an ep group must run it
-together, the same number of times in the same order (training steps, evaluation and
-generation alike; activation recomputation repeats it in backward, on every rank alike).
+Every forward of a sharded layer is a collective: all ranks of an ep group (and of a tp
+group) must run it together, the same number of times in the same order (training steps,
+evaluation and generation alike; activation recomputation repeats it in backward, on
+every rank alike). Zero-bubble schedules need nothing more: the all-to-all's and
+`TokenSplit`'s backward lie on the path from the outputs to the inputs, so they run in the
+input half, and the ranks of an ep group (one pipeline rank) run the same program. ZeRO-1
+partitions the experts over their replicas (`plait.parallel.expert_zero`); gradient
+compression compresses only the data-parallel reduction, the experts' is uncompressed
+(`plait.parallel.data.GradReducer`), except under ZeRO-2/3, whose fp16/bf16 reduce
+dtype applies to every gradient (`plait.parallel.sharding.apply_fsdp`).
+
 Limits: the router sees only its replica's tokens, so the capacity and the load-balancing
-loss are per replica micro-batch (as in GShard's per-group capacity); reading the exchanged counts
-synchronises host and device once per layer forward; communication does not overlap the
-expert computation; the local experts run one after another.
+loss are per replica micro-batch (as in GShard's per-group capacity); under tp every tp
+rank routes the whole micro-batch (the router's FLOPs are not split); reading the
+exchanged counts synchronises host and device once per layer forward; communication does
+not overlap the expert computation; the local experts run one after another.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ that rank's updates (each waits for its reduction, then steps the optimizer) and
 copies. Memory follows each schedule's in-flight micro-batches on each rank and its weight
 copies (the registry's closed forms, `plait.schedule.registry`). Under expert parallelism
 the experts' all-to-alls are part of each block's time (over the ep group's link) and
-expert gradients and model state are reduced and sharded over the dp / ep ranks that hold
+expert gradients and model state are reduced and sharded over the dp·tp / ep ranks that hold
 the same experts. The estimates are only used to order the search; every reported number
 comes from the simulator.
 """

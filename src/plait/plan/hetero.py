@@ -93,7 +93,7 @@ def split_replica(
     part = partition_blocks(
         blocks, devices, dtype=plan.dtype, recompute=plan.recompute,
         inflight=[max(1, round(h)) for h in held], zero_stage=plan.zero_stage, dp=plan.dp,
-        optimizer=plan.optimizer, ep=plan.ep,
+        optimizer=plan.optimizer, ep=plan.ep, tp=plan.tp,
     )  # fmt: skip
     return devices, part
 

@@ -198,11 +198,12 @@ def partition_blocks(
     dp: int = 1,
     optimizer: Optimizer = "adam",
     ep: int = 1,
+    tp: int = 1,
 ) -> Partition:
     """Partition cost-model blocks over `devices` (stage i on devices[i]): times from
     FLOPs (recomputation included) at each device's achievable rate, memory from model
     state and saved activations against each device's capacity (expert state sharded by
-    ZeRO over the dp / ep ranks holding the same experts)."""
+    ZeRO over the dp·tp / ep ranks holding the same experts)."""
     if not devices:
         raise ValueError("devices is empty: give one device per stage")
     work = [
@@ -220,6 +221,7 @@ def partition_blocks(
             zero_stage=zero_stage,
             dp=dp,
             ep=ep,
+            tp=tp,
             optimizer=optimizer,
         ).total
         for b in blocks

@@ -6,7 +6,7 @@ tensor-parallel collectives included), a send costs latency + bytes/bandwidth on
 between the two ranks, a `REDUCE` the stage's gradient reduction over its data-parallel
 group (on the rank's reduction channel, overlapping whatever follows, as DDP's bucketed
 reduction does at stage granularity; expert gradients over their expert-data-parallel
-group of dp / ep ranks, after the others), an `UPDATE` the stage's optimizer step, and a weight
+group of dp·tp / ep ranks, after the others), an `UPDATE` the stage's optimizer step, and a weight
 copy (`STASH`, `PREDICT`) a pass over the stage's parameters at memory bandwidth;
 `plait.schedule.replay` does the rest (program order, data dependencies, one message at a
 time per channel). A synchronous schedule is replayed as one window; an asynchronous one
@@ -182,9 +182,11 @@ class _Replica:
                 plan.compress, rest, zero_stage=plan.zero_stage, dp=plan.dp, link=link,
                 device=self.devices[rank], param_bytes=dtype_bytes(plan.dtype),
             )  # fmt: skip
-            if st.expert_params and plan.edp > 1:  # experts are reduced uncompressed
+            if st.expert_params and plan.edp > 1:
+                # experts: uncompressed, but FSDP (ZeRO-2/3) reduces every gradient in fp16/bf16
+                codec = plan.compress if plan.zero_stage >= 2 else "none"
                 time += gradient_sync_time(
-                    "none", st.expert_params, zero_stage=plan.zero_stage,
+                    codec, st.expert_params, zero_stage=plan.zero_stage,
                     dp=plan.edp, link=self.edp_links[rank],
                     device=self.devices[rank], param_bytes=dtype_bytes(plan.dtype),
                 )  # fmt: skip

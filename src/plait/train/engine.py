@@ -464,7 +464,7 @@ def parallelize(
         per_stage = {s: list(m.parameters()) for s, m in stages.items()}
         group = mesh.get_group("dp")
         hook, state = hook_for(plan.compress, group) or (None, None)
-        # expert gradients: averaged over the ranks holding the same experts, then × 1/ep
+        # expert gradients: averaged over the ranks holding the same experts, then × tp/ep
         # (their replica sum / dp; see plait.parallel.experts)
         experts = {p: meshes.expert_dp_group() for m in stages.values() for p in expert_params(m)}
         grad_sync = GradReducer(
