@@ -21,9 +21,10 @@ so that expert parallelism can put an all-to-all between dispatch and the expert
 between the experts and combine. Under tensor parallelism (`MoEBlock.tp_plan`) the
 attention and the dense and shared-expert FFNs are sharded as in Megatron-LM; the experts'
 weights are not sharded by tp: instead the tp ranks of a replica split the layer's tokens
-among them (`MoELayer.tokens`, `plait.parallel.experts.TokenSplit`), each routing its
-own slice to the experts. Limits: the experts run one after another (no grouped GEMM);
-the expert FFN has no dropout; no sequence parallelism for MoE layers.
+among them (`MoELayer.tokens`, `plait.parallel.experts.TokenSplit`): each routes every
+token but dispatches only its own slice to the experts. Limits: the experts run one after
+another (no grouped GEMM); the expert FFN has no dropout; no sequence parallelism for MoE
+layers.
 """
 
 from __future__ import annotations
