@@ -323,8 +323,8 @@ class ParallelPlan:
     ep: int = field(
         default=1,
         metadata={
-            "help": "expert-parallel degree: experts spread over ep of the dp ranks (must "
-            "divide dp; needs a model with experts)"
+            "help": "expert-parallel degree: experts spread over ep of the dp × tp ranks "
+            "(must divide dp × tp; not sharded by tp; needs a model with experts)"
         },
     )
     rank_order: str = field(
@@ -398,7 +398,7 @@ class ParallelPlan:
             raise ValueError("sequence_parallel needs tp > 1: set tp or drop sequence_parallel")
         object.__setattr__(self, "compress", str(parse_compression(self.compress)))
         check_zero(self.compress, self.zero)
-        check_ep(self.ep, self.dp)
+        check_ep(self.ep, self.dp, self.tp)
         check_rank_order(self.rank_order)
         if self.partition is not None:
             object.__setattr__(self, "partition", tuple(self.partition))
@@ -464,16 +464,26 @@ class ParallelPlan:
     def dp_group(self, pp_rank: int, tp_rank: int = 0) -> list[int]:
         return [self.global_rank(pp_rank, d, tp_rank) for d in range(self.dp)]
 
+    @property
+    def edp(self) -> int:
+        """The replicas of each expert: dp × tp / ep (`plait.layout`)."""
+        return self.dp * self.tp // self.ep
+
     def ep_group(self, pp_rank: int, dp_rank: int = 0, tp_rank: int = 0) -> list[int]:
         """The ranks exchanging tokens with (pp_rank, dp_rank, tp_rank): ep neighbouring
-        data-parallel indices (`plait.layout.expert_index`)."""
-        first = dp_rank - dp_rank % self.ep
-        return [self.global_rank(pp_rank, first + e, tp_rank) for e in range(self.ep)]
+        (dp, tp) indices, tp innermost (`plait.layout.expert_index`)."""
+        flat = dp_rank * self.tp + tp_rank  # dp × tp, tp innermost (plait.layout)
+        first = flat - flat % self.ep
+        return [self._flat_rank(pp_rank, first + e) for e in range(self.ep)]
 
     def expert_dp_group(self, pp_rank: int, dp_rank: int = 0, tp_rank: int = 0) -> list[int]:
         """The ranks holding the same experts as (pp_rank, dp_rank, tp_rank)."""
-        offset = dp_rank % self.ep
-        return [self.global_rank(pp_rank, d, tp_rank) for d in range(offset, self.dp, self.ep)]
+        offset = (dp_rank * self.tp + tp_rank) % self.ep
+        return [self._flat_rank(pp_rank, f) for f in range(offset, self.dp * self.tp, self.ep)]
+
+    def _flat_rank(self, pp_rank: int, flat: int) -> int:
+        """The global rank of index `flat` of the dp × tp ranks (tp innermost)."""
+        return self.global_rank(pp_rank, *divmod(flat, self.tp))
 
     @property
     def step_microbatches(self) -> int:
@@ -673,22 +683,17 @@ class TrainConfig:
                 f"batch_size={self.batch_size} is not divisible by dp × microbatches = "
                 f"{par.step_microbatches}: use a multiple"
             )
-        if par.ep > 1:  # what the runtime cannot combine with experts spread yet
-            from plait.parallel.experts import check_expert_plan
-
-            check_expert_plan(ep=par.ep, zero=par.zero, compress=par.compress,
-                              schedule=par.schedule)  # fmt: skip
         if par.ep > 1 and self.model.name != "moe-gpt":
             raise ValueError(
                 f"ep={par.ep} with model {self.model.name!r}: expert parallelism spreads the "
                 "experts of a mixture-of-experts model; use --model moe-gpt or ep=1"
             )
-        if par.tp > 1 and self.model.name in ("resnet18", "moe-gpt"):
+        if par.tp > 1 and self.model.name == "resnet18":
             raise ValueError(
                 f"tp={par.tp} with model {self.model.name!r}: its layers have no "
                 "tensor-parallel plan in plait yet; use tp=1 (dp and pp work)"
             )
-        if par.sequence_parallel and self.model.name in ("hf-gpt2", "hf-llama"):
+        if par.sequence_parallel and self.model.name in ("hf-gpt2", "hf-llama", "moe-gpt"):
             raise ValueError(
                 f"sequence_parallel with model {self.model.name!r}: its tensor-parallel plan "
                 "keeps whole sequences on every rank; drop sequence_parallel"

@@ -8,15 +8,17 @@ The world is pp × dp × tp ranks. A rank order names the axes innermost first: 
 "tp-dp-pp" (Megatron-LM's order, the default) tensor-parallel ranks are consecutive, then
 data-parallel, with pipeline stages outermost.
 
-Expert parallelism is not another factor of the world, as in torchtitan's `ParallelDims`:
-it borrows ranks of data parallelism. The dp axis is read as edp × ep, ep innermost
-(dp_index = edp_index · ep + ep_index): the `ep` ranks of one ep group hold different
-experts and exchange tokens by all-to-all; the `edp = dp / ep` ranks of one expert-data-
-parallel group hold the same experts and average their gradients. Hence ep must divide dp.
-Torchtitan also lets ep borrow context- and tensor-parallel ranks (dp_shard × cp (× tp));
-plait has no cp, and borrowing tp would leave the non-expert layers sharded over ranks
-that hold whole experts, so ep | dp only: experts are either tensor-sharded like the rest
-or replicated over tp, which the expert runtime decides.
+Expert parallelism is not another factor of the world, as in torchtitan's `ParallelDims`
+(with etp=1): it borrows the ranks of data and tensor parallelism. Within a pipeline rank
+the dp × tp ranks are read in (dp_index, tp_index) order, tp innermost, as one axis of
+dp · tp ranks, and that axis as edp × ep with ep innermost
+(dp_index · tp + tp_index = edp_index · ep + ep_index): the `ep` ranks of one ep group
+hold different experts and exchange tokens by all-to-all; the `edp = dp · tp / ep` ranks
+of one expert-data-parallel group hold the same experts and reduce their gradients.
+Hence ep must divide dp × tp. Experts are not sharded by tp: under tp > 1 the tensor-
+parallel ranks of a replica split the MoE layer's tokens among them instead
+(`plait.parallel.experts.TokenSplit`). Torchtitan also lets ep borrow context-parallel
+ranks; plait has no cp.
 """
 
 from __future__ import annotations
@@ -46,15 +48,16 @@ def check_rank_order(rank_order: str) -> None:
         )
 
 
-def check_ep(ep: int, dp: int) -> None:
-    """Raise ValueError unless `ep` borrows a whole number of expert groups from `dp`."""
+def check_ep(ep: int, dp: int, tp: int = 1) -> None:
+    """Raise ValueError unless `ep` borrows a whole number of expert groups from dp × tp."""
     if not isinstance(ep, int) or isinstance(ep, bool) or ep < 1:
         raise ValueError(f"ep={ep!r} must be a positive integer")
-    if dp % ep:
-        fits = [d for d in range(1, dp + 1) if dp % d == 0]
+    if (dp * tp) % ep:
+        fits = [d for d in range(1, dp * tp + 1) if dp * tp % d == 0]
         raise ValueError(
-            f"ep={ep} does not divide dp={dp}: expert parallelism borrows data-parallel ranks "
-            f"(it is not another factor of the world), so use ep in {fits} or a dp that ep divides"
+            f"ep={ep} does not divide dp × tp = {dp} × {tp}: expert parallelism borrows "
+            f"data- and tensor-parallel ranks (it is not another factor of the world), so use "
+            f"ep in {fits} or a dp × tp that ep divides"
         )
 
 
@@ -83,7 +86,8 @@ def rank_grid(rank_order: str, *, pp: int, dp: int, tp: int) -> list[list[list[i
     ]
 
 
-def expert_index(dp_index: int, ep: int) -> tuple[int, int]:
-    """(edp_index, ep_index) of a data-parallel index: ep innermost, so an ep group holds
-    neighbouring data-parallel ranks (dp_index = edp_index · ep + ep_index)."""
-    return divmod(dp_index, ep)
+def expert_index(dp_index: int, ep: int, *, tp_index: int = 0, tp: int = 1) -> tuple[int, int]:
+    """(edp_index, ep_index) of a (data, tensor)-parallel coordinate: tp innermost, then
+    ep, so an ep group holds neighbouring ranks (dp_index · tp + tp_index = edp_index · ep
+    + ep_index)."""
+    return divmod(dp_index * tp + tp_index, ep)

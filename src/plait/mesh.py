@@ -33,8 +33,8 @@ class ParallelDims:
     The world is pp × dp × tp ranks, placed as `rank_order` says (innermost axis first;
     `plait.layout`). The default "tp-dp-pp" keeps a tensor-parallel group on consecutive
     ranks, which a launcher places on one node. `ep` is not a factor of the world: expert
-    parallelism borrows data-parallel ranks (dp = edp × ep, as torchtitan borrows
-    dp_shard × cp), so ep must divide dp.
+    parallelism borrows data- and tensor-parallel ranks (dp × tp = edp × ep, as
+    torchtitan borrows dp_shard × cp × tp with etp=1), so ep must divide dp × tp.
     """
 
     dp: int = 1
@@ -47,7 +47,7 @@ class ParallelDims:
         for name in ("dp", "tp", "pp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
-        check_ep(self.ep, self.dp)
+        check_ep(self.ep, self.dp, self.tp)
         check_rank_order(self.rank_order)
 
     @property
@@ -56,8 +56,8 @@ class ParallelDims:
 
     @property
     def edp(self) -> int:
-        """Expert-data-parallel degree: the replicas of each expert (dp / ep)."""
-        return self.dp // self.ep
+        """Expert-data-parallel degree: the replicas of each expert (dp × tp / ep)."""
+        return self.dp * self.tp // self.ep
 
     def check(self, world_size: int, *, local_world_size: int | None = None) -> None:
         """Raise ValueError unless the degrees fit `world_size` workers (and nodes)."""
@@ -65,7 +65,7 @@ class ParallelDims:
             raise ValueError(
                 f"dp × tp × pp = {self.dp} × {self.tp} × {self.pp} = {self.world_size} does not "
                 f"match the {world_size} workers: choose degrees whose product is {world_size} "
-                f"(ep={self.ep} borrows data-parallel ranks and adds none)"
+                f"(ep={self.ep} borrows data- and tensor-parallel ranks and adds none)"
             )
         if local_world_size and local_world_size % self.tp and self.tp > 1:
             raise ValueError(
@@ -84,27 +84,24 @@ class ParallelDims:
         """`grid[pp_index][dp_index][tp_index]`: the global rank at each coordinate."""
         return rank_grid(self.rank_order, pp=self.pp, dp=self.dp, tp=self.tp)
 
-    def expert_grid(self) -> list[list[list[list[int]]]]:
-        """`grid[pp_index][edp_index][ep_index][tp_index]`: the same ranks, dp read as
-        edp × ep with ep innermost (`plait.layout.expert_index`)."""
-        return [
-            [plane[e * self.ep : (e + 1) * self.ep] for e in range(self.edp)]
-            for plane in self.rank_grid()
-        ]
+    def expert_grid(self) -> list[list[list[int]]]:
+        """`grid[pp_index][edp_index][ep_index]`: the same ranks, dp × tp (tp innermost)
+        read as edp × ep with ep innermost (`plait.layout.expert_index`)."""
+        flat = [[r for row in plane for r in row] for plane in self.rank_grid()]
+        return [[ranks[e * self.ep : (e + 1) * self.ep] for e in range(self.edp)] for ranks in flat]
 
-    def build_mesh(self, device_type: str) -> Meshes:
-        """The main mesh ("pp", "dp", "tp") and, with ep > 1, the expert view of the same
-        ranks ("pp", "edp", "ep", "tp"). Collective: every rank calls it."""
+    def build_mesh(self, device_type: str, *, experts: bool = False) -> Meshes:
+        """The main mesh ("pp", "dp", "tp") and, with ep > 1 or a model with `experts`
+        under tp > 1, the expert view of the same ranks ("pp", "edp", "ep"). Collective:
+        every rank calls it."""
         self.check(dist.get_world_size(), local_world_size=_local_world_size())
         main = DeviceMesh(
             device_type, torch.tensor(self.rank_grid()), mesh_dim_names=("pp", "dp", "tp")
         )
         expert = None
-        if self.ep > 1:
+        if self.ep > 1 or (experts and self.tp > 1):
             expert = DeviceMesh(
-                device_type,
-                torch.tensor(self.expert_grid()),
-                mesh_dim_names=("pp", "edp", "ep", "tp"),
+                device_type, torch.tensor(self.expert_grid()), mesh_dim_names=("pp", "edp", "ep")
             )
         return Meshes(main=main, expert=expert)
 
@@ -112,7 +109,8 @@ class ParallelDims:
 @dataclass(frozen=True)
 class Meshes:
     """The runtime's meshes: `main` for pipeline, data and tensor parallelism; `expert`, the
-    same ranks with dp split into (edp, ep), when experts are spread (ep > 1), else None."""
+    same ranks with dp × tp split into (edp, ep), when experts are spread (ep > 1) or their
+    replicas span tensor-parallel ranks (tp > 1), else None."""
 
     main: DeviceMesh
     expert: DeviceMesh | None = None
@@ -120,11 +118,13 @@ class Meshes:
     def ep_group(self) -> dist.ProcessGroup | None:
         """The ranks that hold different experts and exchange tokens (all-to-all); None
         when ep = 1 (every rank holds every expert: nothing to exchange)."""
-        return self.expert.get_group("ep") if self.expert is not None else None
+        if self.expert is None or self.expert["ep"].size() == 1:
+            return None
+        return self.expert.get_group("ep")
 
     def expert_dp_group(self) -> dist.ProcessGroup:
         """The ranks that hold the same experts: expert gradients are averaged over it
-        (the whole data-parallel group when ep = 1)."""
+        (the whole data-parallel group when there is no expert view)."""
         return self.main.get_group("dp") if self.expert is None else self.expert.get_group("edp")
 
 

@@ -37,6 +37,13 @@ def _check_groups(rank: int) -> None:
     assert _ranks(meshes.main.get_group("dp")) == [0, 1, 2, 3]
     plain = ParallelDims(dp=4).build_mesh("cpu")
     assert plain.ep_group() is None and _ranks(plain.expert_dp_group()) == [0, 1, 2, 3]
+    # dp=2 × tp=2, ep=2 borrows dp × tp ranks, tp innermost: an ep group is a tp group
+    meshes = ParallelDims(dp=2, tp=2, ep=2).build_mesh("cpu")
+    assert _ranks(meshes.ep_group()) == _ranks(meshes.main.get_group("tp"))
+    assert _ranks(meshes.expert_dp_group()) == [rank % 2, rank % 2 + 2]
+    # ep=1 under tp=2: every rank holds every expert, reduced over all dp × tp ranks
+    meshes = ParallelDims(dp=2, tp=2).build_mesh("cpu", experts=True)
+    assert meshes.ep_group() is None and _ranks(meshes.expert_dp_group()) == [0, 1, 2, 3]
 
 
 def _check_two_groups(rank: int) -> None:

@@ -125,21 +125,6 @@ def test_ep_checkpoint_resumes_under_another_layout(
         torch.testing.assert_close((before[name] - after[name]) / LR, g, **TOL, msg=name)
 
 
-@pytest.mark.parametrize(
-    ("extra", "named"),
-    [
-        (["--zero", "1"], "zero=1"),
-        (["--compress", "fp16"], "compress='fp16'"),
-    ],
-)
-def test_unsupported_with_ep_is_refused(
-    extra: list[str], named: str, capsys: pytest.CaptureFixture[str]
-) -> None:
-    args = ["train", "--model", "moe-gpt", "--dp", "2", "--pp", "1", "--ep", "2", *extra]
-    assert main(args) != 0
-    assert named in capsys.readouterr().err
-
-
 def _engine_world(rank: int, world: int, out: str, clip: float) -> None:
     """One clipped training step, an evaluation and the gathered model under dp=2, pp=2,
     ep=2 (1F1B), written to `out` by rank 0."""

@@ -65,6 +65,36 @@ def test_moe_layer_flops_params_and_all_to_all_by_hand(size: tuple) -> None:
     assert dense.num_params == 4 * h * h + 2 * h * f + 9 * h + f
 
 
+@pytest.mark.parametrize(("tp", "ep", "shared"), [(2, 2, True), (4, 1, False), (2, 4, False)])
+def test_moe_layer_under_tensor_parallelism_by_hand(tp: int, ep: int, shared: bool) -> None:
+    """Attention and the shared expert sharded by tp, the router whole, the experts whole
+    but fed 1/tp of the tokens; the layer's output all-gathered over tp."""
+    h, a, s, b, e, k, width = 64, 4, 32, 2, 4, 2, 2
+    f, tokens = 4 * h, b * s
+    moe = MoEShape(num_experts=e, top_k=k, capacity_factor=1.0, moe_every=1,
+                   shared_expert=shared, ep=ep)  # fmt: skip
+    layer = moe_block_costs(num_layers=1, hidden=h, num_heads=a, seq_len=s, vocab_size=96,
+                            moe=moe, micro_batch_size=b, tp=tp)[1]  # fmt: skip
+    gemms = (
+        (2 * tokens * 4 * h * h + (4 * tokens * h * f if shared else 0)) / tp
+        + 2 * tokens * h * e  # the router sees every token on every tp rank
+        + tokens * k / tp * 4 * h * f  # this rank's slice of the copies (ρ = 1)
+    )
+    assert layer.forward_comm == layer.backward_comm
+    assert layer.backward_weight_flops == pytest.approx(gemms, rel=1e-12)
+    assert layer.forward_flops == pytest.approx(gemms + 4 * tokens * s * h / tp, rel=1e-12)
+    one_expert = 2 * h * f + f + h
+    sharded = 4 * h * h + 3 * h + ((2 * h * f + f) if shared else 0)  # q, k, v biases sharded
+    whole = h + 4 * h + h * e + (e // ep) * one_expert + (h if shared else 0)
+    assert layer.num_params == sharded // tp + whole
+    kinds = sorted((c.kind, c.axis, c.num_bytes) for c in layer.forward_comm)
+    expected = [("all_reduce", "tp", tokens * h * width)] * (2 if shared else 1)
+    expected.append(("all_gather", "tp", tokens * h * width))
+    if ep > 1:
+        expected += [("all_to_all", "ep", tokens * k * h * width / tp)] * 2
+    assert kinds == sorted(expected)
+
+
 def test_analytic_parameters_equal_the_real_model() -> None:
     from plait.models.moe import MoEConfig, MoEGPT
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from plait.config import ParallelPlan, TrainConfig
+from plait.layout import expert_index
 from plait.mesh import ParallelDims
 from plait.plan.io import (
     parallel_plan_of,
@@ -60,7 +61,7 @@ def test_ep_borrows_data_parallel_ranks_in_a_world_of_four() -> None:
     assert dims.world_size == 4 and dims.edp == 2
     dims.check(4)
     # dp index = edp index · ep + ep index: ep groups are neighbouring dp ranks
-    assert dims.expert_grid() == [[[[0], [1]], [[2], [3]]]]
+    assert dims.expert_grid() == [[[0, 1], [2, 3]]]
     sim = SimPlan(dp=4, ep=2)
     assert {frozenset(sim.ep_group(0, d)) for d in range(4)} == _set((0, 1), (2, 3))
     assert {frozenset(sim.expert_dp_group(0, d)) for d in range(4)} == _set((0, 2), (1, 3))
@@ -73,26 +74,44 @@ def test_expert_groups_in_worlds_of_eight() -> None:
     edps = {frozenset(sim.expert_dp_group(p, d)) for p in range(2) for d in range(4)}
     assert eps == _set((0, 1), (2, 3), (4, 5), (6, 7))
     assert edps == _set((0, 2), (1, 3), (4, 6), (5, 7))
-    # dp=2, tp=2, pp=2, ep=2, tp-dp-pp: rank = tp + 2·dp + 4·pp; every expert once (edp=1)
+    # ep borrows dp × tp ranks, tp innermost: dp=2, tp=2, pp=2, ep=2, tp-dp-pp
+    # (rank = tp + 2·dp + 4·pp): an ep group is a replica's tp group, the experts' replicas
+    # are the same tp rank of the other replica
     sim = SimPlan(dp=2, tp=2, pp=2, ep=2)
     eps = {frozenset(sim.ep_group(p, d, t)) for p in range(2) for d in range(2) for t in range(2)}
-    assert eps == _set((0, 2), (1, 3), (4, 6), (5, 7))
-    assert sim.expert_dp_group(1, 1, 1) == [7]
-    grid = ParallelDims(dp=2, tp=2, pp=2, ep=2).expert_grid()  # [pp][edp][ep][tp]
-    assert grid == [[[[0, 1], [2, 3]]], [[[4, 5], [6, 7]]]]
-    # dp=4, tp=2, ep=4 under tp-pp-dp: rank = tp + 2·dp
+    assert eps == _set((0, 1), (2, 3), (4, 5), (6, 7))
+    assert sim.expert_dp_group(1, 1, 1) == [5, 7]
+    grid = ParallelDims(dp=2, tp=2, pp=2, ep=2).expert_grid()  # [pp][edp][ep]
+    assert grid == [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]
+    # ep=4 = dp × tp: one ep group per stage, every expert once (edp=1)
+    sim = SimPlan(dp=2, tp=2, pp=2, ep=4)
+    assert sim.ep_group(1, 1, 0) == [4, 5, 6, 7] and sim.expert_dp_group(1, 1, 1) == [7]
+    assert ParallelDims(dp=2, tp=2, pp=2, ep=4).expert_grid() == [[[0, 1, 2, 3]], [[4, 5, 6, 7]]]
+    # dp=4, tp=2, ep=4 under tp-pp-dp: rank = tp + 2·dp; flat (dp, tp) index = rank
     sim = SimPlan(dp=4, tp=2, ep=4, rank_order="tp-pp-dp")
-    assert {frozenset(sim.ep_group(0, 0, t)) for t in range(2)} == _set((0, 2, 4, 6), (1, 3, 5, 7))
+    assert {frozenset(sim.ep_group(0, d, t)) for d in range(4) for t in range(2)} == _set(
+        (0, 1, 2, 3), (4, 5, 6, 7)
+    )
+    assert sim.expert_dp_group(0, 3, 1) == [3, 7]
+    # ep=3 of dp × tp = 3 × 2 under dp-tp-pp (rank = dp + 3·tp): groups cross replicas
+    sim = SimPlan(dp=3, tp=2, ep=3, rank_order="dp-tp-pp")
+    assert sim.ep_group(0, 1, 1) == [4, 2, 5]  # flat 3, 4, 5 = (1, 1), (2, 0), (2, 1)
+    grid = ParallelDims(dp=3, tp=2, ep=3, rank_order="dp-tp-pp").expert_grid()
+    assert grid == [[[0, 3, 1], [4, 2, 5]]]
+    assert expert_index(1, 3, tp_index=1, tp=2) == (1, 0)
 
 
-def test_ep_must_divide_dp_and_adds_no_ranks() -> None:
+def test_ep_must_divide_dp_times_tp_and_adds_no_ranks() -> None:
     for make in (
         lambda: ParallelDims(dp=4, ep=3),
         lambda: SimPlan(dp=4, ep=3),
         lambda: ParallelPlan(dp=4, pp=1, ep=3),
     ):
-        with pytest.raises(ValueError, match=r"ep=3 does not divide dp=4.*ep in \[1, 2, 4\]"):
+        with pytest.raises(ValueError, match=r"ep=3 does not divide dp × tp = 4 × 1.*\[1, 2, 4\]"):
             make()
+    with pytest.raises(ValueError, match=r"ep=4 does not divide dp × tp = 1 × 2"):
+        ParallelDims(dp=1, tp=2, ep=4)
+    assert ParallelDims(dp=1, tp=2, ep=2).edp == 1 and ParallelDims(dp=2, tp=2, ep=1).edp == 4
     with pytest.raises(ValueError, match="ep=0 must be a positive integer"):
         ParallelDims(dp=2, ep=0)
     with pytest.raises(ValueError, match=r"2 × 1 × 1 = 2 does not match the 4 workers.*ep=2"):

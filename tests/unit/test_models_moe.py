@@ -157,14 +157,15 @@ def test_moe_gpt_blocks_carry_the_router_losses_to_the_loss() -> None:
     torch.testing.assert_close(model.loss(model(ids), ids), ce + expected)
 
 
-def test_moe_gpt_config_is_validated_and_refuses_tensor_parallelism() -> None:
+def test_moe_gpt_config_is_validated_and_refuses_sequence_parallelism() -> None:
     base = {"model.name": "moe-gpt", "data": "synthetic"}
     for overrides, message in [
         ({"model.top_k": 3, "model.experts": 2}, "top_k=3 exceeds experts=2"),
         ({"model.capacity_factor": -1.0}, "capacity_factor=-1.0 must be"),
         ({"model.moe_every": 5, "model.layers": 4}, "moe_every=5 with layers=4"),
         ({"model.experts": 0}, "experts=0 must be a positive integer"),
-        ({"parallel.tp": 2}, "tp=2 with model 'moe-gpt'"),
+        ({"parallel.tp": 2, "parallel.sequence_parallel": True}, "sequence_parallel with model"),
+        ({"parallel.tp": 2, "parallel.dp": 1, "parallel.ep": 4}, r"ep=4 does not divide dp × tp"),
     ]:
         with pytest.raises(ValueError, match=message):
             load_config(**base, **overrides)

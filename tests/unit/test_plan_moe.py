@@ -4,6 +4,7 @@ ep = 1 when they fit and the link makes the token all-to-all dear; plan files ca
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -38,9 +39,13 @@ def _cluster(*, memory_bytes: int, link: Link) -> Cluster:
     return Cluster(name="toy", groups=(group,), inter_node=link)
 
 
-def test_ep_is_searched_over_divisors_of_dp_and_experts() -> None:
-    plans = list(candidates(MODEL, SPACE, num_devices=2, devices_per_node=2, global_batch=8))
-    assert {(p.dp, p.ep, p.tp, p.pp) for p in plans} == {(2, 1, 1, 1), (2, 2, 1, 1), (1, 1, 1, 2)}
+def test_ep_is_searched_over_divisors_of_dp_times_tp_and_experts() -> None:
+    space = dataclasses.replace(SPACE, sequence_parallel=(False, True))
+    plans = list(candidates(MODEL, space, num_devices=2, devices_per_node=2, global_batch=8))
+    assert {(p.dp, p.ep, p.tp, p.pp) for p in plans} == {
+        (2, 1, 1, 1), (2, 2, 1, 1), (1, 1, 1, 2), (1, 1, 2, 1), (1, 2, 2, 1)
+    }  # fmt: skip
+    assert not any(p.sequence_parallel for p in plans)  # MoE layers take whole sequences
 
 
 def test_planner_spreads_experts_that_do_not_fit_at_ep1() -> None:
@@ -110,7 +115,8 @@ def test_plan_files_carry_ep_and_simulate_honours_it(
         (["--ep", "2", "--dp", "2"], "--model moe-gpt"),
         (["--model", "moe-gpt", "--ep", "3", "--dp", "3"], "--experts 4"),
         (["--model", "moe-gpt", "--ep", "2", "--dp", "3"], "--dp 3"),
-        (["--model", "moe-gpt", "--tp", "2"], "--tp 2"),
+        (["--model", "moe-gpt", "--ep", "4", "--dp", "1", "--tp", "2"], "--tp 2"),
+        (["--model", "moe-gpt", "--tp", "2", "--sequence-parallel"], "--sequence-parallel"),
         (["--experts", "8"], "--experts applies to --model moe-gpt"),
         (["--model", "moe-gpt", "--top-k", "5"], "--top-k 5"),
         (["--model", "moe-gpt", "--imbalance", "0.5"], "--imbalance 0.5"),

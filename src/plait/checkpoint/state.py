@@ -72,8 +72,11 @@ def _renamer(names: list[str], first_block: int) -> Any:
     return rename
 
 
-def _inner(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """The optimizer whose state this rank holds (ZeRO-1's local one)."""
+def _inner(optimizer: torch.optim.Optimizer) -> Any:
+    """The optimizer(s) whose state this rank holds (ZeRO-1's local one or ones)."""
+    parts = getattr(optimizer, "local_optimizers", None)  # ZeRO-1 with experts: ExpertZero
+    if parts is not None:
+        return parts
     local = getattr(optimizer, "optim", None)  # ZeroRedundancyOptimizer
     return local if isinstance(local, torch.optim.Optimizer) else optimizer
 

@@ -84,20 +84,20 @@ def moe_spec_from_args(args: argparse.Namespace) -> MoESpec:
 
 
 def check_ep(args: argparse.Namespace, spec: GPTSpec) -> None:
-    """Expert parallelism needs experts, dp ranks to borrow and experts to share out."""
+    """Expert parallelism needs experts, dp × tp ranks to borrow and experts to share out."""
     if not isinstance(spec, MoESpec):
         if args.ep != 1:
             raise ValueError(f"--ep {args.ep} needs a model with experts: add --model moe-gpt")
         return
-    if args.tp != 1 or args.sequence_parallel:
+    if args.sequence_parallel:
         raise ValueError(
-            f"--tp {args.tp} with --model moe-gpt, which has no tensor-parallel plan yet: "
-            "use --tp 1 (spread the experts with --ep)"
+            "--sequence-parallel with --model moe-gpt, whose MoE layers take whole "
+            "sequences: drop --sequence-parallel"
         )
-    if args.dp % args.ep:
+    if (args.dp * args.tp) % args.ep:
         raise ValueError(
-            f"--ep {args.ep} does not divide --dp {args.dp}: expert parallelism borrows "
-            "data-parallel ranks; use an ep dividing dp"
+            f"--ep {args.ep} does not divide --dp {args.dp} × --tp {args.tp}: expert "
+            "parallelism borrows data- and tensor-parallel ranks; use an ep dividing dp × tp"
         )
     if spec.num_experts % args.ep:
         raise ValueError(

@@ -8,7 +8,7 @@ and the overflow is reported), and the schedule is replayed on the cluster by
 from dp × tp × pp. A plan that does not fit is a prediction, not an error: the command
 says which rank overflows by how much (stderr and the JSON `overflows`) and exits 0.
 `--model moe-gpt` is costed by `plait.cost.moe_block_costs`; `--ep` spreads its experts
-over ep of the dp ranks, and the JSON gains each rank's all-to-all seconds (`ep_comm_s`)
+over ep of the dp × tp ranks, and the JSON gains each rank's all-to-all seconds (`ep_comm_s`)
 and their share of the step (`all_to_all_share`).
 """
 
@@ -53,7 +53,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     a("--dp", type=int, default=1, help="data-parallel degree")
     a("--tp", type=int, default=1, help="tensor-parallel degree")
     a("--ep", type=int, default=1,
-      help="expert-parallel degree (moe-gpt): experts spread over ep of the dp ranks")  # fmt: skip
+      help="expert-parallel degree (moe-gpt): experts over ep of the dp × tp ranks")  # fmt: skip
     a("--pp", type=int, default=1, help="pipeline-parallel degree")
     a("--schedule", choices=list(KINDS), default="1f1b", help="pipeline schedule")
     a("--microbatches", type=int, default=1, help="micro-batches per step and replica")
@@ -129,6 +129,7 @@ def _partition(
             dp=plan.dp,
             optimizer=plan.optimizer,
             ep=plan.ep,
+            tp=plan.tp,
         )
     except ValueError:
         work = [

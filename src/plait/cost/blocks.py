@@ -54,7 +54,7 @@ class BlockCost:
     collectives the block issues over its tensor-parallel group (repeated in backward
     when the forward is recomputed). `expert_params` are the parameters among `num_params`
     that belong to this rank's experts (`plait.cost.moe`): their gradients are averaged
-    over the expert-data-parallel group (dp / ep ranks) instead of all dp ranks.
+    over the expert-data-parallel group (dp·tp / ep ranks) instead of all dp ranks.
     """
 
     name: str

@@ -35,8 +35,16 @@ Expert parallelism (ep > 1): four all-to-alls per micro-batch over the ep group 
 "ep"): dispatch and combine forward, their gradients backward, each of a T·k·h·width send
 buffer, of which a rank keeps 1/ep (`plait.cost.comm.all_to_all_time`).
 
-Limits: no tensor parallelism for MoE layers (as the model has none); the load is the
-same on every layer and micro-batch; routing's sort and scatter count no FLOPs.
+Tensor parallelism (tp > 1, `plait.models.moe.MoEBlock.tp_plan`): attention and the shared
+expert are sharded as in a dense layer (their FLOPs and weights / tp, one all-reduce of
+T·h each forward and backward); the router runs whole on every tp rank; the experts are
+not sharded by tp, the tp ranks split the tokens instead: T·k·ρ/tp expert copies and a
+T·k·h·width/tp all-to-all send buffer per rank, and one all-gather of the layer's T·h
+output forward (of its input gradients backward) over tp. ep borrows its ranks from
+dp × tp, so the ep group may cross tensor-parallel ranks.
+
+Limits: no sequence parallelism for MoE layers; the load is the same on every layer and
+micro-batch; routing's sort and scatter count no FLOPs.
 """
 
 from __future__ import annotations
@@ -109,19 +117,24 @@ def _ffn_params(h: int, f: int) -> int:
 
 def _moe_layer(shape: TransformerShape, moe: MoEShape, index: int) -> BlockCost:
     t, h, f, s = shape.tokens, shape.hidden, shape.ffn_hidden, shape.seq_len
-    width, e, k = shape.width, moe.num_experts, moe.top_k
-    copies = t * k * moe.load
+    width, e, k, tp = shape.width, moe.num_experts, moe.top_k, shape.tp
+    copies = t * k * moe.load / tp  # the tp ranks of a replica split its tokens
     shared = 1 if moe.shared_expert else 0
-    weighted = 8 * t * h * h + 2 * t * h * e + 4 * h * f * copies + shared * 4 * t * h * f
-    attention = 4 * t * s * h
-    experts = e // moe.ep * _ffn_params(h, f)
+    # attention and the shared expert sharded by tp; the router whole on every tp rank
+    weighted = (8 * t * h * h + shared * 4 * t * h * f) / tp + 2 * t * h * e + 4 * h * f * copies
+    attention = 4 * t * s * h / tp
+    experts = e // moe.ep * _ffn_params(h, f)  # not sharded by tp
     router = width * t * h + 8 * t * e + copies * (2 * h * width + 2 * f * width + 12)
-    ffn_bytes = router + shared * 2 * t * f * width
+    ffn_bytes = router + shared * 2 * t * f * width / tp
     scale = width / 2
-    attn_bytes = scale * t * h * 16
-    full = scale * t * h * (16 + 5 * shape.num_heads * s / h) + ffn_bytes
-    a2a = Collective(kind="all_to_all", num_bytes=t * k * h * width, axis="ep")
-    comm = (a2a, a2a) if moe.ep > 1 else ()
+    attn_bytes = scale * t * h * (10 + 6 / tp)  # its share of the 10 + 24/tp
+    full = attn_bytes + scale * t * h * 5 * shape.num_heads * s / h / tp + ffn_bytes
+    a2a = Collective(kind="all_to_all", num_bytes=copies / moe.load * h * width, axis="ep")
+    reduce = Collective(kind="all_reduce", num_bytes=t * h * width)  # row-parallel outputs
+    # tp: the layer's output all-gathered forward, its input gradients backward
+    gather = (Collective(kind="all_gather", num_bytes=t * h * width),) if tp > 1 else ()
+    tp_comm = (reduce,) * ((1 + shared) if tp > 1 else 0) + gather
+    comm = ((a2a, a2a) if moe.ep > 1 else ()) + tp_comm
     return BlockCost(
         name=f"layer{index}",
         forward_flops=weighted + attention,
@@ -132,7 +145,11 @@ def _moe_layer(shape: TransformerShape, moe: MoEShape, index: int) -> BlockCost:
         saved_bytes_selective=attn_bytes + ffn_bytes,
         selective_recompute_flops=attention,
         saved_bytes_recompute=scale * 2 * t * h,
-        num_params=4 * h * h + 8 * h + h * e + experts + shared * _ffn_params(h, f),
+        num_params=(4 * h * h + 3 * h + shared * (2 * h * f + f)) // tp
+        + 5 * h
+        + h * e
+        + experts
+        + shared * h,
         expert_params=experts,
         forward_comm=comm,
         backward_comm=comm,
@@ -150,18 +167,20 @@ def moe_block_costs(
     micro_batch_size: int = 1,
     ffn_hidden: int = 0,
     dtype: str = "bf16",
+    tp: int = 1,
 ) -> list[BlockCost]:
-    """The blocks of a MoE-GPT per micro-batch on one rank of an ep group: `embedding`,
-    `layer0` ... `layer{L-1}` (MoE or dense by `moe.moe_every`), `head`."""
+    """The blocks of a MoE-GPT per micro-batch on one rank of an ep group and of a
+    tensor-parallel group of `tp` ranks: `embedding`, `layer0` ... `layer{L-1}` (MoE or
+    dense by `moe.moe_every`), `head`."""
     dense = transformer_block_costs(
         num_layers=num_layers, hidden=hidden, num_heads=num_heads, seq_len=seq_len,
         vocab_size=vocab_size, micro_batch_size=micro_batch_size, ffn_hidden=ffn_hidden,
-        dtype=dtype,
+        dtype=dtype, tp=tp,
     )  # fmt: skip
     shape = TransformerShape(
         num_layers=num_layers, hidden=hidden, num_heads=num_heads, seq_len=seq_len,
         vocab_size=vocab_size, micro_batch_size=micro_batch_size, ffn_hidden=ffn_hidden,
-        dtype=dtype,
+        dtype=dtype, tp=tp,
     )  # fmt: skip
     layers = [
         _moe_layer(shape, moe, i) if moe.is_moe(i) else dense[1 + i] for i in range(num_layers)
@@ -177,18 +196,19 @@ def expert_state_bytes(
     zero_stage: int = 0,
     dp: int = 1,
     ep: int = 1,
+    tp: int = 1,
     optimizer: Optimizer = "adam",
 ) -> ModelState:
     """Model state of a rank holding `num_params` parameters of which `expert_params` are
-    its experts': ZeRO shards the others over dp ranks, the experts over the dp / ep ranks
-    that hold the same experts (`model_state_bytes` for each part)."""
+    its experts': ZeRO shards the others over dp ranks, the experts over the dp·tp / ep
+    ranks that hold the same experts (`model_state_bytes` for each part)."""
     rest = model_state_bytes(
         num_params - expert_params, dtype=dtype, zero_stage=zero_stage, dp=dp, optimizer=optimizer
     )
     if not expert_params:
         return rest
     experts = model_state_bytes(
-        expert_params, dtype=dtype, zero_stage=zero_stage, dp=dp // ep, optimizer=optimizer
+        expert_params, dtype=dtype, zero_stage=zero_stage, dp=dp * tp // ep, optimizer=optimizer
     )
     return ModelState(
         rest.params + experts.params, rest.grads + experts.grads, rest.optimizer + experts.optimizer
@@ -205,9 +225,10 @@ def expert_sync_time(
     ep: int,
     dp_link: Link,
     edp_link: Link,
+    tp: int = 1,
 ) -> float:
     """Gradient reduction of a stage: the non-expert gradients over dp ranks on `dp_link`,
-    then the expert gradients over the dp / ep ranks holding the same experts on
+    then the expert gradients over the dp·tp / ep ranks holding the same experts on
     `edp_link` (`dp_sync_time` for each)."""
     rest = dp_sync_time(
         (num_params - expert_params) * param_bytes, zero_stage=zero_stage, dp=dp, link=dp_link
@@ -215,7 +236,7 @@ def expert_sync_time(
     if not expert_params:
         return rest
     return rest + dp_sync_time(
-        expert_params * param_bytes, zero_stage=zero_stage, dp=dp // ep, link=edp_link
+        expert_params * param_bytes, zero_stage=zero_stage, dp=dp * tp // ep, link=edp_link
     )
 
 
@@ -228,9 +249,11 @@ def moe_optimizer_step_time(
     zero_stage: int = 0,
     dp: int = 1,
     ep: int = 1,
+    tp: int = 1,
     optimizer: Optimizer = "adam",
 ) -> float:
-    """`optimizer_step_time` of the non-expert shard over dp plus the expert shard over dp/ep."""
+    """`optimizer_step_time` of the non-expert shard over dp plus the expert shard over
+    dp·tp/ep."""
     rest = optimizer_step_time(
         num_params - expert_params, device, dtype=dtype, zero_stage=zero_stage, dp=dp,
         optimizer=optimizer,
@@ -238,6 +261,6 @@ def moe_optimizer_step_time(
     if not expert_params:
         return rest
     return rest + optimizer_step_time(
-        expert_params, device, dtype=dtype, zero_stage=zero_stage, dp=dp // ep,
+        expert_params, device, dtype=dtype, zero_stage=zero_stage, dp=dp * tp // ep,
         optimizer=optimizer,
     )  # fmt: skip

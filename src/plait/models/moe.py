@@ -18,15 +18,21 @@ validation losses include it too, and evaluation metrics receive `(logits, aux)`
 
 The layer is split into `Router`, `MoELayer.dispatch`, `Experts` and `MoELayer.combine`
 so that expert parallelism can put an all-to-all between dispatch and the experts, and
-between the experts and combine. Limits: no tensor-parallel plan for MoE layers yet; the
-experts run one after another (no grouped GEMM); the expert FFN has no dropout.
+between the experts and combine. Under tensor parallelism (`MoEBlock.tp_plan`) the
+attention and the dense and shared-expert FFNs are sharded as in Megatron-LM; the experts'
+weights are not sharded by tp: instead the tp ranks of a replica split the layer's tokens
+among them (`MoELayer.tokens`, `plait.parallel.experts.TokenSplit`): each routes every
+token but dispatches only its own slice to the experts. Limits: the experts run one after
+another (no grouped GEMM); the expert FFN has no dropout; no sequence parallelism for MoE
+layers.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -46,11 +52,27 @@ __all__ = [
     "MoELayer",
     "Router",
     "Routing",
+    "TokenSlice",
 ]
 
 Carry = tuple[torch.Tensor, torch.Tensor]  # (hidden [batch, seq, hidden], aux [1] fp32)
 # (experts, grouped [copies, hidden], counts per global expert) -> outputs [copies, hidden]
 ExpertsCall = Callable[["Experts", torch.Tensor, list[int]], torch.Tensor]
+
+
+class TokenSlice(Protocol):
+    """This rank's share of a layer's tokens, when several ranks split them (tensor
+    parallelism: `plait.parallel.experts.TokenSplit`). `scatter` takes this rank's rows of
+    a tensor every rank holds whole ([tokens, ...]; its backward gathers the rows' gradients
+    from all ranks); `gather` puts every rank's rows back together ([tokens, ...] from
+    this rank's rows; its backward keeps this rank's rows); `rows` says which rows
+    [start, stop) of `num_tokens` are this rank's."""
+
+    def rows(self, num_tokens: int) -> tuple[int, int]: ...
+
+    def scatter(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def gather(self, x: torch.Tensor, num_tokens: int) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -209,6 +231,8 @@ class MoELayer(nn.Module):
         # expert parallelism (plait.parallel.experts) puts its all-to-alls here, between
         # dispatch and combine; None runs the local experts on the local tokens
         self.exchange: ExpertsCall | None = None
+        # tensor parallelism: the tp ranks dispatch a slice of the tokens each (None: all)
+        self.tokens: TokenSlice | None = None
 
     def dispatch(self, x: torch.Tensor, routing: Routing) -> Dispatch:
         """The kept token copies of `x` [tokens, hidden], stably sorted by expert."""
@@ -229,13 +253,24 @@ class MoELayer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         flat = x.reshape(-1, x.shape[-1])  # [tokens, hidden]
+        # the router sees the whole micro-batch on every tp rank (its capacity, dropping
+        # and losses are the unsplit layer's, and its gradients agree over tp), then each
+        # rank dispatches its slice of the tokens
         routing = self.router(flat)
-        sent = self.dispatch(flat, routing)
+        mine, part = flat, routing
+        if self.tokens is not None:  # [tokens/tp, hidden]
+            mine = self.tokens.scatter(flat)
+            rows = slice(*self.tokens.rows(flat.shape[0]))
+            part = replace(routing, expert=routing.expert[rows], kept=routing.kept[rows],
+                           gate=self.tokens.scatter(routing.gate))  # fmt: skip
+        sent = self.dispatch(mine, part)
         if self.exchange is None:
             out = self.experts(sent.grouped, sent.counts)
         else:
             out = self.exchange(self.experts, sent.grouped, sent.counts)
-        y = self.combine(out, sent, flat.shape[0])
+        y = self.combine(out, sent, mine.shape[0])
+        if self.tokens is not None:
+            y = self.tokens.gather(y, flat.shape[0])  # [tokens, hidden]
         if self.shared is not None:
             y = y + self.shared(flat)
         loss = self.aux_loss_coef * routing.aux_loss + self.z_loss_coef * routing.z_loss
@@ -271,6 +306,25 @@ class MoEBlock(nn.Module):
         else:
             y = self.ffn(self.ln2(x))
         return x + self.drop(y), aux
+
+    def tp_plan(self, sequence_parallel: bool) -> dict[str, Any]:
+        """Megatron's sharding of the attention and of a dense or shared-expert FFN (q, k,
+        v and the first linear by columns, the projections back by rows); the router and
+        the experts stay whole on every tp rank, which split the tokens instead
+        (`MoELayer.tokens`). No sequence parallelism: the MoE layer takes whole sequences."""
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+        if sequence_parallel:
+            raise ValueError(
+                "sequence_parallel with a mixture-of-experts model: its MoE layers split "
+                "whole sequences' tokens over tp themselves; drop sequence_parallel"
+            )
+        ffn = "ffn.shared" if isinstance(self.ffn, MoELayer) else "ffn"
+        plan: dict[str, Any] = {n: ColwiseParallel() for n in ("attn.q", "attn.k", "attn.v")}
+        plan["attn.proj"] = RowwiseParallel()
+        if not isinstance(self.ffn, MoELayer) or self.ffn.shared is not None:
+            plan[f"{ffn}.up"], plan[f"{ffn}.down"] = ColwiseParallel(), RowwiseParallel()
+        return plan
 
 
 class MoEHead(nn.Module):

@@ -114,6 +114,8 @@ class GradReducer:
     own group (divided by that group's size), in buckets that never mix groups, and then
     multiplied by `group_scale` (expert parameters: `plait.parallel.experts.
     expert_grad_scale`, so that they are summed over their replicas and divided by dp).
+    A communication `hook` (gradient compression) reduces the buckets of `group` only:
+    its state holds that group; the other groups' buckets are all-reduced uncompressed.
     """
 
     def __init__(
@@ -136,11 +138,6 @@ class GradReducer:
         self._eager = hook is not None and hook in _eager_hooks()
         self.world = dist.get_world_size(group)
         chosen = {id(p): g for p, g in (param_groups or {}).items()}
-        if hook is not None and any(g is not group for g in chosen.values()):
-            raise ValueError(
-                "a communication hook (compress) with per-parameter groups: the hook reduces "
-                "over one group; use compress=none with expert parameters"
-            )
         self._count = 0
         self.stages: dict[int, _StageBuckets] = {}
         self._launched: dict[int, list[_Bucket]] = {}
@@ -165,6 +162,14 @@ class GradReducer:
                     p.register_post_accumulate_grad_hook(self._hook(stage, state))  # type: ignore[no-untyped-call]
             self.stages[stage] = state
             self._launched[stage] = []
+        # the last bucket the hook sees (PowerSGD counts steps by it)
+        hooked = [b.index for st in self.stages.values() for b in st.buckets if self._hooked(b)]
+        self._last_hooked = max(hooked, default=-1)
+
+    def _hooked(self, bucket: _Bucket) -> bool:
+        """Whether the hook reduces `bucket`: only over the main group (a hook's state
+        holds its group); other groups' buckets (experts') are reduced uncompressed."""
+        return self.hook is not None and bucket.group is self.group
 
     def _hook(self, stage: int, state: _StageBuckets) -> Any:
         def on_grad(p: torch.Tensor) -> None:
@@ -221,11 +226,11 @@ class GradReducer:
         return list(self.stages) if stage is None else [stage]
 
     def _launch(self, stage: int, bucket: _Bucket) -> None:
-        if self.hook is not None and self._eager:  # launched now, as a plain all-reduce is
+        if self._hooked(bucket) and self._eager:  # launched now, as a plain all-reduce is
             bucket.work = self._hook_future(bucket)
             self._launched[stage].append(bucket)
             return
-        if self.hook is not None:  # run at `finish`, one bucket at a time (see there)
+        if self._hooked(bucket):  # run at `finish`, one bucket at a time (see there)
             bucket.queued = True
             self._launched[stage].append(bucket)
             return
@@ -254,7 +259,7 @@ class GradReducer:
                      for p in bucket.params]  # fmt: skip
             flat = torch.cat([g.reshape(-1) for g in grads])
         shapes = [_local(p).shape for p in bucket.params]
-        last = bucket.index == self._count - 1  # once per step: PowerSGD counts steps by it
+        last = bucket.index == self._last_hooked  # once per step: PowerSGD counts steps by it
         view = HookBucket(bucket.index, flat, shapes, bucket.params, last=last)
         return self.hook(self.hook_state, view)
 
@@ -270,9 +275,9 @@ class GradReducer:
                 self._launched[s].sort(key=lambda b: b.index)
             for bucket in self._launched[s]:
                 explain = functools.partial(self._explain, s)
-                if self.hook is not None and self._eager:
+                if self._hooked(bucket) and self._eager:
                     bucket.flat = _wait_future(bucket.work, explain)
-                elif self.hook is not None:
+                elif self._hooked(bucket):
                     future = self._hook_future(bucket)
                     bucket.flat, bucket.queued = _wait_future(future, explain), False
                 else:

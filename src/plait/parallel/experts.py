@@ -16,30 +16,49 @@ all-to-all with the splits swapped, so each expert's input gradients travel back
 ranks that sent the tokens. (`torch.distributed.nn.functional.all_to_all_single` does the
 same, but torch 2.13 deprecates it in favour of the former.)
 
-Gradient semantics. Let `dp` be the number of ranks that see different data; ep borrows
-its ranks from them (ep divides dp; the dp ranks form dp/ep ep groups). Each rank's loss
-`loss_i` is a mean over its own micro-batch and the step minimises
+Tensor parallelism (torchtitan's layout with etp=1): the experts' weights are not
+sharded by tp. The tp ranks of a replica hold the same micro-batch; each routes all of its
+tokens (so capacity, dropping and the router losses are the unsplit layer's), then
+dispatches only its own slice of them (`TokenSplit`) and all-gathers the layer's output
+over tp. ep borrows its ranks from dp × tp (`plait.layout`), so an ep group may hold tp
+ranks of one replica, different replicas, or both.
+
+Gradient semantics. Let `dp` be the number of replicas that see different data, each of
+`tp` ranks; ep divides dp × tp and the dp × tp ranks form dp·tp/ep ep groups. Replica
+i's loss `loss_i` is a mean over its own micro-batch and the step minimises
 `L = (1/dp) · Σ_i loss_i`.
-- A replicated parameter (router, shared expert, attention, embeddings) receives
-  `∂loss_i/∂θ` on rank i: average it over all dp ranks, as data parallelism does.
-- An expert parameter on ep rank r receives, from its rank's backward alone,
-  `Σ_{i in its ep group} ∂loss_i/∂w`: the reverse all-to-all has already brought every
-  contribution of its group's tokens. The same expert lives on one rank of each of the
-  dp/ep ep groups (its replicas: the ranks with the same ep rank). So its gradient must be
-  SUMMED over those dp/ep replicas and divided by dp. A reducer that averages over its
-  group (divides by the group size, as `GradReducer` does) reduces expert parameters over
-  the replica group and then multiplies by `expert_grad_scale(ep) = 1/ep`. Averaging them
-  over all dp ranks would mix different experts; summing again over the ep group would
-  count each contribution ep times. Gradient accumulation changes nothing: every
+- A replicated parameter (router, attention, embeddings, the tp shards of the shared
+  expert) receives `∂loss_i/∂θ` on every rank of replica i: average it over all dp
+  replicas, as data parallelism does. (The router's gradient is whole on each tp rank:
+  `TokenSplit.scatter`'s backward gathers the gate gradients of every slice.)
+- An expert parameter on ep rank r receives, from its rank's backward alone, the
+  contributions of the token slices of every rank of its ep group: the reverse
+  all-to-all has already brought them. The same expert lives on one rank of each of the
+  dp·tp/ep ep groups (its replicas: the ranks with the same ep rank), and the slices of all
+  of them together are every replica's whole micro-batch. So its gradient must be SUMMED
+  over those dp·tp/ep replicas and divided by dp. A reducer that averages over its group
+  (divides by the group size, as `GradReducer` does) reduces expert parameters over the
+  replica group and then multiplies by `expert_grad_scale(ep, tp) = tp/ep`. Averaging
+  them over all dp ranks would mix different experts; summing again over the ep group
+  would count each contribution ep times. Gradient accumulation changes nothing: every
   micro-batch's loss is divided by the number of micro-batches on every rank alike.
 
-Every forward of a sharded layer is a collective: all ranks of an ep group must run it
-together, the same number of times in the same order (training steps, evaluation and
-generation alike; activation recomputation repeats it in backward, on every rank alike).
-Limits: the router sees only its rank's tokens, so the capacity and the load-balancing
-loss are per rank (as in GShard's per-group capacity); reading the exchanged counts
-synchronises host and device once per layer forward; communication does not overlap the
-expert computation; the local experts run one after another.
+Every forward of a sharded layer is a collective: all ranks of an ep group (and of a tp
+group) must run it together, the same number of times in the same order (training steps,
+evaluation and generation alike; activation recomputation repeats it in backward, on
+every rank alike). Zero-bubble schedules need nothing more: the all-to-all's and
+`TokenSplit`'s backward lie on the path from the outputs to the inputs, so they run in the
+input half, and the ranks of an ep group (one pipeline rank) run the same program. ZeRO-1
+partitions the experts over their replicas (`plait.parallel.expert_zero`); gradient
+compression compresses only the data-parallel reduction, the experts' is uncompressed
+(`plait.parallel.data.GradReducer`), except under ZeRO-2/3, whose fp16/bf16 reduce
+dtype applies to every gradient (`plait.parallel.sharding.apply_fsdp`).
+
+Limits: the router sees only its replica's tokens, so the capacity and the load-balancing
+loss are per replica micro-batch (as in GShard's per-group capacity); under tp every tp
+rank routes the whole micro-batch (the router's FLOPs are not split); reading the
+exchanged counts synchronises host and device once per layer forward; communication does
+not overlap the expert computation; the local experts run one after another.
 """
 
 from __future__ import annotations
@@ -47,6 +66,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -58,9 +78,9 @@ from plait.models.moe import Experts, MoEConfig, MoELayer
 __all__ = [
     "ExpertBench",
     "ExpertExchange",
+    "TokenSplit",
     "bench_expert_parallel",
     "check_expert_parallel",
-    "check_expert_plan",
     "expert_grad_scale",
     "expert_param_names",
     "expert_params",
@@ -76,35 +96,6 @@ def check_expert_parallel(num_experts: int, ep: int) -> None:
         raise ValueError(
             f"num_experts={num_experts} cannot be split over ep={ep} ranks: use an ep that "
             f"divides it ({', '.join(map(str, divisors))}) or a multiple of ep experts"
-        )
-
-
-def check_expert_plan(*, ep: int, zero: int, compress: str, schedule: str) -> None:
-    """Raise ValueError for what the runtime cannot yet combine with ep > 1 (nothing at ep=1).
-
-    - ZeRO-1: torch's ZeroRedundancyOptimizer partitions every parameter over one
-      data-parallel group and broadcasts the updates over it, which would mix the
-      different experts of an ep group's ranks (ZeRO-2/3 shard experts over their
-      replicas: `plait.parallel.sharding.apply_fsdp`);
-    - gradient compression: a communication hook reduces over one group, while expert
-      gradients are reduced over their replica group (`plait.parallel.data.GradReducer`).
-
-    Zero-bubble schedules need nothing: the all-to-all's backward lies on the path from
-    the outputs to the inputs, so it runs in the input half, and the ranks of an ep group
-    (one pipeline rank) run the same program, so their collectives pair up in order.
-    """
-    if ep == 1:
-        return
-    if zero == 1:
-        raise ValueError(
-            f"zero=1 with ep={ep} is not supported yet: torch's ZeroRedundancyOptimizer "
-            "partitions and broadcasts every parameter over all data-parallel ranks, whose "
-            "experts differ; use zero=0, 2 or 3"
-        )
-    if compress != "none":
-        raise ValueError(
-            f"compress={compress!r} with ep={ep} is not supported yet: a compression hook "
-            "reduces over one group, expert gradients over their replicas; use compress=none"
         )
 
 
@@ -148,6 +139,78 @@ class ExpertExchange:
         return funcol.wait_tensor(back)  # type: ignore[no-untyped-call]
 
 
+class TokenSplit:
+    """The tensor-parallel ranks of a replica split a MoE layer's tokens: rank t takes the
+    t-th of `torch.tensor_split`'s tp contiguous row blocks (`rows`). Megatron-LM's
+    scatter to and gather from the sequence-parallel region (Korthikanti et al. 2022) in
+    their non-reducing form: every tp rank holds the same tokens and receives the same
+    upstream gradients, so `scatter`'s backward all-gathers the rows' gradients (each
+    rank computed its own rows') and `gather`'s backward keeps this rank's rows."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+        self.tp, self.rank = dist.get_world_size(group), dist.get_rank(group)
+
+    def __deepcopy__(self, memo: dict[int, object]) -> TokenSplit:
+        return self  # a copied layer (a weight version) shares the group
+
+    def rows(self, num_tokens: int) -> tuple[int, int]:
+        """This rank's rows [start, stop) of `num_tokens`, as `torch.tensor_split` cuts them."""
+        base, extra = divmod(num_tokens, self.tp)
+        start = self.rank * base + min(self.rank, extra)
+        return start, start + base + (self.rank < extra)
+
+    def scatter(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = _Scatter.apply(x, self)  # type: ignore[no-untyped-call]
+        return out
+
+    def gather(self, x: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        out: torch.Tensor = _Gather.apply(x, self, num_tokens)  # type: ignore[no-untyped-call]
+        return out
+
+    def all_rows(self, part: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """Every rank's rows `part` [its rows, ...] in rank order: [num_tokens, ...]. The
+        blocks differ by at most one row: padded to the largest for one all-gather."""
+        size = -(-num_tokens // self.tp)
+        padded = part.new_zeros(size, *part.shape[1:])
+        padded[: part.shape[0]] = part
+        out = part.new_empty(self.tp * size, *part.shape[1:])
+        dist.all_gather_into_tensor(out, padded, group=self.group)
+        if num_tokens == self.tp * size:
+            return out
+        keep = [torch.arange(r * size, r * size + stop - start)
+                for r, (start, stop) in enumerate(self._all(num_tokens))]  # fmt: skip
+        return out[torch.cat(keep).to(out.device)]
+
+    def _all(self, num_tokens: int) -> list[tuple[int, int]]:
+        base, extra = divmod(num_tokens, self.tp)
+        return [(0, base + (r < extra)) for r in range(self.tp)]
+
+
+class _Scatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, split: TokenSplit) -> torch.Tensor:
+        ctx.split, ctx.num_tokens = split, x.shape[0]
+        start, stop = split.rows(x.shape[0])
+        return x[start:stop].clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return ctx.split.all_rows(grad.contiguous(), ctx.num_tokens), None
+
+
+class _Gather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, part: torch.Tensor, split: TokenSplit, num_tokens: int) -> torch.Tensor:
+        ctx.split, ctx.num_tokens = split, num_tokens
+        return split.all_rows(part.contiguous(), num_tokens)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        start, stop = ctx.split.rows(ctx.num_tokens)
+        return grad[start:stop].contiguous(), None, None
+
+
 def _expert_major(recv: torch.Tensor, total: int) -> torch.Tensor:
     """The permutation that regroups `total` received rows from (source rank, local
     expert) order to (local expert, source rank) order, so that each local expert's tokens
@@ -163,9 +226,16 @@ def _moe_layers(module: nn.Module) -> list[MoELayer]:
     return [m for m in module.modules() if isinstance(m, MoELayer)]
 
 
-def shard_experts(module: nn.Module, ep_group: dist.ProcessGroup) -> list[MoELayer]:
+def shard_experts(
+    module: nn.Module,
+    ep_group: dist.ProcessGroup | None,
+    *,
+    tp_group: dist.ProcessGroup | None = None,
+) -> list[MoELayer]:
     """Keep on this rank only its slice of the experts of every MoE layer in `module` (a
-    `MoELayer` or a model holding some) and route the layer through the ep all-to-all.
+    `MoELayer` or a model holding some) and route the layer through the ep all-to-all
+    (`ep_group` None: no exchange); with a `tp_group` of several ranks, make the layer
+    dispatch only this rank's slice of the tokens (`TokenSplit`).
 
     Rank r of the ep group keeps the contiguous experts `[r·E/ep, (r+1)·E/ep)`: the
     stacked weights become new parameters holding that slice (so an optimizer built
@@ -173,13 +243,16 @@ def shard_experts(module: nn.Module, ep_group: dist.ProcessGroup) -> list[MoELay
     replicated. Call it on every rank of the group, after building the model from the
     same seed everywhere and before building the optimizer. Returns the sharded layers."""
     layers = _moe_layers(module)
-    ep, rank = dist.get_world_size(ep_group), dist.get_rank(ep_group)
+    ep = dist.get_world_size(ep_group) if ep_group is not None else 1
+    rank = dist.get_rank(ep_group) if ep_group is not None else 0
+    split = TokenSplit(tp_group) if tp_group is not None and tp_group.size() > 1 else None
     for layer in layers:
         experts, num_experts = layer.experts, layer.router.num_experts
         check_expert_parallel(num_experts, ep)
-        if len(experts.local_experts) != num_experts:
+        if len(experts.local_experts) != num_experts or layer.tokens is not None:
             raise ValueError(f"{type(layer).__name__} is already sharded: shard it once")
-        if ep == 1:
+        layer.tokens = split
+        if ep_group is None or ep == 1:
             continue
         per_rank = num_experts // ep
         start = rank * per_rank
@@ -206,12 +279,12 @@ def expert_param_names(model: nn.Module) -> list[str]:
             for n, p in model.named_parameters() if id(p) in ids]  # fmt: skip
 
 
-def expert_grad_scale(ep: int) -> float:
+def expert_grad_scale(ep: int, tp: int = 1) -> float:
     """The factor for expert gradients after averaging them over their replica group (the
-    dp/ep ranks with the same ep rank): 1/ep, so that the result is the replica sum / dp."""
-    if ep < 1:
-        raise ValueError(f"ep={ep} must be >= 1")
-    return 1.0 / ep
+    dp·tp/ep ranks with the same ep rank): tp/ep, so that the result is the replica sum / dp."""
+    if ep < 1 or tp < 1:
+        raise ValueError(f"ep={ep} and tp={tp} must be >= 1")
+    return tp / ep
 
 
 def reduce_expert_grads(

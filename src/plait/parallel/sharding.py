@@ -39,7 +39,7 @@ def apply_fsdp(
     over that mesh alone, as torchtitan does: its gradients are reduce-scattered over the
     replicas of its experts, not averaged over data-parallel ranks holding other experts
     (the blocks' own sharding over dp leaves those parameters out), and `FSDPGradSync`
-    multiplies them by `expert_scale` (1/ep: summed over the replicas / dp, as
+    multiplies them by `expert_scale` (tp/ep: summed over the replicas / dp, as
     `plait.parallel.experts` says). FSDP's own divide factor would do it in the
     reduce-scatter, but gloo lacks the pre-multiplied sum it needs."""
     if zero not in (2, 3):

@@ -11,7 +11,7 @@ that rank's updates (each waits for its reduction, then steps the optimizer) and
 copies. Memory follows each schedule's in-flight micro-batches on each rank and its weight
 copies (the registry's closed forms, `plait.schedule.registry`). Under expert parallelism
 the experts' all-to-alls are part of each block's time (over the ep group's link) and
-expert gradients and model state are reduced and sharded over the dp / ep ranks that hold
+expert gradients and model state are reduced and sharded over the dp·tp / ep ranks that hold
 the same experts. The estimates are only used to order the search; every reported number
 comes from the simulator.
 """
@@ -279,7 +279,7 @@ def estimate(plan: SimPlan, profile: RankProfile, est: Estimator) -> Estimate:
         per_stage = np.array(
             [
                 _gather(plan, n - x, plan.dp, est.link(plan, "dp"))
-                + _gather(plan, x, plan.dp // plan.ep, est.link(plan, "edp"))
+                + _gather(plan, x, plan.edp, est.link(plan, "edp"))
                 for n, x in zip(profile.stage_params, stage_experts, strict=True)
             ]
         )
@@ -287,8 +287,8 @@ def estimate(plan: SimPlan, profile: RankProfile, est: Estimator) -> Estimate:
     p2p = 2 * (p - 1) * v * est.link(plan, "pp").time(profile.activation_bytes) if p > 1 else 0.0
     syncs = np.array([_dp_sync(plan, n * pbytes, est) for n in profile.params])
     opts = np.array([_optimizer(plan, n, est) for n in profile.params])
-    if profile.experts is not None:  # expert gradients and state live on dp / ep ranks
-        edp = plan.dp // plan.ep
+    if profile.experts is not None:  # expert gradients and state live on dp·tp / ep ranks
+        edp = plan.edp
         syncs = np.array(
             [
                 _dp_sync(plan, (n - x) * pbytes, est) + _dp_sync(plan, x * pbytes, est, edp)
@@ -318,7 +318,7 @@ def estimate(plan: SimPlan, profile: RankProfile, est: Estimator) -> Estimate:
     counts = np.array([kind.inflight(p, m, v, r) for r in range(p)])
     memory = (
         (profile.params - rank_experts) * est.state_per_param(plan)
-        + rank_experts * est.state_per_param(plan, plan.dp // plan.ep)
+        + rank_experts * est.state_per_param(plan, plan.edp)
         + counts * profile.saved
         + profile.transient
         + copies * profile.params * pbytes

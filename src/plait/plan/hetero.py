@@ -93,8 +93,8 @@ def split_replica(
     part = partition_blocks(
         blocks, devices, dtype=plan.dtype, recompute=plan.recompute,
         inflight=[max(1, round(h)) for h in held], zero_stage=plan.zero, dp=plan.dp,
-        optimizer=plan.optimizer, ep=plan.ep, offload_activations=plan.offload_activations,
-        offload_optimizer=plan.offload_optimizer,
+        optimizer=plan.optimizer, ep=plan.ep, tp=plan.tp,
+        offload_activations=plan.offload_activations, offload_optimizer=plan.offload_optimizer,
     )  # fmt: skip
     return devices, part
 

@@ -201,11 +201,12 @@ def partition_blocks(
     ep: int = 1,
     offload_activations: str = "none",
     offload_optimizer: bool = False,
+    tp: int = 1,
 ) -> Partition:
     """Partition cost-model blocks over `devices` (stage i on devices[i]): times from
     FLOPs (recomputation included) at each device's achievable rate, memory from model
     state and saved activations against each device's capacity (expert state sharded by
-    ZeRO over the dp / ep ranks holding the same experts). Offloaded activations
+    ZeRO over the dp·tp / ep ranks holding the same experts). Offloaded activations
     (`plait.offload`) and optimizer state count nothing here: the simulator charges the
     block left on the device and the state swapped in for the step."""
     if not devices:
@@ -225,6 +226,7 @@ def partition_blocks(
             zero_stage=zero_stage,
             dp=dp,
             ep=ep,
+            tp=tp,
             optimizer=optimizer,
         )
         for b in blocks

@@ -117,15 +117,15 @@ def moe_spec(
     dtype: str = "bf16",
 ) -> ModelSpec:
     """A MoE-GPT described analytically (`plait.cost.moe_block_costs`); `moe.ep` is
-    ignored: each plan's ep picks how many experts a rank holds. No tensor parallelism."""
+    ignored: each plan's ep picks how many experts a rank holds. No sequence parallelism."""
 
     def costs(b: int, tp: int, sp: bool, ep: int) -> list[BlockCost]:
-        if tp != 1 or sp:
-            raise ValueError(f"tp={tp}: a MoE-GPT has no tensor-parallel plan yet")
+        if sp:
+            raise ValueError("sequence_parallel: a MoE-GPT's MoE layers take whole sequences")
         return moe_block_costs(
             num_layers=num_layers, hidden=hidden, num_heads=num_heads, seq_len=seq_len,
             vocab_size=vocab_size, moe=replace(moe, ep=ep), micro_batch_size=b,
-            ffn_hidden=ffn_hidden, dtype=dtype,
+            ffn_hidden=ffn_hidden, dtype=dtype, tp=tp,
         )  # fmt: skip
 
     name = f"moe-gpt-{num_layers}x{hidden}-e{moe.num_experts}k{moe.top_k}"
@@ -269,13 +269,13 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def expert_degrees(dp: int, num_experts: int) -> list[int]:
-    """The expert-parallel degrees of a layout with `dp` data-parallel ranks: every ep
-    dividing both dp (ep borrows its ranks) and the experts (each rank holds E/ep); [1]
-    for a model without experts."""
+def expert_degrees(dp: int, num_experts: int, tp: int = 1) -> list[int]:
+    """The expert-parallel degrees of a layout with `dp` data-parallel ranks of `tp`
+    tensor-parallel ones: every ep dividing both dp × tp (ep borrows its ranks) and the
+    experts (each rank holds E/ep); [1] for a model without experts."""
     if num_experts < 1:
         return [1]
-    return [ep for ep in _divisors(dp) if num_experts % ep == 0]
+    return [ep for ep in _divisors(dp * tp) if num_experts % ep == 0]
 
 
 def degrees(
@@ -308,8 +308,6 @@ def candidates(
         num_heads=model.num_heads,
         num_blocks=model.num_blocks,
     ):
-        if model.num_experts and tp > 1:
-            continue  # MoE layers have no tensor-parallel plan
         yield from _layouts(model, space, dp, tp, pp, global_batch)
 
 
@@ -317,14 +315,15 @@ def _layouts(
     model: ModelSpec, space: SearchSpace, dp: int, tp: int, pp: int, global_batch: int
 ) -> Iterator[SimPlan]:
     """Every plan of one (dp, tp, pp): ep (for a model with experts) and the options."""
-    for ep in expert_degrees(dp, model.num_experts):
+    for ep in expert_degrees(dp, model.num_experts, tp):
         sizes = [b for b in space.micro_batch_sizes if global_batch % (dp * b) == 0]
         options = product(
             sizes,
             _schedules(space, pp, model.num_blocks),
             space.recompute,
             space.zero_stages if dp > 1 else (0,),
-            space.sequence_parallel if tp > 1 else (False,),
+            # MoE layers take whole sequences (plait.models.moe)
+            space.sequence_parallel if tp > 1 and not model.num_experts else (False,),
             # the order of ranks matters only when both dp and pp split the devices
             space.rank_orders if dp > 1 and pp > 1 else space.rank_orders[:1],
             space.compress if dp > 1 else ("none",),

@@ -142,16 +142,17 @@ class MoESpec(GPTSpec):
         sequence_parallel: bool = False,
         ep: int = 1,
     ) -> list[BlockCost]:
-        """Per-block costs for one micro-batch on one of `ep` expert-parallel ranks."""
-        if tp != 1 or sequence_parallel:
+        """Per-block costs for one micro-batch on one of `ep` expert-parallel ranks and of
+        `tp` tensor-parallel ones (experts not sharded by tp: the tp ranks split the tokens)."""
+        if sequence_parallel:
             raise ValueError(
-                f"tp={tp} for a MoE-GPT, which has no tensor-parallel plan yet: use tp=1 "
-                "(spread the experts with ep instead)"
+                "sequence_parallel for a MoE-GPT, whose MoE layers take whole sequences: "
+                "turn sequence parallelism off"
             )
         return moe_block_costs(
             num_layers=self.num_layers, hidden=self.hidden, num_heads=self.num_heads,
             seq_len=self.seq_len, vocab_size=self.vocab_size, moe=self.shape(ep),
-            micro_batch_size=micro_batch_size, ffn_hidden=self.ffn_hidden, dtype=dtype,
+            micro_batch_size=micro_batch_size, ffn_hidden=self.ffn_hidden, dtype=dtype, tp=tp,
         )  # fmt: skip
 
     def build(self) -> object:

@@ -6,7 +6,7 @@ tensor-parallel collectives included), a send costs latency + bytes/bandwidth on
 between the two ranks, a `REDUCE` the stage's gradient reduction over its data-parallel
 group (on the rank's reduction channel, overlapping whatever follows, as DDP's bucketed
 reduction does at stage granularity; expert gradients over their expert-data-parallel
-group of dp / ep ranks, after the others), an `UPDATE` the stage's optimizer step, and a weight
+group of dp·tp / ep ranks, after the others), an `UPDATE` the stage's optimizer step, and a weight
 copy (`STASH`, `PREDICT`) a pass over the stage's parameters at memory bandwidth;
 `plait.schedule.replay` does the rest (program order, data dependencies, one message at a
 time per channel). A synchronous schedule is replayed as one window; an asynchronous one
@@ -102,7 +102,7 @@ class _Replica:
         self.ranks = [plan.global_rank(r, dp_rank) for r in range(plan.pp)]
         self.devices = [cluster.device(g) for g in self.ranks]
         self.dp_links = [cluster.group_link(plan.dp_group(r)) for r in range(plan.pp)]
-        # expert gradients and ZeRO shards live on the dp / ep ranks holding the same experts
+        # expert gradients and ZeRO shards live on the dp·tp / ep ranks holding the same experts
         self.edp_links = [
             cluster.group_link(plan.expert_dp_group(r, dp_rank)) for r in range(plan.pp)
         ]
@@ -149,9 +149,9 @@ class _Replica:
         width, rank = dtype_bytes(plan.dtype), self.s.stage_to_rank[stage]
         rest = Collective(kind="all_gather", num_bytes=(st.num_params - st.expert_params) * width)
         time = collective_time(rest, plan.dp, self.dp_links[rank])
-        if st.expert_params and plan.dp > plan.ep:
+        if st.expert_params and plan.edp > 1:
             experts = Collective(kind="all_gather", num_bytes=st.expert_params * width)
-            time += collective_time(experts, plan.dp // plan.ep, self.edp_links[rank])
+            time += collective_time(experts, plan.edp, self.edp_links[rank])
         return time
 
     def _durations(self) -> dict[Op, list[float]]:
@@ -167,6 +167,7 @@ class _Replica:
                 zero_stage=plan.zero,
                 dp=plan.dp,
                 ep=plan.ep,
+                tp=plan.tp,
                 optimizer=plan.optimizer,
             )
             for i in range(n)
@@ -210,16 +211,18 @@ class _Replica:
                 plan.compress, rest, zero_stage=plan.zero, dp=plan.dp, link=link,
                 device=self.devices[rank], param_bytes=dtype_bytes(plan.dtype),
             )  # fmt: skip
-            if st.expert_params and plan.dp > plan.ep:
+            if st.expert_params and plan.edp > 1:
+                # experts: uncompressed, but FSDP (ZeRO-2/3) reduces every gradient in fp16/bf16
+                codec = plan.compress if plan.zero >= 2 else "none"
                 time += gradient_sync_time(
-                    plan.compress, st.expert_params, zero_stage=plan.zero,
-                    dp=plan.dp // plan.ep, link=self.edp_links[rank],
+                    codec, st.expert_params, zero_stage=plan.zero,
+                    dp=plan.edp, link=self.edp_links[rank],
                     device=self.devices[rank], param_bytes=dtype_bytes(plan.dtype),
                 )  # fmt: skip
             return time
         return expert_sync_time(
             st.num_params, st.expert_params, param_bytes=dtype_bytes(plan.dtype),
-            zero_stage=plan.zero, dp=plan.dp, ep=plan.ep, dp_link=link,
+            zero_stage=plan.zero, dp=plan.dp, ep=plan.ep, tp=plan.tp, dp_link=link,
             edp_link=self.edp_links[rank],
         )  # fmt: skip
 
@@ -343,6 +346,7 @@ class _Replica:
             zero_stage=plan.zero,
             dp=plan.dp,
             ep=plan.ep,
+            tp=plan.tp,
             optimizer=plan.optimizer,
         )
 

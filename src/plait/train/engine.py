@@ -47,7 +47,6 @@ from plait.parallel import (
     shard_experts,
 )
 from plait.parallel.compress import hook_for
-from plait.parallel.experts import check_expert_plan
 from plait.parallel.sync import GradSync
 from plait.runtime import PipelineExecutor, StepResult, local_stages, split_microbatches
 from plait.runtime.evaluate import MetricFn
@@ -430,7 +429,6 @@ def parallelize(
                                   grad_clip=grad_clip, timeout_s=timeout_s,
                                   scheduler_factory=scheduler_factory)  # fmt: skip
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    check_expert_plan(ep=plan.ep, zero=plan.zero, compress=plan.compress, schedule=plan.schedule)
     if mesh is not None and plan.ep > 1:
         raise ValueError(
             f"ep={plan.ep} with a mesh given: the expert view of the ranks is built with it; "
@@ -441,7 +439,7 @@ def parallelize(
         if mesh is not None
         else ParallelDims(
             dp=plan.dp, tp=plan.tp, pp=plan.pp, ep=plan.ep, rank_order=plan.rank_order
-        ).build_mesh(device.type)
+        ).build_mesh(device.type, experts=bool(expert_params(model)))
     )
     mesh = meshes.main
     names = block_names(model)
@@ -451,9 +449,10 @@ def parallelize(
         local_stages(model, schedule, pp_rank, sizes=plan.partition, device=device)
     )
     ep_group = meshes.ep_group()
+    tp_group = mesh.get_group("tp") if plan.tp > 1 else None
     for stage in stages.values():
-        if ep_group is not None:  # built from the same seed everywhere: keep our experts
-            shard_experts(stage, ep_group)
+        if ep_group is not None or tp_group is not None:  # same seed everywhere: keep ours
+            shard_experts(stage, ep_group, tp_group=tp_group)
         if plan.tp > 1:
             apply_tensor_parallel(stage, mesh["tp"], sequence_parallel=plan.sequence_parallel)
         apply_recompute(stage, plan.recompute)
@@ -467,25 +466,32 @@ def parallelize(
             for s, m in stages.items()
         }
         scaled = {s: expert_params(m) for s, m in stages.items()} if edp is not None else None
-        grad_sync = FSDPGradSync(sharded, scaled=scaled, scale=expert_grad_scale(plan.ep))
-    elif plan.dp > 1:
+        grad_sync = FSDPGradSync(sharded, scaled=scaled, scale=expert_grad_scale(plan.ep, plan.tp))
+    elif plan.dp > 1 or meshes.expert is not None:
         per_stage = {s: list(m.parameters()) for s, m in stages.items()}
         group = mesh.get_group("dp")
         hook, state = hook_for(plan.compress, group) or (None, None)
-        # expert gradients: averaged over the ranks holding the same experts, then × 1/ep
+        # expert gradients: averaged over the ranks holding the same experts, then × tp/ep
         # (their replica sum / dp; see plait.parallel.experts)
         experts = {p: meshes.expert_dp_group() for m in stages.values() for p in expert_params(m)}
         grad_sync = GradReducer(
             per_stage,
             group,
-            param_groups=experts if ep_group is not None else None,
-            group_scale=expert_grad_scale(plan.ep),
+            param_groups=experts if meshes.expert is not None else None,
+            group_scale=expert_grad_scale(plan.ep, plan.tp),
             timeout_s=timeout_s,
             hook=hook,
             hook_state=state,
         )
     optimizers = {
-        s: _optimizer(optimizer_factory, [p for p in m.parameters() if p.requires_grad], plan, mesh)
+        s: _optimizer(
+            optimizer_factory,
+            [p for p in m.parameters() if p.requires_grad],
+            plan,
+            mesh,
+            meshes,
+            expert_params(m),
+        )
         for s, m in stages.items()
     }
     apply_offload(stages, optimizers, activations=plan.offload_activations,
@@ -516,35 +522,29 @@ def parallelize(
 
 
 def _optimizer(
-    factory: OptimizerFactory, params: list[nn.Parameter], plan: ParallelPlan, mesh: DeviceMesh
+    factory: OptimizerFactory,
+    params: list[nn.Parameter],
+    plan: ParallelPlan,
+    mesh: DeviceMesh,
+    meshes: Meshes | None = None,
+    experts: list[nn.Parameter] | None = None,
 ) -> torch.optim.Optimizer:
-    optimizer = factory(params)
     if plan.zero != 1 or plan.dp == 1:
-        return optimizer
+        return factory(params)
     if plan.tp > 1:
         raise ValueError(
             "zero=1 with tp > 1 is not supported (torch's ZeroRedundancyOptimizer takes plain "
             "tensors): use zero=2 or zero=3, which shard optimizer state too, or tp=1"
         )
-    import inspect
+    from plait.parallel.expert_zero import ExpertZero, partitioned
 
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    # `defaults` may hold entries the constructor does not take (AdamW's
-    # decoupled_weight_decay): pass on only the constructor's own arguments
-    accepted = inspect.signature(type(optimizer).__init__).parameters
-    settings = {k: v for k, v in optimizer.defaults.items() if k in accepted}
-    # keep the factory's parameter groups (weight-decay exclusions) and their settings
-    groups = [
-        {k: v for k, v in g.items() if k == "params" or v != optimizer.defaults.get(k)}
-        for g in optimizer.param_groups
-    ]
-    return ZeroRedundancyOptimizer(
-        groups,
-        optimizer_class=type(optimizer),
-        process_group=mesh.get_group("dp"),
-        **settings,
-    )
+    if meshes is None or meshes.expert is None or not experts:
+        return partitioned(factory(params), mesh.get_group("dp"))
+    # experts partitioned over the ranks holding the same ones, the rest over dp
+    ids = {id(p) for p in experts}
+    rest, mine = [p for p in params if id(p) not in ids], [p for p in params if id(p) in ids]
+    return ExpertZero([partitioned(factory(rest), mesh.get_group("dp")),
+                       partitioned(factory(mine), meshes.expert_dp_group())])  # fmt: skip
 
 
 def _batch_size(value: Any) -> int:
