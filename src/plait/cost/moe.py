@@ -31,9 +31,11 @@ copy its input and output (2·h·width), the expert's GeLU input and output (2·
 its token index and gate (12 bytes); the shared expert's GeLU input and output (2·T·f·width).
 Selective recomputation drops the 5·a·s/h term, full recomputation keeps the layer input.
 
-Expert parallelism (ep > 1): four all-to-alls per micro-batch over the ep group (axis
-"ep"): dispatch and combine forward, their gradients backward, each of a T·k·h·width send
-buffer, of which a rank keeps 1/ep (`plait.cost.comm.all_to_all_time`).
+Expert parallelism (ep > 1): five all-to-alls per micro-batch over the ep group (axis
+"ep"): forward, the E per-expert counts (8·E bytes), then dispatch and combine, each of a
+T·k·h·width send buffer of which a rank keeps 1/ep; backward, the gradients of dispatch
+and combine (`plait.cost.comm.all_to_all_time`: n - 1 messages per rank). The runtime
+sends the token copies in the compute dtype (bf16 under a bf16 autocast).
 
 Limits: no tensor parallelism for MoE layers (as the model has none); the load is the
 same on every layer and micro-batch; routing's sort and scatter count no FLOPs.
@@ -122,6 +124,8 @@ def _moe_layer(shape: TransformerShape, moe: MoEShape, index: int) -> BlockCost:
     full = scale * t * h * (16 + 5 * shape.num_heads * s / h) + ffn_bytes
     a2a = Collective(kind="all_to_all", num_bytes=t * k * h * width, axis="ep")
     comm = (a2a, a2a) if moe.ep > 1 else ()
+    # the forward first exchanges the per-expert counts (E int64: latency-bound)
+    counts = Collective(kind="all_to_all", num_bytes=8 * e, axis="ep")
     return BlockCost(
         name=f"layer{index}",
         forward_flops=weighted + attention,
@@ -134,7 +138,7 @@ def _moe_layer(shape: TransformerShape, moe: MoEShape, index: int) -> BlockCost:
         saved_bytes_recompute=scale * 2 * t * h,
         num_params=4 * h * h + 8 * h + h * e + experts + shared * _ffn_params(h, f),
         expert_params=experts,
-        forward_comm=comm,
+        forward_comm=(counts, *comm) if comm else (),
         backward_comm=comm,
     )
 

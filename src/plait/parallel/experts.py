@@ -47,6 +47,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -118,6 +119,10 @@ class ExpertExchange:
     def __init__(self, group: dist.ProcessGroup) -> None:
         self.group = group
         self.ep = dist.get_world_size(group)
+        # when a list: the seconds this rank spends in each collective of the exchange,
+        # forward and backward, appended in the order they end (`plait bench moe`
+        # measures the all-to-all share of a step with it); None: nothing is timed
+        self.timings: list[float] | None = None
 
     def __deepcopy__(self, memo: dict[int, object]) -> ExpertExchange:
         # a copied layer (a weight version of an asynchronous schedule) shares the group
@@ -127,25 +132,74 @@ class ExpertExchange:
         ep, local = self.ep, len(experts.local_experts)
         if len(counts) != ep * local:
             raise ValueError(f"{len(counts)} expert counts for ep={ep} × {local} local experts")
+        dtype, device = grouped.dtype, grouped.device.type
+        if torch.is_autocast_enabled(device):
+            # the experts compute in the autocast dtype: the copies travel in it (half the
+            # bytes of fp32 under bf16) and come back in it; the values are those of a
+            # cast after the exchange, which only copies them
+            grouped = grouped.to(torch.get_autocast_dtype(device))
         sent = torch.tensor(counts, dtype=torch.int64, device=grouped.device)
         recv = torch.empty_like(sent)
+        start = time.perf_counter()
         dist.all_to_all_single(recv, sent, group=self.group)
         # recv[s, l]: copies that source rank s sends to this rank's local expert l; the
         # splits must be known on the host: the one host-device synchronisation
         recv_host = recv.view(ep, local).cpu()
+        if self.timings is not None:
+            self.timings.append(time.perf_counter() - start)
         send_splits = [sum(counts[r * local : (r + 1) * local]) for r in range(ep)]
         recv_splits = recv_host.sum(dim=1).tolist()
-        received = funcol.all_to_all_single_autograd(
-            grouped.contiguous(), recv_splits, send_splits, self.group
-        )  # [received, hidden], by source rank, then local expert
+        # [received, hidden], by source rank, then local expert
+        received = self._all_to_all(grouped, recv_splits, send_splits)
         order = _expert_major(recv.view(ep, local), sum(recv_splits))
         out = experts(received[order], recv_host.sum(dim=0).tolist())
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=order.device)
-        back = funcol.all_to_all_single_autograd(
-            out[inverse].contiguous(), send_splits, recv_splits, self.group
-        )  # [copies, hidden], in this rank's dispatch order
-        return funcol.wait_tensor(back)  # type: ignore[no-untyped-call]
+        # [copies, hidden], in this rank's dispatch order
+        back = self._all_to_all(out[inverse], send_splits, recv_splits)
+        return funcol.wait_tensor(back).to(dtype)  # type: ignore[no-untyped-call]
+
+    def _all_to_all(
+        self, x: torch.Tensor, out_splits: list[int], in_splits: list[int]
+    ) -> torch.Tensor:
+        """The variable-split all-to-all (its backward: the same with the splits swapped),
+        timed both ways when `timings` is a list."""
+        if self.timings is None:
+            return funcol.all_to_all_single_autograd(x.contiguous(), out_splits, in_splits,
+                                                     self.group)  # fmt: skip
+        span = _Span(self.timings)
+        # the stamp before the all-to-all: its backward ends the backward all-to-all's span
+        x = _Stamp.apply(x, span, True)  # type: ignore[no-untyped-call]
+        start = time.perf_counter()
+        y = funcol.all_to_all_single_autograd(x.contiguous(), out_splits, in_splits, self.group)
+        y = funcol.wait_tensor(y)  # type: ignore[no-untyped-call]
+        self.timings.append(time.perf_counter() - start)
+        return _Stamp.apply(y, span, False)  # type: ignore[no-untyped-call]
+
+
+class _Span:
+    """The start of a backward all-to-all, and where its seconds go."""
+
+    def __init__(self, timings: list[float]) -> None:
+        self.timings, self.start = timings, 0.0
+
+
+class _Stamp(torch.autograd.Function):
+    """Identity; its backward starts (`end` False: after the all-to-all's output) or ends
+    (`end` True: before its input) the span of the all-to-all's backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, span: _Span, end: bool) -> torch.Tensor:
+        ctx.span, ctx.end = span, end
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        if ctx.end:
+            ctx.span.timings.append(time.perf_counter() - ctx.span.start)
+        else:
+            ctx.span.start = time.perf_counter()
+        return grad, None, None
 
 
 def _expert_major(recv: torch.Tensor, total: int) -> torch.Tensor:
