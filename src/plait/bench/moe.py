@@ -200,13 +200,15 @@ def _all_to_all_share(reports: list[dict[str, Any]], step_s: float, ep: int) -> 
         [max(t) for t in zip(*(r["times"]["local"] for r in reports), strict=True)]
     )
     link = _fit_all_to_all(reports, ep)
-    predicted = predict_share(
-        MoEBenchConfig(**{**config, "workers": tuple(config["workers"])}),
-        ep=ep, compute_s=compute_s, **link,
-    )  # fmt: skip
+    bench = MoEBenchConfig(**{**config, "workers": tuple(config["workers"])})
+    predicted = predict_share(bench, ep=ep, compute_s=compute_s, **link)
+    # the exchange alone: with 1 s of compute the share is a / (1 + a), a its seconds
+    unit = predict_share(bench, ep=ep, compute_s=1.0, **link)
+    predicted_s = unit / (1 - unit)
     measured = common.median([a / s for a, s in zip(seconds, slowest, strict=True)])
     return {
         "all_to_all_s": common.median(seconds),
+        "all_to_all_s_predicted": predicted_s,
         "all_to_all_calls": len(steps[0][0]) if steps[0] else 0,
         # median seconds of each: counts, dispatch, combine, then the backward's two
         "all_to_all_call_s": [common.median(list(c)) for c in zip(*calls, strict=True)],

@@ -10,11 +10,10 @@ et al. 2022) and Tutel (Hwang et al. 2023). Those pad every expert to its capaci
 one equal-split all-to-all suffices; here the per-expert counts are exchanged first and
 the tokens travel with variable splits (as in MegaBlocks' dropless MoE, Gale et al. 2022,
 and torchtitan's expert parallelism), so dropless and capacity routing share one code
-path and no padding crosses the wire. The collective is torch's
-`_functional_collectives.all_to_all_single_autograd`, whose backward is the same
-all-to-all with the splits swapped, so each expert's input gradients travel back to the
-ranks that sent the tokens. (`torch.distributed.nn.functional.all_to_all_single` does the
-same, but torch 2.13 deprecates it in favour of the former.)
+path and no padding crosses the wire. The collective is `all_to_all_single` in a small
+autograd function whose backward is the same all-to-all with the splits swapped, so each
+expert's input gradients travel back to the ranks that sent the tokens (`_AllToAll`:
+torch's functional collective does the same at twice the cost per call on gloo).
 
 Gradient semantics. Let `dp` be the number of ranks that see different data; ep borrows
 its ranks from them (ep divides dp; the dp ranks form dp/ep ep groups). Each rank's loss
@@ -51,7 +50,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 from torch import nn
 
 from plait.models.moe import Experts, MoEConfig, MoELayer
@@ -157,49 +155,56 @@ class ExpertExchange:
         inverse[order] = torch.arange(order.numel(), device=order.device)
         # [copies, hidden], in this rank's dispatch order
         back = self._all_to_all(out[inverse], send_splits, recv_splits)
-        return funcol.wait_tensor(back).to(dtype)  # type: ignore[no-untyped-call]
+        return back.to(dtype)
 
     def _all_to_all(
         self, x: torch.Tensor, out_splits: list[int], in_splits: list[int]
     ) -> torch.Tensor:
-        """The variable-split all-to-all (its backward: the same with the splits swapped),
-        timed both ways when `timings` is a list."""
-        if self.timings is None:
-            return funcol.all_to_all_single_autograd(x.contiguous(), out_splits, in_splits,
-                                                     self.group)  # fmt: skip
-        span = _Span(self.timings)
-        # the stamp before the all-to-all: its backward ends the backward all-to-all's span
-        x = _Stamp.apply(x, span, True)  # type: ignore[no-untyped-call]
-        start = time.perf_counter()
-        y = funcol.all_to_all_single_autograd(x.contiguous(), out_splits, in_splits, self.group)
-        y = funcol.wait_tensor(y)  # type: ignore[no-untyped-call]
-        self.timings.append(time.perf_counter() - start)
-        return _Stamp.apply(y, span, False)  # type: ignore[no-untyped-call]
+        """The variable-split all-to-all; its backward: the same with the splits swapped."""
+        return _AllToAll.apply(x, out_splits, in_splits, self.group, self.timings)  # type: ignore[no-untyped-call]
 
 
-class _Span:
-    """The start of a backward all-to-all, and where its seconds go."""
-
-    def __init__(self, timings: list[float]) -> None:
-        self.timings, self.start = timings, 0.0
-
-
-class _Stamp(torch.autograd.Function):
-    """Identity; its backward starts (`end` False: after the all-to-all's output) or ends
-    (`end` True: before its input) the span of the all-to-all's backward."""
+class _AllToAll(torch.autograd.Function):
+    """`all_to_all_single` with variable splits, differentiable: the backward sends each
+    row's gradient back to the rank the row came from. torch's functional collective
+    (`_functional_collectives.all_to_all_single_autograd`) does the same, but each call
+    took twice as long as the plain collective on gloo here (0.95 ms against 0.42-0.50 ms
+    for 512 KiB over 2 ranks, the least time over the ranks, median of 35 calls). With
+    `timings` a list, each call's seconds (forward and backward) are appended to it."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, span: _Span, end: bool) -> torch.Tensor:
-        ctx.span, ctx.end = span, end
-        return x.view_as(x)
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        out_splits: list[int],
+        in_splits: list[int],
+        group: dist.ProcessGroup,
+        timings: list[float] | None,
+    ) -> torch.Tensor:
+        ctx.splits, ctx.group, ctx.timings = (out_splits, in_splits), group, timings
+        return _exchange(x, out_splits, in_splits, group, timings)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        if ctx.end:
-            ctx.span.timings.append(time.perf_counter() - ctx.span.start)
-        else:
-            ctx.span.start = time.perf_counter()
-        return grad, None, None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        out_splits, in_splits = ctx.splits
+        dx = _exchange(grad, in_splits, out_splits, ctx.group, ctx.timings)
+        return dx, None, None, None, None
+
+
+def _exchange(
+    x: torch.Tensor,
+    out_splits: list[int],
+    in_splits: list[int],
+    group: dist.ProcessGroup,
+    timings: list[float] | None,
+) -> torch.Tensor:
+    x = x.contiguous()
+    out = x.new_empty(sum(out_splits), *x.shape[1:])
+    start = time.perf_counter()
+    dist.all_to_all_single(out, x, out_splits, in_splits, group=group)
+    if timings is not None:  # host seconds: the call returns when gloo's exchange is done
+        timings.append(time.perf_counter() - start)
+    return out
 
 
 def _expert_major(recv: torch.Tensor, total: int) -> torch.Tensor:
