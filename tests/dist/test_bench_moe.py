@@ -51,3 +51,15 @@ def test_peer_rows_route_like_plait(result: dict[str, Any]) -> None:
         assert row["peer_received_copies"] == w * TOKENS * TOP_K
         assert row["routing_agrees"] == 1.0 and row["same_output_shape"]
         assert row["ratio"] == pytest.approx(row["plait_step_s"] / row["peer_step_s"])
+
+
+def test_all_to_all_share_is_measured_and_predicted(result: dict[str, Any]) -> None:
+    """Rows with an exchange time its five collectives (counts, dispatch, combine; the
+    backward's two) and put the simulator's share next to the measured one."""
+    assert "all_to_all_share_measured" not in result["workers"]["1"]
+    row = result["workers"]["2"]
+    assert row["all_to_all_calls"] == 5
+    assert 0 < row["all_to_all_s"] < row["plait_step_s"]
+    assert 0 < row["all_to_all_share_measured"] < 1 and 0 < row["all_to_all_share_predicted"] < 1
+    want = abs(row["all_to_all_share_predicted"] - row["all_to_all_share_measured"])
+    assert row["share_error"] == pytest.approx(want / row["all_to_all_share_measured"])

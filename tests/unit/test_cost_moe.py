@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from plait.cluster import Cluster, Device, Link, NodeGroup, load_cluster
-from plait.cost import MoEShape, StageCost, moe_block_costs
+from plait.cost import Collective, MoEShape, StageCost, moe_block_costs
 from plait.profile import MoESpec
 from plait.sim import SimPlan, SimResult, build_schedule, simulate
 
@@ -57,7 +57,9 @@ def test_moe_layer_flops_params_and_all_to_all_by_hand(size: tuple) -> None:
     if ep == 1:
         assert layer.forward_comm == () and layer.backward_comm == ()
     else:  # dispatch and combine, forward and backward: every copy's hidden vector
-        for comm in (layer.forward_comm, layer.backward_comm):
+        counts, *forward = layer.forward_comm  # the forward first exchanges E int64 counts
+        assert (counts.kind, counts.axis, counts.num_bytes) == ("all_to_all", "ep", 8 * e)
+        for comm in (forward, layer.backward_comm):
             assert [(x.kind, x.axis) for x in comm] == [("all_to_all", "ep")] * 2
             assert all(x.num_bytes == tokens * k * h * width for x in comm)
     dense = blocks[1]  # layer0 is dense: a GPT layer
@@ -80,14 +82,16 @@ def test_moe_layer_under_tensor_parallelism_by_hand(tp: int, ep: int, shared: bo
         + 2 * tokens * h * e  # the router sees every token on every tp rank
         + tokens * k / tp * 4 * h * f  # this rank's slice of the copies (ρ = 1)
     )
-    assert layer.forward_comm == layer.backward_comm
+    # the forward first exchanges the E per-expert counts (int64); the backward does not
+    counts = (Collective(kind="all_to_all", num_bytes=8 * e, axis="ep"),) if ep > 1 else ()
+    assert layer.forward_comm == counts + layer.backward_comm
     assert layer.backward_weight_flops == pytest.approx(gemms, rel=1e-12)
     assert layer.forward_flops == pytest.approx(gemms + 4 * tokens * s * h / tp, rel=1e-12)
     one_expert = 2 * h * f + f + h
     sharded = 4 * h * h + 3 * h + ((2 * h * f + f) if shared else 0)  # q, k, v biases sharded
     whole = h + 4 * h + h * e + (e // ep) * one_expert + (h if shared else 0)
     assert layer.num_params == sharded // tp + whole
-    kinds = sorted((c.kind, c.axis, c.num_bytes) for c in layer.forward_comm)
+    kinds = sorted((c.kind, c.axis, c.num_bytes) for c in layer.backward_comm)
     expected = [("all_reduce", "tp", tokens * h * width)] * (2 if shared else 1)
     expected.append(("all_gather", "tp", tokens * h * width))
     if ep > 1:
@@ -149,9 +153,10 @@ def _step(
 def test_ep2_step_differs_from_ep1_by_the_all_to_all_it_adds_and_the_sync_it_saves(
     tmp_path: Path,
 ) -> None:
-    """dp = ep = 2 on one slow link: ep=2 adds four all-to-alls per MoE layer and micro-
-    batch, and removes the expert-gradient all-reduce (each rank's experts are its own:
-    the expert-data-parallel group has one rank) and half of the experts' optimizer step.
+    """dp = ep = 2 on one slow link: ep=2 adds five all-to-alls per MoE layer and micro-
+    batch (the counts, then dispatch and combine forward and backward), and removes the
+    expert-gradient all-reduce (each rank's experts are its own: the expert-data-parallel
+    group has one rank) and half of the experts' optimizer step.
     With one pipeline stage nothing overlaps the reduction (it follows the last backward),
     and the all-to-alls sit inside the forward and backward passes (the cost model does
     not overlap them with expert compute), so the difference is exactly those three
@@ -172,7 +177,8 @@ def test_ep2_step_differs_from_ep1_by_the_all_to_all_it_adds_and_the_sync_it_sav
     two, _ = _step(2, dp=2, m=m, cluster=cluster)
     slow = Link(latency_s=alpha, bandwidth_Bps=bw)
     a2a = (2 - 1) / 2 * tokens * k * h * 4 / bw + (2 - 1) * alpha  # one all-to-all, fp32
-    added = m * 2 * 4 * a2a  # two MoE layers, four all-to-alls each
+    counts = (2 - 1) / 2 * e * 8 / bw + (2 - 1) * alpha  # the E int64 counts first
+    added = m * 2 * (4 * a2a + counts)  # two MoE layers, five all-to-alls each
     expert_params = 2 * e * (2 * h * f + f + h)  # both layers' experts at ep=1
     saved_sync = _ring_or_tree(2, expert_params * 4, slow)
     adam_fp32 = 4 + 4 + 2 * 8  # read gradient and state, write state, write parameter

@@ -31,9 +31,11 @@ copy its input and output (2·h·width), the expert's GeLU input and output (2·
 its token index and gate (12 bytes); the shared expert's GeLU input and output (2·T·f·width).
 Selective recomputation drops the 5·a·s/h term, full recomputation keeps the layer input.
 
-Expert parallelism (ep > 1): four all-to-alls per micro-batch over the ep group (axis
-"ep"): dispatch and combine forward, their gradients backward, each of a T·k·h·width send
-buffer, of which a rank keeps 1/ep (`plait.cost.comm.all_to_all_time`).
+Expert parallelism (ep > 1): five all-to-alls per micro-batch over the ep group (axis
+"ep"): forward, the E per-expert counts (8·E bytes), then dispatch and combine, each of a
+T·k·h·width send buffer of which a rank keeps 1/ep; backward, the gradients of dispatch
+and combine (`plait.cost.comm.all_to_all_time`: n - 1 messages per rank). The runtime
+sends the token copies in the compute dtype (bf16 under a bf16 autocast).
 
 Tensor parallelism (tp > 1, `plait.models.moe.MoEBlock.tp_plan`): attention and the shared
 expert are sharded as in a dense layer (their FLOPs and weights / tp, one all-reduce of
@@ -135,6 +137,8 @@ def _moe_layer(shape: TransformerShape, moe: MoEShape, index: int) -> BlockCost:
     gather = (Collective(kind="all_gather", num_bytes=t * h * width),) if tp > 1 else ()
     tp_comm = (reduce,) * ((1 + shared) if tp > 1 else 0) + gather
     comm = ((a2a, a2a) if moe.ep > 1 else ()) + tp_comm
+    # the forward first exchanges the per-expert counts (E int64: latency-bound)
+    counts = Collective(kind="all_to_all", num_bytes=8 * e, axis="ep")
     return BlockCost(
         name=f"layer{index}",
         forward_flops=weighted + attention,
@@ -151,7 +155,7 @@ def _moe_layer(shape: TransformerShape, moe: MoEShape, index: int) -> BlockCost:
         + experts
         + shared * h,
         expert_params=experts,
-        forward_comm=comm,
+        forward_comm=((counts,) if moe.ep > 1 else ()) + comm,
         backward_comm=comm,
     )
 

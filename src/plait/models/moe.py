@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from plait.models.gpt import GPT, MLP, Attention, GPTConfig, TokenEmbedding
+from plait.models.grouped_ffn import grouped_ffn
 
 __all__ = [
     "Dispatch",
@@ -196,13 +197,8 @@ class Experts(nn.Module):
         counts = counts.tolist() if isinstance(counts, torch.Tensor) else list(counts)
         if len(counts) != len(self.local_experts):
             raise ValueError(f"{len(counts)} counts for {len(self.local_experts)} local experts")
-        outs = []
-        # unbind, not w1[i]: the backward of E selects zero-fills E full [E, ...] gradients,
-        # unbind's stacks the E slices once
-        weights = zip(*(p.unbind(0) for p in (self.w1, self.b1, self.w2, self.b2)), strict=True)
-        for x, (w1, b1, w2, b2) in zip(torch.split(grouped, counts), weights, strict=True):
-            outs.append(F.gelu(x @ w1 + b1) @ w2 + b2)  # x: [counts[i], hidden]
-        return torch.cat(outs) if outs else grouped[:0]
+        # one autograd node for all experts: no per-expert ops, cat or weight-slice stack
+        return grouped_ffn(grouped, self.w1, self.b1, self.w2, self.b2, counts)
 
 
 @dataclass(frozen=True)
