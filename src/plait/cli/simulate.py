@@ -164,7 +164,7 @@ def _check(args: argparse.Namespace, spec: GPTSpec) -> None:
     dtype = normalize_dtype(args.dtype)
     why = schedule_kind(args.schedule).unsupported(tp=args.tp, zero=args.zero, dtype=dtype)
     if why is not None:  # what `plait train` cannot run is no layout to predict
-        raise ValueError(f"--schedule {args.schedule} (asynchronous) with {why}")
+        raise ValueError(f"--schedule {args.schedule} {why}")
     for flag, path in (("--trace", args.trace), ("--plot", args.plot)):
         if path:  # checked now, not after simulating
             check_out(path, flag)

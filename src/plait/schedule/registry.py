@@ -54,6 +54,8 @@ class ScheduleKind:
     exact_chunks: int = 0  # the only num_chunks a chunked kind takes (0: any >= 2)
     # whether the planner searches it unless asked (its estimates model the kind)
     searched: bool = True
+    # several pipelines run replicas of the same parts (Schedule.parts), summed per step
+    replicated: bool = False
 
     @property
     def synchronous(self) -> bool:
@@ -66,9 +68,25 @@ class ScheduleKind:
 
     def unsupported(self, *, tp: int, zero: int, dtype: str) -> str | None:
         """Why this kind cannot run with tensor degree `tp`, ZeRO stage `zero` and `dtype`
-        (weight copies per stage, each stage updating at its own time), or None."""
+        (weight copies per stage, each stage updating at its own time; replicas of a part
+        summed), or None; the reason begins with what kind of schedule it is."""
+        if self.replicated:
+            why = self._unsupported_replicas(tp=tp, zero=zero)
+            return None if why is None else f"(replicated stages) with {why}"
         if self.synchronous:
             return None
+        why = self._unsupported_copies(tp=tp, zero=zero, dtype=dtype)
+        return None if why is None else f"(asynchronous) with {why}"
+
+    @staticmethod
+    def _unsupported_replicas(*, tp: int, zero: int) -> str | None:
+        if tp > 1:
+            return f"tp={tp}: the sum of a part's replicas runs on whole tensors; use tp=1"
+        if zero >= 2:
+            return f"zero={zero}: FSDP-sharded replicas are not summed; use zero<=1"
+        return None
+
+    def _unsupported_copies(self, *, tp: int, zero: int, dtype: str) -> str | None:
         if tp > 1:
             return f"tp={tp}: weight copies of tensor-parallel shards are not supported; use tp=1"
         if zero >= 2:
@@ -168,6 +186,7 @@ KINDS: dict[str, ScheduleKind] = {
             "Chimera: two pipelines in opposite directions, a replica of two stages per rank",
             lambda p, m, v, r: float(min(p, m)),
             searched=False,
+            replicated=True,
         ),
         ScheduleKind(
             "pipedream",
