@@ -440,7 +440,7 @@ class ParallelPlan:
     def _check_asynchronous(self) -> None:
         why = schedule_kind(self.schedule).unsupported(tp=self.tp, zero=self.zero, dtype=self.dtype)
         if why is not None:
-            raise ValueError(f"schedule={self.schedule!r} (asynchronous) with {why}")
+            raise ValueError(f"schedule={self.schedule!r} {why}")
 
     @property
     def world_size(self) -> int:

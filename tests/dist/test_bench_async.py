@@ -38,7 +38,7 @@ def test_bench_reports_throughput_and_measured_versions(capsys: pytest.CaptureFi
     ("fields", "fragment"),
     [
         ({"schedules": ("pipedream", "2bw")}, "include 1f1b"),
-        ({"schedules": ("1f1b", "chimera")}, "'chimera' is unknown"),
+        ({"schedules": ("1f1b", "dualpipe")}, "'dualpipe' is unknown"),
         ({"batch_size": 10}, "batch_size=10 is not divisible"),
         ({"schedules": ("1f1b", "2bw"), "num_stages": 5, "num_layers": 2}, "num_layers=2"),
     ],

@@ -59,7 +59,7 @@ def test_json_is_the_built_schedule(
         (["interleaved", "--stages", "2", "--microbatches", "4", "--chunks", "1"], "--chunks 1"),
         (
             ["1f1b", "--stages", "2", "--microbatches", "4", "--chunks", "2"],
-            "applies only to ['interleaved']",
+            "applies only to ['interleaved', 'zb-v']",
         ),
     ],
 )
@@ -74,9 +74,9 @@ def test_bad_values_exit_2_with_the_fix(
 
 def test_unknown_kind_is_an_argparse_error(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as caught:
-        main(["schedule", "chimera", "--stages", "2", "--microbatches", "4"])
+        main(["schedule", "dualpipe", "--stages", "2", "--microbatches", "4"])
     assert caught.value.code == 2
-    assert "invalid choice: 'chimera'" in capsys.readouterr().err
+    assert "invalid choice: 'dualpipe'" in capsys.readouterr().err
 
 
 def test_missing_required_flag(capsys: pytest.CaptureFixture[str]) -> None:

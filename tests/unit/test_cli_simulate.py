@@ -94,7 +94,7 @@ def test_plot_writes_a_png(capsys: pytest.CaptureFixture[str], tmp_path: Path) -
         (["--tp", "3"], "--tp 3 does not divide --heads 4"),
         (["--pp", "0"], "--pp 0 must be >= 1"),
         (["--pp", "8"], "makes 8 stages but the model has 6 blocks"),
-        (["--chunks", "2"], "--chunks 2: chunks=2 applies only to ['interleaved']"),
+        (["--chunks", "2"], "--chunks 2: chunks=2 applies only to ['interleaved', 'zb-v']"),
         (["--zero", "4"], "--zero 4 must be 0, 1, 2 or 3"),
         (["--dtype", "fp7"], "dtype 'fp7' is unknown"),
         (["--heads", "5"], "--hidden 64 is not divisible by --heads 5"),
@@ -144,3 +144,14 @@ def test_profile_measures_a_small_model(capsys: pytest.CaptureFixture[str], tmp_
 def test_profile_bad_dtype_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = run(capsys, "profile", *SMALL, "--dtype", "fp8")
     assert code == 2 and "--dtype fp8 cannot be measured" in err
+
+
+def test_chimera_costs_each_replica_as_its_part(capsys: pytest.CaptureFixture[str]) -> None:
+    """Chimera on 2 ranks: the blocks are cut into 2 parts (not 4 stages), and each rank
+    holds a replica of both, i.e. the parameters 1F1B spreads over its 2 ranks."""
+    common = [*SMALL, "--cluster", "local-cpu", "--pp", "2", "--microbatches", "4"]
+    chimera = simulate_json(capsys, *common, "--schedule", "chimera")
+    one_f_one_b = simulate_json(capsys, *common, "--schedule", "1f1b")
+    assert chimera["partition"] == one_f_one_b["partition"]
+    total = sum(rank["params"] for rank in one_f_one_b["memory"])  # type: ignore[union-attr,index]
+    assert [rank["params"] for rank in chimera["memory"]] == [total, total]  # type: ignore[union-attr,index]

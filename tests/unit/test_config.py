@@ -30,7 +30,7 @@ def test_toml_and_overrides(tmp_path: Path) -> None:
     ("overrides", "message"),
     [
         ({"nproc": 3}, "nproc=3 workers but dp × tp × pp = 1 × 1 × 2 = 2"),
-        ({"parallel.schedule": "chimera"}, "schedule='chimera' is unknown"),
+        ({"parallel.schedule": "dualpipe"}, "schedule='dualpipe' is unknown"),
         ({"parallel.schedule": "interleaved"}, "chunks=1: interleaved needs >= 2"),
         ({"batch_size": 30}, "batch_size=30 is not divisible by dp × microbatches = 4"),
         ({"model.hidden": 100, "model.heads": 3}, "hidden=100 is not a multiple of heads=3"),
@@ -43,6 +43,11 @@ def test_toml_and_overrides(tmp_path: Path) -> None:
         ({"timeout_s": 0.0}, "timeout_s=0.0 must be positive"),
         ({"parallel.schedule": "pipedream", "parallel.dtype": "fp16"}, "loss scaling needs"),
         ({"parallel.schedule": "2bw", "parallel.tp": 2, "parallel.pp": 1}, "tp=2: weight copies"),
+        (
+            {"parallel.schedule": "chimera", "parallel.tp": 2, "parallel.pp": 1},
+            "'chimera' .replicated stages. with tp=2: the sum of a part's replicas",
+        ),
+        ({"parallel.schedule": "zb-v"}, "chunks=1: zb-v places exactly 2 stages"),
     ],
 )
 def test_bad_values_name_the_field_and_fix(overrides: dict[str, object], message: str) -> None:

@@ -27,7 +27,10 @@ from plait.schedule import (
 )
 
 # (kind, chunks): every registered kind, interleaving with 2 and with 3 virtual stages
-CASES = [(k, 1) for k in KINDS if not KINDS[k].chunked] + [("interleaved", 2), ("interleaved", 3)]
+CASES = [(k, KINDS[k].default_chunks) for k in KINDS if k != "interleaved"] + [
+    ("interleaved", 2),
+    ("interleaved", 3),
+]
 SCHEDULE_KEYS = {
     "kind",
     "policy",
@@ -43,7 +46,7 @@ SCHEDULE_KEYS = {
 def check_round_trip(schedule: Schedule) -> None:
     text = schedule.to_json()
     data = json.loads(text)
-    assert set(data) == SCHEDULE_KEYS
+    assert set(data) == SCHEDULE_KEYS | ({"pipelines"} if schedule.pipelines else set())
     for program in data["ranks"]:
         for a in program:
             # versions only where the schedule has them: updates, and asynchronous computes
@@ -60,7 +63,7 @@ def test_every_generator_builds_validates_round_trips_and_replays(
 ) -> None:
     for microbatches in range(1, 10):
         schedule = build(kind, stages, microbatches, chunks)
-        assert schedule.num_ranks == stages and schedule.num_stages == stages * chunks
+        assert schedule.num_ranks == stages and schedule.num_parts == stages * chunks
         report = validate(schedule)
         check_round_trip(schedule)
         result = replay(schedule)
@@ -102,8 +105,9 @@ def test_generators_are_pure_functions_of_integers() -> None:
         (lambda: one_f_one_b(2, 0), "num_microbatches=0"),
         (lambda: interleaved_1f1b(2, 4, 1), "num_chunks=1"),
         (lambda: zero_bubble_h1(-1, 4), "num_stages=-1"),
-        (lambda: build("chimera", 2, 4), "'chimera' is unknown"),
-        (lambda: build("1f1b", 2, 4, 2), r"chunks=2 applies only to \['interleaved'\]"),
+        (lambda: build("chimera-x", 2, 4), "'chimera-x' is unknown"),
+        (lambda: build("1f1b", 2, 4, 2), r"chunks=2 applies only to \['interleaved', 'zb-v'\]"),
+        (lambda: build("zb-v", 2, 4, 3), "chunks=3: zb-v places exactly 2 stages on each rank"),
         (lambda: build("interleaved", 2, 4, 1), "chunks=1: interleaved needs >= 2"),
     ],
 )
@@ -131,7 +135,9 @@ def test_lowering_an_already_lowered_schedule_is_idempotent() -> None:
 def test_property_any_valid_size_builds_validates_and_round_trips(
     kind: str, stages: int, microbatches: int, chunks: int
 ) -> None:
-    schedule = build(kind, stages, microbatches, chunks if kind == "interleaved" else 1)
+    schedule = build(
+        kind, stages, microbatches, chunks if kind == "interleaved" else KINDS[kind].default_chunks
+    )
     report = validate(schedule)
     check_round_trip(schedule)
     assert len(report.peak_inflight) == stages
@@ -139,8 +145,8 @@ def test_property_any_valid_size_builds_validates_and_round_trips(
     # one forward and one backward (whole, or both halves) per stage and micro-batch
     compute = [a for program in schedule.ranks for a in program if a.is_compute]
     forwards = [a for a in compute if a.op is Op.F]
-    assert len(forwards) == schedule.num_stages * microbatches
-    assert len(compute) == len(forwards) * (3 if kind == "zb-h1" else 2)
+    assert len(forwards) == schedule.num_parts * microbatches  # one path through the parts
+    assert len(compute) == len(forwards) * (3 if KINDS[kind].split_backward else 2)
     # one window: every stage updates once per micro-batch, or once per window
     updates = [a for program in schedule.ranks for a in program if a.op is Op.UPDATE]
     per_stage = microbatches if kind in ("pipedream", "pipedream-vs", "spectrain") else 1

@@ -19,8 +19,7 @@ FREE = Link(latency_s=0.0, bandwidth_Bps=1e30)
 @pytest.mark.parametrize("kind", sorted(KINDS))
 @pytest.mark.parametrize(("p", "m"), [(1, 2), (2, 3), (3, 6), (4, 8)])
 def test_own_processors_replay_exactly_as_replay(kind: str, p: int, m: int) -> None:
-    v = 2 if kind == "interleaved" else 1
-    schedule = build(kind, p, m, v)
+    schedule = build(kind, p, m, KINDS[kind].default_chunks)
     rng = random.Random(f"{kind}{p}{m}")
     costs: dict[object, float] = {}
 

@@ -3,7 +3,10 @@
 Each of `--stages` workers builds two copies of one GPT (same seed), cut into the same
 stages by plait's `local_stages`: one runs under plait's `PipelineExecutor`, the other
 under torch's `PipelineStage` and the schedule of the same name (`ScheduleGPipe`,
-`Schedule1F1B`, `ScheduleInterleaved1F1B`). Both train with SGD on the same batches. After
+`Schedule1F1B`, `ScheduleInterleaved1F1B`, `ScheduleZBVZeroBubble` for ZB-V). Chimera has
+no peer in torch: it is timed against torch's `Schedule1F1B` on the same model, stages and
+micro-batches (plait's step includes the sum of each part's two replicas' gradients,
+`plait.parallel.replicas`). Both train with SGD on the same batches. After
 warm-up, steps alternate (plait first on even steps, torch first on odd ones) so that
 machine noise hits both alike; a timed step is zero_grad, pipeline step and optimizer
 step, begins after a barrier and lasts as long as its slowest rank. Plait scales each
@@ -30,7 +33,9 @@ if TYPE_CHECKING:
 
 __all__ = ["PipelineBenchConfig", "PipelineBenchResult", "add_arguments", "run", "run_bench"]
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-v", "chimera")
+# torch's schedule each plait schedule is timed against (Chimera has no torch peer)
+_TORCH_PEER = {"chimera": "1f1b"}
 _TOL = 1e-5  # absolute and relative tolerance of "the same loss / gradient" in fp32
 
 
@@ -82,7 +87,7 @@ class PipelineBenchConfig:
     def _check_torch_limits(self) -> None:
         """What torch.distributed.pipelining's schedules refuse, said before workers start."""
         p, m = self.num_stages, self.num_microbatches
-        if self.schedule == "1f1b" and m < p:
+        if self.schedule in ("1f1b", "chimera") and m < p:
             raise ValueError(
                 f"num_microbatches={m} is smaller than stages={p}: torch's Schedule1F1B "
                 f"needs at least {p} micro-batches (or use --schedule gpipe)"
@@ -177,15 +182,18 @@ def run_bench(config: PipelineBenchConfig) -> PipelineBenchResult:
 
     per_rank = launch(_worker, config.num_stages, config)
     reports = [per_rank[r] for r in sorted(per_rank)]
-    last = reports[-1]  # the last stage sits on the last rank in every schedule here
+    # the mean loss over the ranks holding last stages (Chimera: two, with m/2 micro-batches
+    # each for even m; ZB-V: rank 0)
+    plait_losses = [r["plait_loss"] for r in reports if r["plait_loss"] is not None]
+    torch_losses = [r["torch_loss"] for r in reports if r["torch_loss"] is not None]
     return PipelineBenchResult(
         config=config,
         plait_times_s=common.across_ranks([r["plait_times_s"] for r in reports], max),
         torch_times_s=common.across_ranks([r["torch_times_s"] for r in reports], max),
         plait_cpu_s=common.across_ranks([r["plait_cpu_s"] for r in reports], sum),
         torch_cpu_s=common.across_ranks([r["torch_cpu_s"] for r in reports], sum),
-        plait_loss=last["plait_loss"],
-        torch_loss=last["torch_loss"],
+        plait_loss=sum(plait_losses) / len(plait_losses),
+        torch_loss=sum(torch_losses) / len(torch_losses),
         grad_max_diff=max(r["grad_max_diff"] for r in reports),
     )
 
@@ -224,9 +232,7 @@ def _measure(config: PipelineBenchConfig, rank: int, device: torch.device) -> di
                 out[f"{name}_times_s"].append(t.wall_s)
                 out[f"{name}_cpu_s"].append(t.cpu_s)
         if i == 0:
-            out["grad_max_diff"] = common.max_grad_diff(
-                runners["plait"].stages.values(), runners["torch"].stages.values()
-            )
+            out["grad_max_diff"] = common.max_grad_diff(*_same_parts(runners))
     return out
 
 
@@ -241,10 +247,21 @@ def _batch(
     return ids[:, :-1].contiguous().to(device), ids[:, 1:].contiguous().to(device)
 
 
+def _same_parts(runners: dict[str, _Runner]) -> tuple[list[Any], list[Any]]:
+    """The stage modules of both runtimes that compute the same model part on this rank."""
+    plait, torch = runners["plait"], runners["torch"]
+    mine = {plait.schedule.parts[s]: m for s, m in sorted(plait.stages.items())}
+    theirs = {torch.schedule.parts[s]: m for s, m in sorted(torch.stages.items())}
+    shared = sorted(set(mine) & set(theirs))
+    return [mine[k] for k in shared], [theirs[k] for k in shared]
+
+
 class _Runner(ABC):
     """One runtime's copy of the model on this rank: its stages and their optimizer."""
 
-    def __init__(self, config: PipelineBenchConfig, rank: int, device: torch.device) -> None:
+    def __init__(
+        self, config: PipelineBenchConfig, rank: int, device: torch.device, kind: str
+    ) -> None:
         import torch
 
         from plait.models import GPT
@@ -252,14 +269,15 @@ class _Runner(ABC):
         from plait.schedule import build
 
         c = config
-        self.schedule = build(c.schedule, c.num_stages, c.num_microbatches, c.num_chunks)
+        chunks = c.num_chunks if kind == c.schedule else 1
+        self.schedule = build(kind, c.num_stages, c.num_microbatches, chunks)
         torch.manual_seed(c.seed)
         model = GPT(c.gpt_config())
         self.stages = local_stages(model, self.schedule, rank, device=device)
         params = [p for s in self.stages.values() for p in s.parameters()]
         self.optimizer = torch.optim.SGD(params, lr=c.lr)
-        self.has_first = 0 in self.stages
-        self.has_last = self.schedule.num_stages - 1 in self.stages
+        self.has_first = any(self.schedule.is_first(s) for s in self.stages)
+        self.has_last = any(self.schedule.is_last(s) for s in self.stages)
 
     def step(self, x: torch.Tensor, y: torch.Tensor, device: torch.device) -> float | None:
         """zero_grad, one pipeline step, optimizer step; the batch loss on the last rank."""
@@ -278,12 +296,22 @@ class _Runner(ABC):
 
 class _PlaitRunner(_Runner):
     def __init__(self, config: PipelineBenchConfig, rank: int, device: torch.device) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+
         from plait.models import GPT
+        from plait.parallel.replicas import with_replicas
         from plait.runtime import PipelineExecutor
 
-        super().__init__(config, rank, device)
+        super().__init__(config, rank, device, config.schedule)
+        mesh = init_device_mesh(device.type, (config.num_stages,), mesh_dim_names=("pp",))
+        self.grad_sync = with_replicas(None, self.schedule, self.stages, mesh)
         self.executor = PipelineExecutor(
-            self.schedule, dict(self.stages), rank=rank, loss_fn=GPT.loss, device=device
+            self.schedule,
+            dict(self.stages),
+            rank=rank,
+            loss_fn=GPT.loss,
+            device=device,
+            grad_sync=self.grad_sync,
         )
 
     def _pipeline_step(self, x: torch.Tensor, y: torch.Tensor) -> float | None:
@@ -294,6 +322,8 @@ class _PlaitRunner(_Runner):
             split_microbatches(x, m) if self.has_first else None,
             split_microbatches(y, m) if self.has_last else None,
         )
+        if self.grad_sync is not None:  # the sum of replicas' gradients (Chimera)
+            self.grad_sync.finish()
         return float(result.loss) if result.loss is not None else None
 
 
@@ -303,16 +333,19 @@ class _TorchRunner(_Runner):
 
         from plait.models import GPT
 
-        super().__init__(config, rank, device)
+        kind = _TORCH_PEER.get(config.schedule, config.schedule)
+        super().__init__(config, rank, device, kind)
         n, m = self.schedule.num_stages, self.schedule.num_microbatches
         stages: list[Any] = [
             pp.PipelineStage(mod, s, n, device) for s, mod in sorted(self.stages.items())
         ]
-        if config.schedule == "interleaved":
+        if kind == "interleaved":
             self.pipe: Any = pp.ScheduleInterleaved1F1B(stages, m, loss_fn=GPT.loss)
+        elif kind == "zb-v":
+            self.pipe = pp.ScheduleZBVZeroBubble(stages, m, loss_fn=GPT.loss)
         else:
-            kind = pp.ScheduleGPipe if config.schedule == "gpipe" else pp.Schedule1F1B
-            self.pipe = kind(stages[0], m, loss_fn=GPT.loss)
+            single = pp.ScheduleGPipe if kind == "gpipe" else pp.Schedule1F1B
+            self.pipe = single(stages[0], m, loss_fn=GPT.loss)
 
     def _pipeline_step(self, x: torch.Tensor, y: torch.Tensor) -> float | None:
         losses: list[torch.Tensor] = []
@@ -331,7 +364,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--schedule", choices=SCHEDULES, default=d.schedule, help="pipeline schedule of both")
     a("--stages", type=int, default=d.num_stages, help="pipeline ranks (local worker processes)")
     a("--microbatches", type=int, default=d.num_microbatches, help="micro-batches per step")
-    a("--chunks", type=int, help="virtual stages per rank (default: 2 if interleaved, else 1)")
+    a("--chunks", type=int, help="virtual stages per rank (default: 2 if interleaved or zb-v)")
     a("--steps", type=int, default=d.num_steps, help="timed steps of each runtime")
     a("--warmup", type=int, default=d.num_warmup, help="untimed steps of each runtime first")
     a("--layers", type=int, default=d.num_layers, help="GPT transformer layers")

@@ -116,15 +116,18 @@ def _inflight(schedule: Schedule) -> list[int]:
 def _partition(
     blocks: list[BlockCost], schedule: Schedule, cluster: Cluster, plan: SimPlan
 ) -> Partition:
-    """The fastest split whose stages fit; if none fits, the fastest split."""
-    devices = [cluster.device(plan.global_rank(r)) for r in schedule.stage_to_rank]
+    """The fastest split whose stages fit; if none fits, the fastest split. A split into
+    model parts, each placed as its first replica (a stage per part unless replicated)."""
+    first = [schedule.replicas(k)[0] for k in range(schedule.num_parts)]
+    devices = [cluster.device(plan.global_rank(schedule.stage_to_rank[s])) for s in first]
+    inflight = _inflight(schedule)
     try:
         return partition_blocks(
             blocks,
             devices,
             dtype=plan.dtype,
             recompute=plan.recompute,
-            inflight=_inflight(schedule),
+            inflight=[inflight[s] for s in first],
             zero_stage=plan.zero,
             dp=plan.dp,
             optimizer=plan.optimizer,
@@ -146,9 +149,9 @@ def _partition(
 def predict(blocks: list[BlockCost], cluster: Cluster, plan: SimPlan) -> Prediction:
     """Partition `blocks` into the plan's stages and simulate one step on `cluster`."""
     schedule = build_schedule(plan)
-    if len(blocks) < schedule.num_stages:
+    if len(blocks) < schedule.num_parts:
         raise ValueError(
-            f"pp × chunks = {schedule.num_stages} stages but the model has only {len(blocks)} "
+            f"pp × chunks = {schedule.num_parts} stages but the model has only {len(blocks)} "
             "blocks: use fewer pipeline ranks or chunks, or more layers"
         )
     cut = _partition(blocks, schedule, cluster, plan)
@@ -174,7 +177,7 @@ def _check(args: argparse.Namespace, spec: GPTSpec) -> None:
     dtype = normalize_dtype(args.dtype)
     why = schedule_kind(args.schedule).unsupported(tp=args.tp, zero=args.zero, dtype=dtype)
     if why is not None:  # what `plait train` cannot run is no layout to predict
-        raise ValueError(f"--schedule {args.schedule} (asynchronous) with {why}")
+        raise ValueError(f"--schedule {args.schedule} {why}")
     for flag, path in (("--trace", args.trace), ("--plot", args.plot)):
         if path:  # checked now, not after simulating
             check_out(path, flag)

@@ -16,6 +16,7 @@ def clip_grad_norm(
     pp_group: dist.ProcessGroup | None,
     ep_group: dist.ProcessGroup | None = None,
     ep_params: list[nn.Parameter] | None = None,
+    uncounted: list[nn.Parameter] | None = None,
 ) -> torch.Tensor:
     """Clip the gradients of the whole model to `max_norm`; returns the total norm.
 
@@ -25,15 +26,17 @@ def clip_grad_norm(
     are identical on every dp and tp replica once reduced, so nothing is counted twice.
     Expert parameters sharded over `ep_group` (`ep_params`, from
     `plait.parallel.experts.expert_params`) differ between its ranks: their squared norms
-    are summed over it.
+    are summed over it. `uncounted` parameters are clipped but left out of the norm
+    (replicas of a part on another pipeline, whose gradient another rank counts).
     """
     sharded = {id(p) for p in ep_params or []} if ep_group is not None else set()
     grads = [p.grad for p in params if p.grad is not None]
     device = grads[0].device if grads else torch.device("cpu")
     local = torch.zeros((), device=device, dtype=torch.float32)
     experts = torch.zeros((), device=device, dtype=torch.float32)
+    skip = {id(p) for p in uncounted or []}
     for p in params:
-        if p.grad is None:
+        if p.grad is None or id(p) in skip:
             continue
         norm = torch.linalg.vector_norm(p.grad.float())
         full = getattr(norm, "full_tensor", None)

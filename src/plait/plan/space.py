@@ -250,7 +250,7 @@ class SearchSpace:
             self, "compress", tuple(str(parse_compression(c)) for c in self.compress)
         )
         if not self.schedules:
-            default = kind_names(synchronous=None if self.allow_staleness else True)
+            default = kind_names(synchronous=None if self.allow_staleness else True, searched=True)
             object.__setattr__(self, "schedules", default)
         bad = [s for s in self.schedules if s not in KINDS]
         if bad:

@@ -187,9 +187,10 @@ class PipelineExecutor:
         self._negotiate(inputs)
         base = self.windows * m
         for j in range(m):
-            if inputs is not None and self.needs_inputs:
+            path = self.schedule.path(base + j)  # keep only what a stage of ours consumes
+            if inputs is not None and path[0] in self.stages:
                 self._state.inputs[base + j] = inputs[j]
-            if targets is not None and self.needs_targets:
+            if targets is not None and path[-1] in self.stages:
                 self._state.targets[base + j] = targets[j]
         result = self._run(self.stream.window(), loss_scale)
         self.windows += 1

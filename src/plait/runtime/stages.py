@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,17 +26,23 @@ def local_stages(
 ) -> dict[int, StageModule]:
     """The stage modules of `rank` (global stage -> module), moved to `device`.
 
-    `sizes` gives the blocks per stage (a partition); by default blocks are split equally.
-    The other ranks' blocks are not kept.
+    `sizes` gives the blocks per model part (a partition; a part per stage unless the
+    schedule replicates parts, `Schedule.parts`); by default blocks are split equally.
+    Each replica of a part is a copy of its own, starting from the same weights. The other
+    ranks' blocks are not kept.
     """
     blocks = as_blocks(model)
-    sizes = list(sizes) if sizes is not None else equal_split(len(blocks), schedule.num_stages)
-    if len(sizes) != schedule.num_stages:
-        raise ValueError(
-            f"partition has {len(sizes)} stages but the schedule has {schedule.num_stages}"
-        )
+    num_parts = schedule.num_parts
+    sizes = list(sizes) if sizes is not None else equal_split(len(blocks), num_parts)
+    if len(sizes) != num_parts:
+        raise ValueError(f"partition has {len(sizes)} stages but the schedule has {num_parts}")
     modules = stage_modules(blocks, sizes)
-    return {s: modules[s].to(device) for s in schedule.stages_of(rank)}
+    mine = schedule.stages_of(rank)
+    replicated = num_parts != schedule.num_stages
+    return {
+        s: (copy.deepcopy(modules[schedule.parts[s]]) if replicated else modules[s]).to(device)
+        for s in mine
+    }
 
 
 def split_microbatches(batch: Any, num_microbatches: int) -> list[Any]:

@@ -8,7 +8,13 @@ from plait.schedule.asynchronous import (
     spectrain,
     xpipe,
 )
-from plait.schedule.generators import gpipe, interleaved_1f1b, one_f_one_b, zero_bubble_h1
+from plait.schedule.generators import (
+    gpipe,
+    interleaved_1f1b,
+    one_f_one_b,
+    zero_bubble_h1,
+    zero_bubble_h2,
+)
 from plait.schedule.grid import format_grid, format_program
 from plait.schedule.ir import (
     COMM_OPS,
@@ -31,6 +37,7 @@ from plait.schedule.replay import Event, Replay, replay, unit_duration
 from plait.schedule.stream import RankStream, Unrolled, unroll
 from plait.schedule.validate import ScheduleError, ValidationReport, validate, window_ends
 from plait.schedule.versions import VersionError, WeightPlanner
+from plait.schedule.vshape import chimera, v_placement, zero_bubble_v
 
 __all__ = [
     "COMM_OPS",
@@ -54,6 +61,7 @@ __all__ = [
     "add_communication",
     "add_reductions",
     "build",
+    "chimera",
     "completing_backwards",
     "compute_only",
     "format_grid",
@@ -70,8 +78,11 @@ __all__ = [
     "spectrain",
     "unit_duration",
     "unroll",
+    "v_placement",
     "validate",
     "window_ends",
     "xpipe",
     "zero_bubble_h1",
+    "zero_bubble_h2",
+    "zero_bubble_v",
 ]

@@ -12,7 +12,14 @@ from __future__ import annotations
 from plait.schedule.ir import Action, Op, Schedule
 from plait.schedule.replay import replay
 
-__all__ = ["check_sizes", "gpipe", "interleaved_1f1b", "one_f_one_b", "zero_bubble_h1"]
+__all__ = [
+    "check_sizes",
+    "gpipe",
+    "interleaved_1f1b",
+    "one_f_one_b",
+    "zero_bubble_h1",
+    "zero_bubble_h2",
+]
 
 
 def check_sizes(num_stages: int, num_microbatches: int, num_chunks: int = 1) -> None:
@@ -146,18 +153,44 @@ def zero_bubble_h1(num_stages: int, num_microbatches: int) -> Schedule:
     With unequal costs the order stays the same but is no longer optimal.
     """
     check_sizes(num_stages, num_microbatches)
-    p, m = num_stages, num_microbatches
-    state = _ZeroBubbleState(p, m)
+    p = num_stages
+    return _zero_bubble("zb-h1", p, num_microbatches, [p - r for r in range(p)], p)
+
+
+def zero_bubble_h2(num_stages: int, num_microbatches: int) -> Schedule:
+    """ZB-H2 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024, section 2.2).
+
+    ZB-H1's list scheduling with the memory limit raised so that more forwards fill the
+    warm-up: rank r holds up to 2(p - r) - 1 micro-batches between F and BI, and up to
+    2p - 1 between F and BW (the paper's peak of (2p - 1) micro-batches' activations, on
+    every rank). Under unit costs (t_F = t_BI = t_BW = 1) and m >= 2p - 1, rank r then
+    computes without a gap from time r to r + 3m: the paper's ZB-H2 bubble
+    (p - 1)(t_F + t_BI - 2 t_BW) = 0 inside each rank's span. With the optimizer step
+    after a flush the step still takes 3m + p - 1 (rank p - 1 cannot start before p - 1
+    forwards have reached it), as ZB-H1's; the paper's zero-bubble step also needs its
+    "post-validation" optimizer, which lets rank 0 start the next step at 3m and which
+    plait does not do. With m < 2p - 1 the warm-up is shorter and gaps remain.
+    """
+    check_sizes(num_stages, num_microbatches)
+    p = num_stages
+    limits = [2 * (p - r) - 1 for r in range(p)]
+    return _zero_bubble("zb-h2", p, num_microbatches, limits, 2 * p - 1)
+
+
+def _zero_bubble(kind: str, p: int, m: int, to_bi: list[int], to_bw: int) -> Schedule:
+    """List scheduling of a split backward under unit costs (see `zero_bubble_h1`): rank
+    r holds at most `to_bi[r]` micro-batches between F and BI and `to_bw` between F and BW."""
+    state = _ZeroBubbleState(p, m, to_bi, to_bw)
     t = 0
     while state.remaining:
         if t > 3 * m * p + p:  # longer than running everything serially
-            raise AssertionError(f"zb-h1 list scheduling made no progress for p={p} m={m}")
+            raise AssertionError(f"{kind} list scheduling made no progress for p={p} m={m}")
         picks = [state.pick(r, t) for r in range(p)]  # all decided on the state at t
         for r, op in enumerate(picks):
             if op is not None:
                 state.run(r, op, t)
         t += 1
-    return _schedule("zb-h1", p, m, state.programs)
+    return _schedule(kind, p, m, state.programs)
 
 
 # Enum members looked up once: `Op.F` costs a class attribute look-up each time.
@@ -165,10 +198,12 @@ _OP_F, _OP_BI, _OP_BW = Op.F, Op.BI, Op.BW
 
 
 class _ZeroBubbleState:
-    """Progress of ZB-H1's list scheduling: per rank, counts and end times of F, BI, BW."""
+    """Progress of a zero-bubble list scheduling: per rank, counts and end times of F, BI,
+    BW, and the limits on micro-batches held (`_zero_bubble`)."""
 
-    def __init__(self, p: int, m: int) -> None:
+    def __init__(self, p: int, m: int, to_bi: list[int], to_bw: int) -> None:
         self.p, self.m = p, m
+        self.to_bi, self.to_bw = to_bi, to_bw
         never = 3 * m * p + p + 2  # a time later than any step
         self.f_end = [[never] * m for _ in range(p)]
         self.bi_end = [[never] * m for _ in range(p)]
@@ -179,7 +214,12 @@ class _ZeroBubbleState:
     def pick(self, r: int, t: int) -> Op | None:
         p, m = self.p, self.m
         j, i, w = self.nf[r], self.nbi[r], self.nbw[r]
-        if j < m and j - i < p - r and j - w < p and (r == 0 or self.f_end[r - 1][j] <= t):
+        if (
+            j < m
+            and j - i < self.to_bi[r]
+            and j - w < self.to_bw
+            and (r == 0 or self.f_end[r - 1][j] <= t)
+        ):
             return _OP_F
         if i < j and (r == p - 1 or self.bi_end[r + 1][i] <= t):
             return _OP_BI

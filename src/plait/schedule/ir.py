@@ -14,8 +14,11 @@ training step.
 
 Data flows along a stage graph: `pipelines` lists the stages each pipeline visits in
 order (one pipeline through every stage by default); micro-batch x runs through pipeline
-``x mod len(pipelines)``. Both the runtime and the simulator consume this data; nothing
-here knows how an action is carried out.
+``x mod len(pipelines)``. Several pipelines of equal length that cover every stage run
+the same model (Chimera's two directions): a stage computes the model part at its
+position in its pipeline (`parts`), and the stages of one part are replicas of it whose
+gradients are summed before its update. Both the runtime and the simulator consume this
+data; nothing here knows how an action is carried out.
 """
 
 from __future__ import annotations
@@ -233,6 +236,32 @@ class Schedule:
         """The stages micro-batch `microbatch` visits, in order."""
         pipelines = self.graph[0]
         return pipelines[microbatch % len(pipelines)]
+
+    @cached_property
+    def parts(self) -> tuple[int, ...]:
+        """Per stage, the part of the model it computes (a partition has `num_parts`
+        entries): its position in its pipeline when several pipelines of equal length
+        cover every stage (replicas of one model); else the stage itself."""
+        pipelines = self.graph[0]
+        length = len(pipelines[0])
+        if len(pipelines) == 1 or any(len(q) != length for q in pipelines):
+            return tuple(range(self.num_stages))
+        if length * len(pipelines) != self.num_stages:
+            return tuple(range(self.num_stages))
+        out = [0] * self.num_stages
+        for pipeline in pipelines:
+            for position, stage in enumerate(pipeline):
+                out[stage] = position
+        return tuple(out)
+
+    @property
+    def num_parts(self) -> int:
+        """Distinct model parts the stages compute (`num_stages` unless replicated)."""
+        return max(self.parts, default=-1) + 1
+
+    def replicas(self, part: int) -> tuple[int, ...]:
+        """The stages that compute model part `part`, in increasing order."""
+        return tuple(s for s, k in enumerate(self.parts) if k == part)
 
     # ------------------------------------------------------------------ stream
     @cached_property

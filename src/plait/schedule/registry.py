@@ -14,6 +14,7 @@ from math import ceil
 
 from plait.schedule import asynchronous as asy
 from plait.schedule import generators as gen
+from plait.schedule import vshape
 from plait.schedule.ir import Schedule
 from plait.schedule.passes import add_communication, add_reductions
 from plait.schedule.validate import validate
@@ -50,6 +51,11 @@ class ScheduleKind:
     versions: PerStage = _one
     copies: PerStage = _none
     staleness: str = ""  # what an asynchronous kind's stale weights cost, for explanations
+    exact_chunks: int = 0  # the only num_chunks a chunked kind takes (0: any >= 2)
+    # whether the planner searches it unless asked (its estimates model the kind)
+    searched: bool = True
+    # several pipelines run replicas of the same parts (Schedule.parts), summed per step
+    replicated: bool = False
 
     @property
     def synchronous(self) -> bool:
@@ -58,13 +64,29 @@ class ScheduleKind:
 
     @property
     def default_chunks(self) -> int:
-        return 2 if self.chunked else 1
+        return self.exact_chunks or (2 if self.chunked else 1)
 
     def unsupported(self, *, tp: int, zero: int, dtype: str) -> str | None:
         """Why this kind cannot run with tensor degree `tp`, ZeRO stage `zero` and `dtype`
-        (weight copies per stage, each stage updating at its own time), or None."""
+        (weight copies per stage, each stage updating at its own time; replicas of a part
+        summed), or None; the reason begins with what kind of schedule it is."""
+        if self.replicated:
+            why = self._unsupported_replicas(tp=tp, zero=zero)
+            return None if why is None else f"(replicated stages) with {why}"
         if self.synchronous:
             return None
+        why = self._unsupported_copies(tp=tp, zero=zero, dtype=dtype)
+        return None if why is None else f"(asynchronous) with {why}"
+
+    @staticmethod
+    def _unsupported_replicas(*, tp: int, zero: int) -> str | None:
+        if tp > 1:
+            return f"tp={tp}: the sum of a part's replicas runs on whole tensors; use tp=1"
+        if zero >= 2:
+            return f"zero={zero}: FSDP-sharded replicas are not summed; use zero<=1"
+        return None
+
+    def _unsupported_copies(self, *, tp: int, zero: int, dtype: str) -> str | None:
         if tp > 1:
             return f"tp={tp}: weight copies of tensor-parallel shards are not supported; use tp=1"
         if zero >= 2:
@@ -82,6 +104,11 @@ class ScheduleKind:
         """`num_chunks`, or the default; an error for chunks this kind does not take."""
         if num_chunks is None:
             return self.default_chunks
+        if self.exact_chunks and num_chunks != self.exact_chunks:
+            raise ValueError(
+                f"chunks={num_chunks}: {self.name} places exactly {self.exact_chunks} stages "
+                f"on each rank; use chunks={self.exact_chunks}"
+            )
         if self.chunked and num_chunks < 2:
             raise ValueError(
                 f"chunks={num_chunks}: {self.name} needs >= 2 virtual stages per rank; or use 1f1b"
@@ -131,6 +158,35 @@ KINDS: dict[str, ScheduleKind] = {
             "ZB-H1: backward split into input and weight halves that fill the bubble",
             lambda p, m, v, r: float(min(p, m)),
             split_backward=True,
+        ),
+        ScheduleKind(
+            "zb-h2",
+            lambda p, m, v: gen.zero_bubble_h2(p, m),
+            "sync",
+            "ZB-H2: zero-bubble split backward with up to 2p-1 micro-batches in flight",
+            lambda p, m, v, r: float(min(2 * p - 1, m)),
+            split_backward=True,
+            searched=False,
+        ),
+        ScheduleKind(
+            "zb-v",
+            vshape.zero_bubble_v,
+            "sync",
+            "ZB-V: zero-bubble split backward on two stages per rank placed in a V",
+            lambda p, m, v, r: float(min(p, m)),
+            chunked=True,
+            split_backward=True,
+            exact_chunks=2,
+            searched=False,
+        ),
+        ScheduleKind(
+            "chimera",
+            vshape.chimera,
+            "sync",
+            "Chimera: two pipelines in opposite directions, a replica of two stages per rank",
+            lambda p, m, v, r: float(min(p, m)),
+            searched=False,
+            replicated=True,
         ),
         ScheduleKind(
             "pipedream",
@@ -189,11 +245,15 @@ KINDS: dict[str, ScheduleKind] = {
 }
 
 
-def kind_names(*, synchronous: bool | None = None) -> tuple[str, ...]:
+def kind_names(*, synchronous: bool | None = None, searched: bool | None = None) -> tuple[str, ...]:
     """The kinds' names, in registry order; only the synchronous (or asynchronous) ones
-    when `synchronous` is given."""
+    when `synchronous` is given, only those the planner searches by default (or not)
+    when `searched` is."""
     return tuple(
-        k.name for k in KINDS.values() if synchronous is None or k.synchronous == synchronous
+        k.name
+        for k in KINDS.values()
+        if (synchronous is None or k.synchronous == synchronous)
+        and (searched is None or k.searched == searched)
     )
 
 

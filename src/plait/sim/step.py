@@ -67,13 +67,18 @@ def simulate(
     plan: SimPlan,
 ) -> SimResult:
     """Predict one step of `plan` running `schedule` with `stages[s]` as the cost of
-    (virtual) stage s, on the first dp·tp·pp ranks of `cluster`.
+    (virtual) stage s, or of model part s when the schedule replicates parts (Chimera:
+    each replica costs as its part; the sum of replica gradients is not modelled), on the
+    first dp·tp·pp ranks of `cluster`.
 
     Replicas on identical hardware are replayed once. The step ends when the slowest
     replica's last optimizer step ends (for an asynchronous schedule: the slowest
     replica's window period in the steady state); memory is checked on every global rank.
     """
-    stage_list = [StageCost.of(s) for s in stages]
+    parts = [StageCost.of(s) for s in stages]
+    stage_list = parts
+    if len(parts) == schedule.num_parts != schedule.num_stages:  # a cost per model part:
+        stage_list = [parts[k] for k in schedule.parts]  # replicas cost as their part
     _check(schedule, len(stage_list), cluster, plan)
     cache: dict[tuple[object, ...], ReplicaRun] = {}
     runs = []
@@ -85,7 +90,7 @@ def simulate(
     worst = max(cache.values(), key=lambda run: run.step_time_s)
     step = worst.step_time_s  # a synchronous step, or an asynchronous window in steady state
     m = plan.microbatches
-    model_flops = sum(st.model_flops for st in stage_list) * m * plan.tp * plan.dp
+    model_flops = sum(st.model_flops for st in parts) * m * plan.tp * plan.dp
     peak = sum(cluster.device(g).peak(plan.dtype) for g in range(plan.num_devices))
     span = worst.pipeline_time_s
     return SimResult(

@@ -47,6 +47,7 @@ from plait.parallel import (
     shard_experts,
 )
 from plait.parallel.compress import hook_for
+from plait.parallel.replicas import uncounted_params, with_replicas
 from plait.parallel.sync import GradSync
 from plait.runtime import PipelineExecutor, StepResult, local_stages, split_microbatches
 from plait.runtime.evaluate import MetricFn
@@ -128,6 +129,7 @@ class Engine:
         self.stages, self.optimizers = stages, optimizers
         self.grad_sync, self.device, self.grad_clip = grad_sync, device, grad_clip
         self.params = [p for s in stages.values() for p in s.parameters() if p.requires_grad]
+        self.uncounted = uncounted_params(schedule, stages)  # replicas: a part counts once
         self.scaler = LossScaler() if plan.dtype == "fp16" else None
         self.dp_index = mesh.get_local_rank("dp")
         self.synchronous = schedule.policy == "sync"
@@ -302,7 +304,8 @@ class Engine:
         if skipped or self.grad_clip is None:
             return skipped, None
         norm = clip_grad_norm(self.params, self.grad_clip, pp_group=self._pp_group,
-                              ep_group=self.ep_group, ep_params=self.ep_params)  # fmt: skip
+                              ep_group=self.ep_group, ep_params=self.ep_params,
+                              uncounted=self.uncounted)  # fmt: skip
         return False, float(norm)
 
     def _clip_stage(self, stage: int) -> float | None:
@@ -483,6 +486,7 @@ def parallelize(
             hook=hook,
             hook_state=state,
         )
+    grad_sync = with_replicas(grad_sync, schedule, stages, mesh)  # Chimera's replica sums
     optimizers = {
         s: _optimizer(
             optimizer_factory,

@@ -294,10 +294,11 @@ def gathered_model(engine: Any, task: Task, partition: Any, rank: int) -> nn.Mod
 
     from plait.parallel.experts import expert_param_names
 
-    states = {s: _full_state(m) for s, m in engine.stages.items()}
+    parts = engine.schedule.parts  # replicas of a part (Chimera) hold the same weights
+    states = {parts[s]: _full_state(m) for s, m in engine.stages.items()}
     expert = getattr(getattr(engine, "meshes", None), "expert", None)
     ep_index = expert.get_local_rank("ep") if expert is not None else 0
-    sliced = {s: expert_param_names(m) for s, m in engine.stages.items()} if expert else {}
+    sliced = {parts[s]: expert_param_names(m) for s, m in engine.stages.items()} if expert else {}
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (ep_index, states, sliced))
     if rank != 0:
