@@ -50,6 +50,10 @@ SHORTEST = {
     "bench moe": ["--workers", "1,2", "--tokens", "16", "--hidden", "16", "--ffn", "24",
                   "--experts", "4", "--steps", "1", "--warmup", "0"],
     "experiment staleness": ["--stages", "1,2", "--microbatches", "2", "--budget", "4"],
+    # the measured halves train for real in tests/dist/test_experiment_seeds.py
+    "experiment dp-vs-gpipe": ["--predict-only"],
+    "experiment data-movement": ["--predict-only", "--models", "mobilenet_v2"],
+    "experiment all": ["--predict-only", "--movement-models", "mobilenet_v2"],
 }  # fmt: skip
 # the checkpointed run `plait checkpoint` reads, trained for real on a small model
 CHECKPOINTED = "--run-dir runs/ck"

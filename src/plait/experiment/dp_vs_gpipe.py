@@ -72,8 +72,11 @@ class PaperSetup:
         for name in ("images", "epochs", "batch_size", "chunks"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
-        if not (self.loader_samples_per_s > 0 and self.dispatch_s >= 0):
-            raise ValueError("loader_samples_per_s must be > 0 and dispatch_s >= 0")
+        if not (self.loader_samples_per_s > 0 and math.isfinite(self.loader_samples_per_s)):
+            raise ValueError(f"loader_samples_per_s={self.loader_samples_per_s} (--loader-rate) "
+                             "must be a positive number of samples per second")  # fmt: skip
+        if not (self.dispatch_s >= 0 and math.isfinite(self.dispatch_s)):
+            raise ValueError(f"dispatch_s={self.dispatch_s} must be >= 0 seconds")
         if not self.gpus or min(self.gpus) < 1:
             raise ValueError(f"gpus={list(self.gpus)}: give GPU counts >= 1")
 

@@ -80,6 +80,7 @@ def run_all(out: Path, *, dp: dg.DpGpipeConfig, movement: dm.DataMovementConfig,
     store.put("data_movement", result)
     saved = store.data.get("staleness", {}).get("config", {})
     wanted = plain(asdict(staleness)) if staleness is not None else {}
+    wanted.pop("lr", None)  # saved as the rate used, not as asked (None: the default)
     if staleness is not None and any(saved.get(k) != v for k, v in wanted.items()):
         from plait.experiment import staleness as st
 
@@ -257,6 +258,10 @@ def _plots(data: dict[str, Any], out: Path) -> list[str] | str:
         names.append("dp_vs_gpipe.png")
     if "data_movement" in data:
         names.append(_movement_plot(plt, data["data_movement"]["predicted"]["rows"], out))
+    dp_cells = data.get("dp_vs_gpipe", {}).get("measured", {})
+    dm_cells = data.get("data_movement", {}).get("measured", {})
+    if dp_cells and dm_cells:
+        names.append(_measured_plot(plt, dp_cells, dm_cells, out))
     if "staleness" in data and "runs" in data["staleness"]:
         names.append(_staleness_plot(plt, data["staleness"], out))
     return names
@@ -279,6 +284,34 @@ def _movement_plot(plt: Any, rows: list[dict[str, Any]], out: Path) -> str:
     fig.savefig(out / "data_movement.png", dpi=110)
     plt.close(fig)
     return "data_movement.png"
+
+
+def _measured_plot(plt: Any, dp_cells: dict[str, Any], dm_cells: dict[str, Any],
+                   out: Path) -> str:  # fmt: skip
+    """Measured here: seconds of each training run; I + M shares without and with remedies."""
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    keys = sorted(dp_cells)
+    axes[0].bar(range(len(keys)), [dp_cells[k]["seconds"] for k in keys],
+                color=["C0" if k.startswith("ddp") else "C1" for k in keys])  # fmt: skip
+    axes[0].set_xticks(range(len(keys)), keys, rotation=45, ha="right", fontsize=7)
+    axes[0].set_ylabel("training seconds here")
+    axes[0].set_title("ResNet-18 here: DDP (blue) vs GPipe (orange)", fontsize=9)
+    keys = sorted(dm_cells)
+    x = range(len(keys))
+    for offset, variant, color in ((-0.2, "base", "C3"), (0.2, "remedy", "C2")):
+        i = [dm_cells[k][variant]["I"] for k in keys]
+        m = [dm_cells[k][variant]["M"] for k in keys]
+        axes[1].bar([v + offset for v in x], i, width=0.4, color=color, label=f"I ({variant})")
+        axes[1].bar([v + offset for v in x], m, width=0.4, bottom=i, color=color, alpha=0.45,
+                    label=f"M ({variant})")  # fmt: skip
+    axes[1].set_xticks(list(x), keys, rotation=45, ha="right", fontsize=7)
+    axes[1].set_ylabel("% of step time here")
+    axes[1].legend(fontsize=7)
+    axes[1].set_title("data movement here: baseline vs remedies", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out / "measured.png", dpi=110)
+    plt.close(fig)
+    return "measured.png"
 
 
 def _staleness_plot(plt: Any, data: dict[str, Any], out: Path) -> str:
