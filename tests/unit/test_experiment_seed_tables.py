@@ -163,3 +163,24 @@ def test_dp_config_refuses_bad_values(fields: dict, named: str) -> None:
 def test_movement_config_refuses_bad_values(fields: dict, named: str) -> None:
     with pytest.raises(ValueError, match=named):
         dm.DataMovementConfig(**fields)
+
+
+def test_a_gpipe_task_cost_follows_gpipes_closed_form(resnet18_work: list) -> None:
+    """On infinitely fast devices and links only the per-task cost t is left: GPipe's step
+    is (m + p - 1) ticks of forward t plus backward 2t (torchgpipe recomputes the forward,
+    task included), as its schedule's closed form says; `implied_task_s` inverts it."""
+    base = load_cluster("dgx-a100-80gb")
+    group = base.groups[0]
+    fast = dataclasses.replace(group.device, peak_flops={"fp32": 1e30},
+                               memory_bandwidth_Bps=1e30)  # fmt: skip
+    link = dataclasses.replace(group.intra_node, latency_s=0.0, bandwidth_Bps=1e30)
+    cluster = dataclasses.replace(base, groups=(dataclasses.replace(group, device=fast,
+                                                                    intra_node=link),))  # fmt: skip
+    m, p, t = 8, 4, 1e-3
+    setup = dg.PaperSetup(loader_samples_per_s=1e30, dispatch_s=0.0, chunks=m, task_s=t)
+    cell = dg.predict_cell(cluster, setup, resnet18_work, method="gpipe", gpus=p, dtype="fp32")
+    assert cell["gpu_step_s"] == pytest.approx((m + p - 1) * 3 * t, rel=1e-6)
+    free = dataclasses.replace(setup, task_s=0.0)
+    implied = dg.implied_task_s(cluster, free, resnet18_work, gpus=p, dtype="fp32",
+                                seconds=cell["seconds"])  # fmt: skip
+    assert implied == pytest.approx(t, rel=1e-6)
