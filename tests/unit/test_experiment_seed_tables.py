@@ -183,4 +183,4 @@ def test_a_gpipe_task_cost_follows_gpipes_closed_form(resnet18_work: list) -> No
     free = dataclasses.replace(setup, task_s=0.0)
     implied = dg.implied_task_s(cluster, free, resnet18_work, gpus=p, dtype="fp32",
                                 seconds=cell["seconds"])  # fmt: skip
-    assert implied == pytest.approx(t, rel=1e-6)
+    assert implied == pytest.approx(t, rel=1e-4)

@@ -230,7 +230,8 @@ def _timed_steps(rank: int, world: int, config: DataMovementConfig, model_name: 
             flat.copy_(wire.float() / world)
         t3 = time.perf_counter()
         opt.step()
-        rows.append((t1 - t0, t3 - t2, time.perf_counter() - t0))
+        reduce_s = t3 - t2 if world > 1 else 0.0  # one worker reduces nothing
+        rows.append((t1 - t0, reduce_s, time.perf_counter() - t0))
     if prefetch is not None:
         prefetch.close()
     timed = rows[config.warmup :]
