@@ -567,6 +567,7 @@ def _seed_table_cases() -> list[Case]:
         (dm, ("--batch-size", "5"), "batch_size"), (dm, ("--cluster", "bogus"), "bogus"),
         (dm, ("--steps", "x"), "--steps"), (every, ("--staleness-stages", "0"), "stages"),
         (every, ("--movement-models", "alexnet"), "alexnet"),
+        (every, ("--staleness-layers", "0"), "num_layers"),
         (("experiment", "all"), (), "--out"),
         (("experiment", "all", "--out", "a-file"), (), "a-file"),
     ]  # fmt: skip

@@ -35,6 +35,7 @@ def add_seed_experiments(experiments: argparse._SubParsersAction) -> None:  # ty
     a("--staleness-stages", default="1,2,4", help="staleness: pipeline depths (1,2,4)")
     a("--staleness-schedules", default="1f1b,pipedream,2bw", help="staleness: schedule kinds")
     a("--staleness-budget", default="160", help="staleness: micro-batches per run (160)")
+    a("--staleness-layers", default="6", help="staleness: the GPT's layers (6)")
     a("--no-staleness", action="store_true", help="leave the staleness experiment out")
     _predict_only(p)
     a("--quiet", action="store_true", help="no progress lines")
@@ -213,6 +214,7 @@ def _run_all(args: argparse.Namespace) -> int:
             stages=tuple(sorted(_ints("staleness-stages", args.staleness_stages))),
             schedules=_names(args.staleness_schedules),
             budget=_number("staleness-budget", args.staleness_budget, int),
+            num_layers=_number("staleness-layers", args.staleness_layers, int),
         )  # fmt: skip
     out = Path(args.out)
     if out.exists() and not out.is_dir():
