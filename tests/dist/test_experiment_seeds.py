@@ -58,7 +58,9 @@ def test_dp_vs_gpipe_measures_both_ways_and_predicts_the_paper(
                 )
             assert set(row["plait"]) == {"1f1b", "interleaved", "planner"}
         assert set(table["median_error"]) == {"ddp", "gpipe"}
-    assert len(result["predicted"]["findings"]) == 4
+    findings = result["predicted"]["findings"]
+    assert [f.split(":")[0] for f in findings[:4]] == [f"{g} GPUs" for g in (2, 4, 6, 8)]
+    assert "host time per (micro-batch, stage) task" in findings[4]
 
 
 def test_data_movement_measures_baseline_and_remedies(
