@@ -55,6 +55,10 @@ SHORTEST = {
     "bench hetpipe": ["--workers", "2", "--slow", "1", "--steps", "2", "--turn", "1",
                       "--window", "1", *_TINY, "--heads", "2", "--batch-size", "8"],
     "experiment staleness": ["--stages", "1,2", "--microbatches", "2", "--budget", "4"],
+    # the measured halves train for real in tests/dist/test_experiment_seeds.py
+    "experiment dp-vs-gpipe": ["--predict-only"],
+    "experiment data-movement": ["--predict-only", "--models", "mobilenet_v2"],
+    "experiment all": ["--predict-only", "--movement-models", "mobilenet_v2"],
 }  # fmt: skip
 
 

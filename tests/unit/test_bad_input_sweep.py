@@ -559,7 +559,30 @@ def _experiment_cases() -> list[Case]:
         (("--seed", "-1"), "seed"), (("--seed", "1.5"), "--seed"), (("--plot", "folder"), "--plot"),
         (("--plot", "nowhere/x.png"), "--plot"),
     ]  # fmt: skip
-    return [_case(*base, *argv, names=names) for argv, names in items]
+    return [_case(*base, *argv, names=names) for argv, names in items] + _seed_table_cases()
+
+
+def _seed_table_cases() -> list[Case]:
+    dp, dm, every = (
+        ("experiment", "dp-vs-gpipe"),
+        ("experiment", "data-movement"),
+        ("experiment", "all", "--out", "out"),
+    )
+    items = [
+        (dp, ("--workers", "x"), "--workers"), (dp, ("--workers", "0"), "workers"),
+        (dp, ("--epochs", "0"), "epochs"), (dp, ("--data", "imagenet"), "imagenet"),
+        (dp, ("--data", "cifar100:nowhere"), "nowhere"), (dp, ("--dtype", "fp8"), "fp8"),
+        (dp, ("--images", "0"), "train_images"), (dp, ("--paper-cluster", "bogus"), "bogus"),
+        (dp, ("--paper-chunks", "0"), "chunks"), (dp, ("--loader-rate", "-1"), "--loader-rate"),
+        (dm, ("--models", "alexnet"), "alexnet"), (dm, ("--workers", "0"), "workers"),
+        (dm, ("--batch-size", "5"), "batch_size"), (dm, ("--cluster", "bogus"), "bogus"),
+        (dm, ("--steps", "x"), "--steps"), (every, ("--staleness-stages", "0"), "stages"),
+        (every, ("--movement-models", "alexnet"), "alexnet"),
+        (every, ("--staleness-layers", "0"), "num_layers"),
+        (("experiment", "all"), (), "--out"),
+        (("experiment", "all", "--out", "a-file"), (), "a-file"),
+    ]  # fmt: skip
+    return [_case(*base, *argv, names=names) for base, argv, names in items]
 
 
 def _train_combination_cases() -> list[Case]:
@@ -664,6 +687,10 @@ def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
                    plait.bench.sim_accuracy):  # fmt: skip
         monkeypatch.setattr(module, "run_bench", _refuse_work)
     monkeypatch.setattr(plait.experiment.staleness, "run_experiment", _refuse_work)
+    for name in ("dp_vs_gpipe", "data_movement"):
+        monkeypatch.setattr(importlib.import_module(f"plait.experiment.{name}"),
+                            "run_experiment", _refuse_work)  # fmt: skip
+    monkeypatch.setattr(importlib.import_module("plait.experiment.report"), "run_all", _refuse_work)
     monkeypatch.setattr(plait.cli.profile, "_measure", _refuse_work)
     # plait.train re-exports the function `launch` under its module's name
     monkeypatch.setattr(importlib.import_module("plait.train.launch"), "launch", _refuse_work)

@@ -4,6 +4,7 @@
 how many epochs each needs to a target validation loss (seed 003 §4: 16 GPUs needed 52
 epochs where 1 needed 30). Limits: those of `plait.experiment.staleness` (a character-level
 GPT, a budget of a few epochs); `--stages ... --json` prints exactly one JSON line.
+`dp-vs-gpipe`, `data-movement` and `all` live in `plait.cli.experiment_seeds`.
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     )
     _staleness_arguments(sp)
     sp.set_defaults(func=_run_staleness)
+    from plait.cli.experiment_seeds import add_seed_experiments
+
+    add_seed_experiments(experiments)
 
 
 def _staleness_arguments(p: argparse.ArgumentParser) -> None:

@@ -1,0 +1,186 @@
+"""Seeds 001 and 003's tables as the simulator predicts them (`plait experiment dp-vs-gpipe`
+and `data-movement`): work counted from the models matches the convolution formula, the
+ImageNet models have torchvision's parameter counts, predictions follow the cluster and
+the setup they are given (not constants), and bad settings are refused by name. No
+process is started: the measured halves run in tests/dist/test_experiment_seeds.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from plait.cluster import load_cluster
+from plait.experiment import data_movement as dm
+from plait.experiment import dp_vs_gpipe as dg
+from plait.experiment.work import count_work, median_abs_error, relative_error
+from plait.models.imagenet import build_imagenet_model
+from plait.models.resnet import ResNet18
+
+
+def _reference_forward_flops(model: nn.Module, shape: tuple[int, ...]) -> float:
+    """2 × multiply-adds of every convolution and linear layer, from their output shapes."""
+    total = 0.0
+
+    def hook(module: nn.Module, inputs: object, output: torch.Tensor) -> None:
+        nonlocal total
+        if isinstance(module, nn.Conv2d):
+            kh, kw = module.kernel_size
+            per_out = kh * kw * module.in_channels // module.groups
+            total += 2.0 * per_out * output.numel()
+        elif isinstance(module, nn.Linear):
+            total += 2.0 * module.in_features * module.out_features * output.shape[0]
+
+    handles = [m.register_forward_hook(hook) for m in model.modules()]
+    model.eval()  # batch norm over one sample of 1×1 features is refused in training mode
+    with torch.no_grad():
+        model(torch.zeros(1, *shape))
+    for h in handles:
+        h.remove()
+    return total
+
+
+@pytest.mark.parametrize(
+    ("build", "shape"),
+    [
+        (lambda: ResNet18(width=4, num_classes=10), (3, 32, 32)),
+        (lambda: build_imagenet_model("mobilenet_v2", width_mult=0.25, num_classes=10),
+         (3, 32, 32)),
+        (lambda: build_imagenet_model("resnet50", width_mult=0.125, num_classes=10), (3, 32, 32)),
+    ],
+)  # fmt: skip
+def test_counted_forward_flops_match_the_convolution_formula(build: object, shape: tuple) -> None:
+    torch.manual_seed(0)
+    reference = _reference_forward_flops(build(), shape)  # type: ignore[operator]
+    work = count_work(build(), shape)  # type: ignore[operator]
+    assert math.isclose(sum(w.forward_flops for w in work), reference, rel_tol=1e-9)
+    assert sum(w.num_params for w in work) == sum(p.numel() for p in build().parameters())  # type: ignore[operator]
+
+
+@pytest.mark.parametrize(
+    ("name", "millions"),
+    # torchvision's model cards: parameters of resnet34, resnet50, vgg19, mobilenet_v2
+    [("resnet34", 21.798), ("resnet50", 25.557), ("vgg19", 143.667), ("mobilenet_v2", 3.505)],
+)
+def test_imagenet_models_have_torchvisions_parameter_counts(name: str, millions: float) -> None:
+    with torch.device("meta"):
+        model = build_imagenet_model(name)
+    assert round(sum(p.numel() for p in model.parameters()) / 1e6, 3) == millions
+    assert len(model.blocks()) >= 6  # type: ignore[operator]
+
+
+def test_error_helpers() -> None:
+    assert relative_error(90.0, 100.0) == pytest.approx(0.1)
+    assert relative_error(None, 100.0) is None and relative_error(1.0, None) is None
+    assert median_abs_error([0.1, None, 0.3, 0.2]) == pytest.approx(0.2)
+    assert median_abs_error([None]) is None
+
+
+@pytest.fixture(scope="module")
+def resnet18_work() -> list:
+    return count_work(ResNet18(width=64, num_classes=100), (3, 32, 32))
+
+
+def _cell(setup: dg.PaperSetup, work: list, cluster: object = None, **kw: object) -> dict:
+    cluster = cluster or load_cluster(setup.cluster)
+    return dg.predict_cell(cluster, setup, work, **kw)  # type: ignore[arg-type]
+
+
+def test_input_bound_ddp_takes_the_loaders_time(resnet18_work: list) -> None:
+    setup = dg.PaperSetup(loader_samples_per_s=50.0)  # far slower than the GPUs
+    cell = _cell(setup, resnet18_work, method="ddp", gpus=4, dtype="fp32")
+    steps = setup.epochs * math.ceil(setup.images / setup.batch_size)
+    assert cell["bound"] == "input"
+    assert cell["seconds"] == pytest.approx(steps * (setup.batch_size / 4) / 50.0)
+
+
+def test_predictions_move_with_the_cluster(resnet18_work: list) -> None:
+    """GPU-bound (a fast loader, no dispatch cost): slower devices or links, slower steps."""
+    setup = dg.PaperSetup(loader_samples_per_s=1e12, dispatch_s=0.0)
+    base = load_cluster(setup.cluster)
+    group = base.groups[0]
+    slow_device = dataclasses.replace(group.device, efficiency=group.device.efficiency / 4)
+    slower = dataclasses.replace(base, groups=(dataclasses.replace(group, device=slow_device),))
+    thin_link = dataclasses.replace(group.intra_node, bandwidth_Bps=1e8)
+    thin = dataclasses.replace(base, groups=(dataclasses.replace(group, intra_node=thin_link),))
+    for method in ("ddp", "gpipe"):
+        fast = _cell(setup, resnet18_work, base, method=method, gpus=4, dtype="fp32")
+        slow = _cell(setup, resnet18_work, slower, method=method, gpus=4, dtype="fp32")
+        narrow = _cell(setup, resnet18_work, thin, method=method, gpus=4, dtype="fp32")
+        assert fast["bound"] == "gpu"
+        assert slow["seconds"] > 2 * fast["seconds"]
+        assert narrow["seconds"] > fast["seconds"]
+
+
+def test_more_chunks_shrink_the_gpipe_bubble(resnet18_work: list) -> None:
+    """GPipe's bubble (p - 1)/(m + p - 1) of the step: more micro-batches, less idle time."""
+    gpu = {}
+    for chunks in (4, 32):
+        setup = dg.PaperSetup(loader_samples_per_s=1e12, dispatch_s=0.0, chunks=chunks,
+                              batch_size=256)  # fmt: skip
+        gpu[chunks] = _cell(setup, resnet18_work, method="gpipe", gpus=8, dtype="fp32")
+    assert gpu[32]["gpu_step_s"] < gpu[4]["gpu_step_s"]
+
+
+def test_table2_shares_follow_the_cost_model() -> None:
+    setup = dm.PaperSetup(image_size=32, batch_size=64)
+    cluster = load_cluster(setup.cluster)
+    work = count_work(build_imagenet_model("resnet34"), (3, 32, 32))
+    one = dm.predict_cell(cluster, setup, "resnet34", 1, work)
+    batch_bytes = 64 * 3 * 32 * 32 * 4
+    assert one["M"] == 0.0  # one GPU moves no parameters
+    assert one["I"] == pytest.approx(100 * batch_bytes / setup.host_copy_Bps / one["step_s"])
+    group = cluster.groups[0]
+    fast = dataclasses.replace(group.intra_node, bandwidth_Bps=group.intra_node.bandwidth_Bps * 8)
+    faster = dataclasses.replace(cluster, groups=(dataclasses.replace(group, intra_node=fast),))
+    four = dm.predict_cell(cluster, setup, "resnet34", 4, work)
+    four_fast = dm.predict_cell(faster, setup, "resnet34", 4, work)
+    assert 0 < four_fast["M"] < four["M"]
+    seconds = {n: c["I"] * c["step_s"] for n, c in ((1, one), (4, four))}
+    assert seconds[4] > seconds[1]  # GPU 0 scatters the shards after the copy
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [({"workers": (0,)}, "workers"), ({"workers": (11,)}, "workers"), ({"epochs": 0}, "epochs"),
+     ({"dtypes": ("fp8",)}, "fp8"), ({"data": "imagenet"}, "data"),
+     ({"batch_size": 10, "workers": (4,)}, "batch_size"), ({"width": 0}, "width")],
+)  # fmt: skip
+def test_dp_config_refuses_bad_values(fields: dict, named: str) -> None:
+    with pytest.raises(ValueError, match=named):
+        dg.DpGpipeConfig(**fields)
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [({"models": ("alexnet",)}, "models"), ({"workers": (0,)}, "workers"),
+     ({"batch_size": 10, "workers": (3,)}, "batch_size"), ({"image_size": 16}, "image_size"),
+     ({"steps": 0}, "steps"), ({"width_mult": 0.0}, "width_mult")],
+)  # fmt: skip
+def test_movement_config_refuses_bad_values(fields: dict, named: str) -> None:
+    with pytest.raises(ValueError, match=named):
+        dm.DataMovementConfig(**fields)
+
+
+def test_a_gpipe_task_cost_follows_gpipes_closed_form(resnet18_work: list) -> None:
+    """On infinitely fast devices and links only the per-task cost t is left: GPipe's step
+    is (m + p - 1) ticks of forward t plus backward 2t (torchgpipe recomputes the forward,
+    task included), as its schedule's closed form says; `implied_task_s` inverts it."""
+    base = load_cluster("dgx-a100-80gb")
+    group = base.groups[0]
+    fast = dataclasses.replace(group.device, peak_flops={"fp32": 1e30},
+                               memory_bandwidth_Bps=1e30)  # fmt: skip
+    link = dataclasses.replace(group.intra_node, latency_s=0.0, bandwidth_Bps=1e30)
+    cluster = dataclasses.replace(base, groups=(dataclasses.replace(group, device=fast,
+                                                                    intra_node=link),))  # fmt: skip
+    m, p, t = 8, 4, 1e-3
+    setup = dg.PaperSetup(loader_samples_per_s=1e30, dispatch_s=0.0, chunks=m, task_s=t)
+    cell = dg.predict_cell(cluster, setup, resnet18_work, method="gpipe", gpus=p, dtype="fp32")
+    assert cell["gpu_step_s"] == pytest.approx((m + p - 1) * 3 * t, rel=1e-6)
+    free = dataclasses.replace(setup, task_s=0.0)
+    implied = dg.implied_task_s(cluster, free, resnet18_work, gpus=p, dtype="fp32",
+                                seconds=cell["seconds"])  # fmt: skip
+    assert implied == pytest.approx(t, rel=1e-4)
