@@ -21,7 +21,8 @@ __all__ = ["GPTSpec", "MoESpec"]
 
 @dataclass(frozen=True, kw_only=True)
 class GPTSpec:
-    """A GPT by its sizes (`ffn_hidden` 0 means 4 × hidden)."""
+    """A GPT by its sizes (`ffn_hidden` 0 means 4 × hidden) and its dropout probability
+    (what it keeps for backward depends on it: masks and, with dropout, attention scores)."""
 
     num_layers: int
     hidden: int
@@ -29,6 +30,7 @@ class GPTSpec:
     seq_len: int
     vocab_size: int
     ffn_hidden: int = 0
+    dropout: float = 0.0  # plait.models.GPTConfig's default
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden", "num_heads", "seq_len", "vocab_size"):
@@ -37,6 +39,8 @@ class GPTSpec:
                 raise ValueError(f"{name}={value!r} must be an integer >= 1")
         if self.ffn_hidden < 0:
             raise ValueError(f"ffn_hidden={self.ffn_hidden} must be >= 0 (0: 4 × hidden)")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout={self.dropout} must be in [0, 1) (a probability)")
         if self.hidden % self.num_heads:
             raise ValueError(
                 f"hidden={self.hidden} is not divisible by num_heads={self.num_heads}: "
@@ -58,8 +62,10 @@ class GPTSpec:
         tp: int = 1,
         sequence_parallel: bool = False,
         ep: int = 1,
+        device_type: str = "cuda",
     ) -> list[BlockCost]:
-        """Per-block costs for one micro-batch on one of `tp` tensor-parallel ranks."""
+        """Per-block costs for one micro-batch on one of `tp` tensor-parallel ranks, with
+        activations kept as `device_type`'s ("cuda" or "cpu") kernels keep them."""
         if ep != 1:
             raise ValueError(
                 f"ep={ep} but a GPT has no experts to spread: use --model moe-gpt or ep=1"
@@ -75,6 +81,8 @@ class GPTSpec:
             dtype=dtype,
             tp=tp,
             sequence_parallel=sequence_parallel,
+            dropout=self.dropout,
+            device_type=device_type,
         )
 
     def num_params(self) -> int:
@@ -89,7 +97,7 @@ class GPTSpec:
         return state + sum(b.saved_bytes for b in blocks)
 
     def build(self) -> object:
-        """The same model as a `plait.models.GPT` (fp32, on the CPU, no dropout)."""
+        """The same model as a `plait.models.GPT` (fp32, on the CPU)."""
         from plait.models import GPT, GPTConfig
 
         return GPT(
@@ -100,6 +108,7 @@ class GPTSpec:
                 hidden=self.hidden,
                 num_heads=self.num_heads,
                 ffn_hidden=self.ffn_hidden or None,
+                dropout=self.dropout,
             )
         )
 
@@ -141,8 +150,12 @@ class MoESpec(GPTSpec):
         tp: int = 1,
         sequence_parallel: bool = False,
         ep: int = 1,
+        device_type: str = "cuda",
     ) -> list[BlockCost]:
-        """Per-block costs for one micro-batch on one of `ep` expert-parallel ranks."""
+        """Per-block costs for one micro-batch on one of `ep` expert-parallel ranks (the
+        MoE cost model keeps Korthikanti et al.'s accounting: `dropout` and `device_type`
+        are not modelled there)."""
+        del device_type
         if tp != 1 or sequence_parallel:
             raise ValueError(
                 f"tp={tp} for a MoE-GPT, which has no tensor-parallel plan yet: use tp=1 "
