@@ -1,8 +1,9 @@
 """The analytic source of block costs: a GPT described by its sizes, never instantiated.
 
 `GPTSpec` names a GPT by its sizes; `block_costs` derives its per-block FLOPs and bytes
-from `plait.cost.transformer_block_costs` (Narayanan et al. 2021 for FLOPs, Korthikanti
-et al. 2022 for activations), so 175B or 1T-parameter models cost nothing to describe.
+from `plait.cost.transformer_block_costs` (Narayanan et al. 2021 for FLOPs; activations
+are the tensors the model saves, Korthikanti et al. 2022's count with dropout), so 175B
+or 1T-parameter models cost nothing to describe.
 `build` instantiates the same model as `plait.models.GPT` when it is small enough to be
 measured instead; both sources name their blocks `embedding`, `layer0`, ..., `head`.
 `MoESpec` does the same for a mixture-of-experts GPT (`plait.cost.moe_block_costs`), whose
