@@ -36,8 +36,9 @@ def test_estimate_matches_the_model_it_would_train(sizes: dict[str, int]) -> Non
     inputs, targets = task.batch(0)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         task.loss(model(inputs), targets)
-    # what backward keeps, plus the working set of one block: above it, not far above
-    assert sum(saved.values()) <= found.activation_bytes <= 2 * sum(saved.values())
+    # what backward keeps (the cost model counts its tensors, to 1%), plus at most the
+    # working set of one block: not far above
+    assert 0.99 * sum(saved.values()) <= found.activation_bytes <= 2 * sum(saved.values())
 
 
 def test_an_impossible_batch_is_refused_before_any_worker_starts(

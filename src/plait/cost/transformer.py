@@ -7,18 +7,32 @@ QKᵀ and attention-times-V products); the backward costs twice the forward, of 
 weight gradients are one forward of the weighted GEMMs and the input gradients the rest
 (the attention products have no weights). The LM head costs 2·b·s·h·V forward.
 
-Activation bytes follow Korthikanti et al., "Reducing Activation Recomputation in Large
-Transformer Models" (2022), for 16-bit training: s·b·h·(34 + 5·a·s/h) per layer without
-parallelism; s·b·h·(10 + 24/t + 5·a·s/(h·t)) with t-way tensor parallelism; s·b·h/t ·
-(34 + 5·a·s/h) with sequence parallelism too; selective recomputation drops the 5·a·s/h
-term; full recomputation keeps the layer input, 2·s·b·h (divided by t with sequence
+Activation bytes count the tensors autograd keeps for plait's GPT layer
+(`plait.models.gpt.TransformerBlock`), element by element: both layer norms' inputs and
+outputs, q, k and v, the attention output (the projection's input), the MLP's up-projection
+output (GeLU's input) and GeLU's output: (8 + 2f/h)·s·b·h elements of the activation dtype,
+plus the two dropout masks when dropout is on. Attention runs through torch's
+`scaled_dot_product_attention`: without dropout a fused kernel (flash or memory-efficient,
+on CPU too) keeps no s² scores; with dropout this model materializes them as Korthikanti et
+al., "Reducing Activation Recomputation in Large Transformer Models" (2022), do and torch's
+math path does: the softmax output, its dropout mask and the dropped scores, a·s²·b each.
+Masks are torch's fused-dropout bool masks, one byte per element, on CUDA; on the CPU torch
+keeps the scaled noise in the activation dtype instead and runs 16-bit attention with
+dropout in fp32 (`device_type="cpu"`). For f = 4h, dropout on and 16-bit activations on
+CUDA this is Korthikanti et al.'s s·b·h·(34 + 5·a·s/h) per layer without parallelism;
+s·b·h·(10 + 24/t + 5·a·s/(h·t)) with t-way tensor parallelism (norm inputs and outputs and
+the masks are replicated, the rest sharded by heads or columns); s·b·h/t·(34 + 5·a·s/h)
+with sequence parallelism too. Selective recomputation drops the s² terms; full
+recomputation keeps the layer input, s·b·h elements (divided by t with sequence
 parallelism). Tensor parallelism follows Shoeybi et al. (Megatron-LM, 2019): two
 all-reduces of b·s·h activations per layer forward and two backward, which sequence
 parallelism turns into all-gathers and reduce-scatters of the same total cost.
 
 Limits: layer norms, softmax, dropout and GeLU count no FLOPs (their time is in the
-device's efficiency); fp32 activations are modelled as twice the 16-bit bytes (masks
-included); vocabulary padding and the flash-attention memory savings are not modelled.
+device's efficiency); Korthikanti et al.'s count leaves out the layer norms' mean and rstd
+(2·s·b elements per norm, counted here: 4/(34·h) of a layer); CUDA's fused attention with
+dropout keeps no s² scores either, so there the model overstates by that term; autocast's
+casted weight copies and vocabulary padding are not modelled.
 """
 
 from __future__ import annotations
@@ -51,6 +65,8 @@ class TransformerShape:
     dtype: str = "bf16"
     tp: int = 1
     sequence_parallel: bool = False
+    dropout: float = 0.0  # plait's GPTConfig default
+    device_type: str = "cuda"  # "cpu": dropout masks and attention kept as torch's CPU kernels do
 
     def __post_init__(self) -> None:
         for name in (
@@ -64,6 +80,10 @@ class TransformerShape:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout={self.dropout} must be in [0, 1) (a probability)")
+        if self.device_type not in ("cuda", "cpu"):
+            raise ValueError(f"device_type={self.device_type!r} must be 'cuda' or 'cpu'")
         if self.ffn_hidden == 0:
             object.__setattr__(self, "ffn_hidden", 4 * self.hidden)
         dtype_bytes(self.dtype)
@@ -88,20 +108,41 @@ class TransformerShape:
     def width(self) -> int:
         return dtype_bytes(self.dtype)
 
+    @property
+    def mask_bytes(self) -> int:
+        """Bytes per dropout-mask element: CUDA's fused dropout keeps a bool mask, the CPU
+        path (`torch.nn.functional.dropout` without a fused kernel) the scaled noise in the
+        activation dtype; none without dropout."""
+        if self.dropout == 0:
+            return 0
+        return 1 if self.device_type == "cuda" else self.width
+
 
 def layer_activation_bytes(shape: TransformerShape, recompute: Recompute) -> float:
-    """Bytes one transformer layer keeps per micro-batch per tensor-parallel rank
-    (Korthikanti et al. 2022, Table 2), scaled by width/2 for other than 16-bit."""
+    """Bytes one transformer layer keeps per micro-batch per tensor-parallel rank: the
+    tensors autograd saves in plait's GPT layer (module docstring); Korthikanti et al.
+    2022, Table 2, for f = 4h, dropout on, 16-bit activations on CUDA."""
     check_recompute(recompute)
     s, b, h, a, t = shape.seq_len, shape.micro_batch_size, shape.hidden, shape.num_heads, shape.tp
-    scale = shape.width / 2
+    w, m, sbh = shape.width, shape.mask_bytes, s * b * h
     sp = t if shape.sequence_parallel else 1
     if recompute == "full":
-        return scale * 2 * s * b * h / sp
-    attention = 0.0 if recompute == "selective" else 5 * a * s / h
-    if shape.sequence_parallel:
-        return scale * s * b * h * (34 + attention) / t
-    return scale * s * b * h * (10 + 24 / t + attention / t)
+        return w * sbh / sp  # the layer input
+    # with dropout the attention core is the materialized (math) one; on the CPU it computes
+    # 16-bit inputs in fp32 and keeps fp32 copies of q, k, v and fp32 noise as its mask
+    math = shape.dropout > 0 and recompute == "none"
+    core_w = max(w, 4) if math and shape.device_type == "cpu" else w
+    core_m = core_w if shape.device_type == "cpu" else m
+    # replicated across tp ranks: both norms' inputs, outputs, means and rstds, two masks
+    replicated = sbh * (4 * w + 2 * m) + 4 * s * b * w
+    # sharded by heads or columns: q, k, v, the attention output, MLP up output and GeLU's
+    sharded = sbh * (3 * core_w + w) + 2 * s * b * shape.ffn_hidden * w
+    scores: float
+    if math:  # the softmax output, its dropout mask and the dropped scores
+        scores = a * s * s * b * (2 * core_w + core_m)
+    else:  # the fused kernel's fp32 log-sum-exp (gone too when the core is recomputed)
+        scores = 4 * a * s * b if recompute == "none" else 0.0
+    return replicated / sp + (sharded + scores) / t
 
 
 def _tp_comm(shape: TransformerShape, count: int) -> tuple[Collective, ...]:
@@ -145,13 +186,13 @@ def _layer(shape: TransformerShape, index: int) -> BlockCost:
 def _embedding(shape: TransformerShape) -> BlockCost:
     b_s, h, t = shape.tokens, shape.hidden, shape.tp
     sp = t if shape.sequence_parallel else 1
-    mask = b_s * h / sp  # dropout mask, one byte per element
+    mask = shape.mask_bytes * b_s * h / sp  # the dropout mask
     return BlockCost(
         name="embedding",
         forward_flops=0.0,
         backward_input_flops=0.0,
         activation_bytes=b_s * h * shape.width / sp,
-        saved_bytes=mask + 8 * b_s,  # and the int64 token ids
+        saved_bytes=mask + 8 * (b_s + shape.seq_len),  # and the int64 token and position ids
         num_params=shape.vocab_size * h // t + shape.seq_len * h,
         forward_comm=_tp_comm(shape, 1)[-1:],  # all-reduce, or reduce-scatter with SP
         backward_comm=_tp_comm(shape, 1)[:1] if shape.sequence_parallel else (),
@@ -162,7 +203,8 @@ def _head(shape: TransformerShape) -> BlockCost:
     b_s, h, v, t = shape.tokens, shape.hidden, shape.vocab_size, shape.tp
     sp = t if shape.sequence_parallel else 1
     logits = 2 * b_s * h * v / t
-    saved = shape.width * 2 * b_s * h / sp + 4 * b_s * v / t  # norm input + fp32 logits
+    # the norm's input, output, mean and rstd, the fp32 log-probabilities, the int64 targets
+    saved = shape.width * 2 * b_s * (h + 1) / sp + 4 * b_s * v / t + 8 * b_s
     stats = Collective(kind="all_reduce", num_bytes=3 * 4 * b_s) if t > 1 else None
     gather = _tp_comm(shape, 1)[:1] if shape.sequence_parallel else ()
     return BlockCost(
@@ -191,10 +233,13 @@ def transformer_block_costs(
     dtype: str = "bf16",
     tp: int = 1,
     sequence_parallel: bool = False,
+    dropout: float = 0.0,
+    device_type: str = "cuda",
 ) -> list[BlockCost]:
     """The blocks of a GPT, per micro-batch and tensor-parallel rank: `embedding`,
     `layer0` ... `layer{L-1}`, then `head` (final norm, LM head, loss). Each block carries
-    all three recomputation variants; the plan picks one."""
+    all three recomputation variants; the plan picks one. `dropout` is the model's dropout
+    probability and `device_type` ("cuda" or "cpu") which kernels keep the activations."""
     shape = TransformerShape(
         num_layers=num_layers,
         hidden=hidden,
@@ -206,6 +251,8 @@ def transformer_block_costs(
         dtype=dtype,
         tp=tp,
         sequence_parallel=sequence_parallel,
+        dropout=dropout,
+        device_type=device_type,
     )
     layers = [_layer(shape, i) for i in range(num_layers)]
     return [_embedding(shape), *layers, _head(shape)]

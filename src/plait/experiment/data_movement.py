@@ -125,7 +125,7 @@ def predict_cell(cluster: Cluster, setup: PaperSetup, model: str, gpus: int,
         # weights broadcast from GPU 0 and gradients reduced to it: together the traffic
         # of one ring all-reduce (a reduce-scatter and an all-gather)
         model_s = all_reduce_time(gpus, params, link, algorithm="ring")
-    plan = SimPlan(schedule="gpipe", num_microbatches=1, micro_batch_size=share, dtype="fp32",
+    plan = SimPlan(schedule="gpipe", microbatches=1, micro_batch_size=share, dtype="fp32",
                    optimizer="sgd")  # fmt: skip
     stage = StageCost(tuple(block_costs(work, dev, "fp32", share)))
     result = simulate(build_schedule(plan), [stage], cluster, plan)

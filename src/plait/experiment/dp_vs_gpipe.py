@@ -165,7 +165,7 @@ def predict_cell(
     fwd_ops = sum(w.forward_ops for w in work)
     if method == "ddp":
         mbs = max(1, b // gpus)
-        plan = SimPlan(dp=gpus, schedule="gpipe", num_microbatches=1, micro_batch_size=mbs,
+        plan = SimPlan(dp=gpus, schedule="gpipe", microbatches=1, micro_batch_size=mbs,
                        dtype=dtype, optimizer="sgd")  # fmt: skip
         stages = [StageCost(tuple(block_costs(work, dev, dtype, mbs)))]
         gpu = _gpu_step(cluster, plan, stages)
@@ -174,8 +174,8 @@ def predict_cell(
         m, kind = setup.chunks, schedule or "gpipe"
         mbs = max(1, b // m)
         recompute: Recompute = "full" if kind == "gpipe" else "none"  # torchgpipe checkpoints
-        plan = SimPlan(pp=gpus, schedule=kind, num_microbatches=m, micro_batch_size=mbs,
-                       num_chunks=chunks, dtype=dtype, optimizer="sgd",
+        plan = SimPlan(pp=gpus, schedule=kind, microbatches=m, micro_batch_size=mbs,
+                       chunks=chunks, dtype=dtype, optimizer="sgd",
                        recompute=recompute)  # fmt: skip
         stages = _balanced(cluster, block_costs(work, dev, dtype, mbs), gpus * chunks, dtype)
         if setup.task_s > 0 and schedule is None:
@@ -290,8 +290,8 @@ def _planner_pick(cluster: Cluster, setup: PaperSetup, work: Sequence[BlockWork]
     best = found.best
     plan = best.plan
     # each data-parallel process reads its own share; a pipeline's first stage reads its own
-    loader = plan.micro_batch_size * plan.num_microbatches / setup.loader_samples_per_s
-    ops = sum(w.ops for w in work) * plan.num_microbatches / plan.pp
+    loader = plan.micro_batch_size * plan.microbatches / setup.loader_samples_per_s
+    ops = sum(w.ops for w in work) * plan.microbatches / plan.pp
     step = max(best.step_time_s, loader, ops * setup.dispatch_s)
     return {"plan": describe(plan), "seconds": step * setup.steps}
 

@@ -81,8 +81,10 @@ def gpt_spec(
     vocab_size: int,
     ffn_hidden: int = 0,
     dtype: str = "bf16",
+    dropout: float = 0.0,
 ) -> ModelSpec:
-    """A GPT described analytically (any size; nothing is built)."""
+    """A GPT described analytically (any size; nothing is built), with dropout
+    probability `dropout` (plait's GPT default: none)."""
 
     def costs(b: int, tp: int, sp: bool, ep: int) -> list[BlockCost]:
         del ep  # no experts
@@ -97,6 +99,7 @@ def gpt_spec(
             dtype=dtype,
             tp=tp,
             sequence_parallel=sp and tp > 1,
+            dropout=dropout,
         )
 
     name = f"gpt-{num_layers}x{hidden}"

@@ -1,8 +1,9 @@
 """The analytic source of block costs: a GPT described by its sizes, never instantiated.
 
 `GPTSpec` names a GPT by its sizes; `block_costs` derives its per-block FLOPs and bytes
-from `plait.cost.transformer_block_costs` (Narayanan et al. 2021 for FLOPs, Korthikanti
-et al. 2022 for activations), so 175B or 1T-parameter models cost nothing to describe.
+from `plait.cost.transformer_block_costs` (Narayanan et al. 2021 for FLOPs; activations
+are the tensors the model saves, Korthikanti et al. 2022's count with dropout), so 175B
+or 1T-parameter models cost nothing to describe.
 `build` instantiates the same model as `plait.models.GPT` when it is small enough to be
 measured instead; both sources name their blocks `embedding`, `layer0`, ..., `head`.
 `MoESpec` does the same for a mixture-of-experts GPT (`plait.cost.moe_block_costs`), whose
@@ -21,7 +22,8 @@ __all__ = ["GPTSpec", "MoESpec"]
 
 @dataclass(frozen=True, kw_only=True)
 class GPTSpec:
-    """A GPT by its sizes (`ffn_hidden` 0 means 4 × hidden)."""
+    """A GPT by its sizes (`ffn_hidden` 0 means 4 × hidden) and its dropout probability
+    (what it keeps for backward depends on it: masks and, with dropout, attention scores)."""
 
     num_layers: int
     hidden: int
@@ -29,6 +31,7 @@ class GPTSpec:
     seq_len: int
     vocab_size: int
     ffn_hidden: int = 0
+    dropout: float = 0.0  # plait.models.GPTConfig's default
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden", "num_heads", "seq_len", "vocab_size"):
@@ -37,6 +40,8 @@ class GPTSpec:
                 raise ValueError(f"{name}={value!r} must be an integer >= 1")
         if self.ffn_hidden < 0:
             raise ValueError(f"ffn_hidden={self.ffn_hidden} must be >= 0 (0: 4 × hidden)")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout={self.dropout} must be in [0, 1) (a probability)")
         if self.hidden % self.num_heads:
             raise ValueError(
                 f"hidden={self.hidden} is not divisible by num_heads={self.num_heads}: "
@@ -58,8 +63,10 @@ class GPTSpec:
         tp: int = 1,
         sequence_parallel: bool = False,
         ep: int = 1,
+        device_type: str = "cuda",
     ) -> list[BlockCost]:
-        """Per-block costs for one micro-batch on one of `tp` tensor-parallel ranks."""
+        """Per-block costs for one micro-batch on one of `tp` tensor-parallel ranks, with
+        activations kept as `device_type`'s ("cuda" or "cpu") kernels keep them."""
         if ep != 1:
             raise ValueError(
                 f"ep={ep} but a GPT has no experts to spread: use --model moe-gpt or ep=1"
@@ -75,6 +82,8 @@ class GPTSpec:
             dtype=dtype,
             tp=tp,
             sequence_parallel=sequence_parallel,
+            dropout=self.dropout,
+            device_type=device_type,
         )
 
     def num_params(self) -> int:
@@ -89,7 +98,7 @@ class GPTSpec:
         return state + sum(b.saved_bytes for b in blocks)
 
     def build(self) -> object:
-        """The same model as a `plait.models.GPT` (fp32, on the CPU, no dropout)."""
+        """The same model as a `plait.models.GPT` (fp32, on the CPU)."""
         from plait.models import GPT, GPTConfig
 
         return GPT(
@@ -100,6 +109,7 @@ class GPTSpec:
                 hidden=self.hidden,
                 num_heads=self.num_heads,
                 ffn_hidden=self.ffn_hidden or None,
+                dropout=self.dropout,
             )
         )
 
@@ -141,9 +151,13 @@ class MoESpec(GPTSpec):
         tp: int = 1,
         sequence_parallel: bool = False,
         ep: int = 1,
+        device_type: str = "cuda",
     ) -> list[BlockCost]:
         """Per-block costs for one micro-batch on one of `ep` expert-parallel ranks and of
-        `tp` tensor-parallel ones (experts not sharded by tp: the tp ranks split the tokens)."""
+        `tp` tensor-parallel ones (experts not sharded by tp: the tp ranks split the tokens).
+        The MoE cost model keeps Korthikanti et al.'s activation accounting: `dropout` and
+        `device_type` are not modelled there."""
+        del device_type
         if sequence_parallel:
             raise ValueError(
                 "sequence_parallel for a MoE-GPT, whose MoE layers take whole sequences: "

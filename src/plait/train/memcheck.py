@@ -68,6 +68,8 @@ def _available_bytes() -> float:
 def estimate_memory(cfg: TrainConfig, nproc: int) -> MemoryEstimate | None:
     """The largest worker's predicted peak under `cfg` on `nproc` workers; None for a
     model the cost model does not describe."""
+    import torch
+
     from plait.cli.simulate import predict
     from plait.cluster import local_cpu
     from plait.profile import GPTSpec
@@ -77,7 +79,8 @@ def estimate_memory(cfg: TrainConfig, nproc: int) -> MemoryEstimate | None:
     if m.name not in ("gpt", "hf-gpt2", "hf-llama") or cfg.data not in _VOCAB:
         return None
     spec = GPTSpec(num_layers=m.layers, hidden=m.hidden, num_heads=m.heads, seq_len=m.seq_len,
-                   vocab_size=_VOCAB[cfg.data], ffn_hidden=m.ffn_hidden or 0)  # fmt: skip
+                   vocab_size=_VOCAB[cfg.data], ffn_hidden=m.ffn_hidden or 0,
+                   dropout=m.dropout)  # fmt: skip
     optimizer: Optimizer = "adam" if cfg.optimizer == "adamw" else "sgd"
     if cfg.plan == "auto":
         pp = max(k for k in range(1, min(nproc, m.layers + 2) + 1) if nproc % k == 0)
@@ -90,8 +93,10 @@ def estimate_memory(cfg: TrainConfig, nproc: int) -> MemoryEstimate | None:
         plan = SimPlan.of(replace(par, partition=None),
                           micro_batch_size=max(1, cfg.batch_size // (par.dp * par.microbatches)),
                           optimizer=optimizer, seq_len=m.seq_len)  # fmt: skip
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"  # where the workers train
     blocks = spec.block_costs(micro_batch_size=plan.micro_batch_size, dtype=plan.dtype,
-                              tp=plan.tp, sequence_parallel=plan.sequence_parallel)  # fmt: skip
+                              tp=plan.tp, sequence_parallel=plan.sequence_parallel,
+                              device_type=device_type)  # fmt: skip
     cluster = local_cpu(devices=plan.num_devices)  # memory is judged here, not by the cluster
     result = predict(blocks, cluster, plan).result
     worst = max(result.ranks, key=lambda r: r.memory.total).memory
