@@ -13,11 +13,12 @@ from plait.models import GPT, GPTConfig, SkipMLP
 from plait.runtime import PipelineExecutor, local_stages, split_microbatches
 from plait.schedule import build
 
+from . import pipeline_shapes
 from .harness import run_world
 
 pytestmark = pytest.mark.dist
 
-STEPS = 3
+STEPS = 2  # the second on updated weights and momentum
 TOL = {"rtol": 1e-5, "atol": 1e-5}
 
 
@@ -102,11 +103,13 @@ def _all_schedules(rank: int, world: int, microbatches: tuple[int, ...]) -> None
         for m in microbatches:
             for name in ("gpt", "skip"):
                 _check(rank, world, kind, chunks, m, name)
+    # the shapes that run through the engine (ZB-H2, ZB-V, Chimera), in the same world
+    pipeline_shapes.two() if world == 2 else pipeline_shapes.four()
 
 
 def test_two_ranks_match_single_process(tmp_path: Path) -> None:
-    run_world(tmp_path, 2, _all_schedules, (1, 3, 4))
+    run_world(tmp_path, 2, _all_schedules, (1, 3))
 
 
 def test_four_ranks_match_single_process(tmp_path: Path) -> None:
-    run_world(tmp_path, 4, _all_schedules, (4, 5))
+    run_world(tmp_path, 4, _all_schedules, (5,))

@@ -151,7 +151,8 @@ def partition(
     def memory(i: int, a: int, b: int) -> float:
         return static_sum[b] - static_sum[a] + held[i] * (act_sum[b] - act_sum[a])
 
-    cuts = _minimax(n, k, seconds, lambda i, a, b: memory(i, a, b) <= caps[i])
+    # prefix sums round differently from a stage's own sum: a split exactly at its cap fits
+    cuts = _minimax(n, k, seconds, lambda i, a, b: memory(i, a, b) <= caps[i] * (1 + 1e-12))
     if not cuts:
         _raise_memory(n, k, memory, caps)
     pairs = list(pairwise(cuts))

@@ -1,6 +1,7 @@
 """ZB-H2, ZB-V (stages in a V) and Chimera (two opposite pipelines of replicated parts) on 2
 and 4 gloo processes train the GPT to the losses, gradients and weights of one process
-on the whole batch; Chimera's two replicas of every part stay identical."""
+on the whole batch; Chimera's two replicas of every part stay identical. Run inside
+test_pipeline's worlds (`two`, `four`), which spares starting two more."""
 
 from __future__ import annotations
 
@@ -15,10 +16,6 @@ from plait.blocks import as_blocks
 from plait.config import ParallelPlan
 from plait.models import GPT, GPTConfig
 from plait.train.engine import Engine, parallelize
-
-from .harness import run_world
-
-pytestmark = pytest.mark.dist
 
 TOL = {"rtol": 1e-5, "atol": 1e-5}
 VOCAB, SEQ, BATCH = 19, 8, 8
@@ -91,23 +88,15 @@ def _replicas_identical(engine: Engine) -> None:
                 assert torch.equal(a, b), f"part {k}: stages {first} and {other} differ"
 
 
-def _two(rank: int, world: int) -> None:
+def two() -> None:
     torch.use_deterministic_algorithms(True)
     for schedule, chunks, m in [("zb-h2", 1, 4), ("zb-v", 2, 4), ("chimera", 1, 4)]:
         _check(ParallelPlan(pp=2, schedule=schedule, chunks=chunks, microbatches=m))
 
 
-def _four(rank: int, world: int) -> None:
+def four() -> None:
     torch.use_deterministic_algorithms(True)
     for schedule, chunks, m in [("zb-h2", 1, 8), ("zb-v", 2, 8), ("chimera", 1, 8)]:
         _check(ParallelPlan(pp=4, schedule=schedule, chunks=chunks, microbatches=m))
     # the replica sums over the data-parallel average
     _check(ParallelPlan(dp=2, pp=2, schedule="chimera", microbatches=2))
-
-
-def test_two_workers_match_one_process(tmp_path: Path) -> None:
-    run_world(tmp_path, 2, _two)
-
-
-def test_four_workers_match_one_process(tmp_path: Path) -> None:
-    run_world(tmp_path, 4, _four)
