@@ -493,6 +493,13 @@ class TrainConfig:
         default=None,
         metadata={"help": "local worker processes", "default_text": "dp × tp × pp"},
     )
+    cluster: str | None = field(
+        default=None,
+        metadata={
+            "help": "cluster file or preset: rank r runs as slow as its device r's "
+            "slowdown (plait.train.slowdown)"
+        },
+    )
     max_steps: int = field(default=300, metadata={"help": "optimizer steps"})
     batch_size: int = field(default=32, metadata={"help": "samples per step (global batch)"})
     lr: float = field(default=3e-3, metadata={"help": "peak learning rate"})
@@ -644,6 +651,10 @@ class TrainConfig:
                 f"nproc={self.nproc} workers but dp × tp × pp = {par.dp} × {par.tp} × {par.pp} = "
                 f"{par.world_size}: make them equal"
             )
+        if self.cluster is not None:  # read now: a bad file fails before any worker starts
+            from plait.train.slowdown import check_cluster
+
+            check_cluster(self.cluster, par.world_size)
         blocks = self.model.num_blocks
         if self.model.name != "custom" and par.num_stages > blocks:
             what = (
