@@ -359,6 +359,13 @@ class ParallelPlan:
     wsp_wave: int = field(
         default=1, metadata={"help": "WSP: optimizer steps per wave (pushes every N steps)"}
     )
+    wsp_at_most: bool = field(
+        default=False,
+        metadata={
+            "help": "WSP: take in others' waves once reduced, waiting only beyond D "
+            "(staleness at most D; nondeterministic)"
+        },
+    )
 
     offload_activations: str = field(
         default="none",
@@ -386,6 +393,10 @@ class ParallelPlan:
         if self.wsp_staleness is not None and self.wsp_staleness < 0:
             raise ValueError(
                 f"wsp_staleness={self.wsp_staleness} must be >= 0 waves (0: push every wave)"
+            )
+        if self.wsp_at_most and self.wsp_staleness is None:
+            raise ValueError(
+                "wsp_at_most bounds WSP's staleness: set wsp_staleness too, or drop it"
             )
         if self.schedule not in KINDS:
             raise ValueError(f"schedule={self.schedule!r} is unknown; choose one of {list(KINDS)}")
