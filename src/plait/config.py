@@ -359,6 +359,13 @@ class ParallelPlan:
     wsp_wave: int = field(
         default=1, metadata={"help": "WSP: optimizer steps per wave (pushes every N steps)"}
     )
+    wsp_at_most: bool = field(
+        default=False,
+        metadata={
+            "help": "WSP: take in others' waves once reduced, waiting only beyond D "
+            "(staleness at most D; nondeterministic)"
+        },
+    )
 
     offload_activations: str = field(
         default="none",
@@ -386,6 +393,10 @@ class ParallelPlan:
         if self.wsp_staleness is not None and self.wsp_staleness < 0:
             raise ValueError(
                 f"wsp_staleness={self.wsp_staleness} must be >= 0 waves (0: push every wave)"
+            )
+        if self.wsp_at_most and self.wsp_staleness is None:
+            raise ValueError(
+                "wsp_at_most bounds WSP's staleness: set wsp_staleness too, or drop it"
             )
         if self.schedule not in KINDS:
             raise ValueError(f"schedule={self.schedule!r} is unknown; choose one of {list(KINDS)}")
@@ -502,6 +513,13 @@ class TrainConfig:
     nproc: int | None = field(
         default=None,
         metadata={"help": "local worker processes", "default_text": "dp × tp × pp"},
+    )
+    cluster: str | None = field(
+        default=None,
+        metadata={
+            "help": "cluster file or preset: rank r runs as slow as its device r's "
+            "slowdown (plait.train.slowdown)"
+        },
     )
     max_steps: int = field(default=300, metadata={"help": "optimizer steps"})
     batch_size: int = field(default=32, metadata={"help": "samples per step (global batch)"})
@@ -654,6 +672,10 @@ class TrainConfig:
                 f"nproc={self.nproc} workers but dp × tp × pp = {par.dp} × {par.tp} × {par.pp} = "
                 f"{par.world_size}: make them equal"
             )
+        if self.cluster is not None:  # read now: a bad file fails before any worker starts
+            from plait.train.slowdown import check_cluster
+
+            check_cluster(self.cluster, par.world_size)
         blocks = self.model.num_blocks
         if self.model.name != "custom" and par.num_stages > blocks:
             what = (

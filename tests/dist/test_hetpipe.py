@@ -1,11 +1,13 @@
 """Heterogeneous pipelines (HetPipe's virtual workers) on 4 gloo workers: synchronous
 plans (a 1-rank and a 3-rank pipeline; two 2-rank pipelines cut differently) with
 different micro-batch counts train like one process on the whole batch; WSP (D = 1, 2) and SSP (4 one-rank workers) end with the
-weights of a single-process emulator of the wave rule written here."""
+weights of a single-process emulator of the wave rule written here; SSP "at most D"
+(timing-dependent) stays within D and ends on the same weights everywhere."""
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -140,6 +142,23 @@ def _all(rank: int, world: int) -> None:
         _wsp(plan, hetero, steps=5)
     ssp = ParallelPlan(dp=4, pp=1, microbatches=1, wsp_staleness=1)  # one rank per worker
     _wsp(ssp, [(3 * i, 3) for i in range(4)], steps=4)
+    _at_most(dataclasses.replace(ssp, wsp_at_most=True), steps=4)
+
+
+def _at_most(plan: ParallelPlan, steps: int) -> None:
+    """"At most D" depends on timing: what is checked is that it trains, that no wave
+    starts more than D waves behind, and that every worker ends on the same global weights."""
+    engine = parallelize_hetero(_model(), plan, _sgd, GPT.loss, device="cpu")
+    for step in range(steps):
+        engine.step(_batch(step))
+    lags = engine.waves.lags
+    assert len(lags) == steps and max(lags) <= (plan.wsp_staleness or 0), lags
+    engine.finish()
+    flat = torch.cat([p.detach().flatten() for s in engine.stages.values() for p in s.parameters()])
+    low, high = flat.clone(), flat.clone()
+    dist.all_reduce(low, op=dist.ReduceOp.MIN)
+    dist.all_reduce(high, op=dist.ReduceOp.MAX)
+    torch.testing.assert_close(low, high, **TOL, msg="at most D: global weights differ")
 
 
 def test_hetero_pipelines_and_wsp(tmp_path: Path) -> None:

@@ -24,6 +24,7 @@ from typing import Any
 from plait.cli.experts import check_ep, model_value
 from plait.cli.plan import check_out
 from plait.cli.profile import add_model_arguments, default_dtype, spec_from_args
+from plait.cli.simulate_wsp import check_wsp, print_wsp, wsp_summary
 from plait.cluster import Cluster, load_cluster, normalize_dtype
 from plait.cost import RECOMPUTE_MODES, BlockCost, StageCost
 from plait.plan import Partition, partition, partition_blocks
@@ -77,10 +78,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
       help="optimizer state in host memory outside the step")  # fmt: skip
     a("--profile", help="a profile `plait profile --json` wrote: its measured encode/decode "
       "times of --compress replace the estimate from memory bandwidth")  # fmt: skip
+    a(
+        "--wsp-staleness",
+        type=int,
+        default=None,
+        metavar="D",
+        help="Wave Synchronous "
+        "Parallel: replay the dp virtual workers' waves under staleness D (plait.cli.simulate_wsp)",
+    )
+    a("--wsp-wave", type=int, default=1, metavar="N", help="steps per WSP wave")
     a("--json", action="store_true", help="print one JSON object")
     a("--trace", help="write the predicted timeline as a Chrome/Perfetto trace (JSON)")
     a("--plot", help="draw the predicted timeline as a PNG (needs matplotlib)")
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, pipelines=None)
 
 
 @dataclass(frozen=True)
@@ -237,6 +247,7 @@ _FROM_PLAN = {
     "sequence_parallel": "sequence_parallel", "micro_batch_size": "micro_batch_size",
     "compress": "compress", "offload_activations": "offload_activations",
     "offload_optimizer": "offload_optimizer",
+    "wsp_staleness": "wsp_staleness", "wsp_wave": "wsp_wave", "pipelines": "pipelines",
 }  # fmt: skip
 _MODEL_FROM_PLAN = {"name": "model", "layers": "layers", "hidden": "hidden", "heads": "heads",
                     "seq_len": "seq_len", "vocab": "vocab", "ffn_hidden": "ffn_hidden",
@@ -269,6 +280,8 @@ def run(args: argparse.Namespace) -> int:
     _check(args, spec)
     dtype = normalize_dtype(args.dtype)
     plan = _plan(args, spec, dtype)
+    if args.wsp_staleness is not None:  # before simulating: what training would refuse
+        check_wsp(plan, args.wsp_staleness, args.wsp_wave, args.pipelines)
     given = load_cluster(args.cluster)
     if given.name == "local-cpu" and plan.num_devices > given.num_devices:
         # this machine cannot grow nodes the way a preset of a data centre can
@@ -291,12 +304,18 @@ def run(args: argparse.Namespace) -> int:
     )
     prediction = predict(blocks, cluster, plan)
     summary = to_dict(prediction, spec)
+    if args.wsp_staleness is not None:
+        summary["wsp"] = wsp_summary(blocks, cluster, plan, prediction.partition.sizes,
+                                     staleness=args.wsp_staleness, wave=args.wsp_wave,
+                                     pipelines=args.pipelines)  # fmt: skip
     _write_outputs(args, prediction)
     if args.json:
         json.dump(summary, sys.stdout, sort_keys=True)
         print()
     else:
         _print(summary)
+        if "wsp" in summary:
+            print_wsp(summary["wsp"])
     if not prediction.result.fits:
         print("\n".join(overflow_lines(prediction.result)), file=sys.stderr)
     return 0

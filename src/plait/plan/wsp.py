@@ -13,12 +13,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from plait.cluster import Cluster
+from plait.cost import BlockCost
 from plait.cost.comm import all_reduce_time
 from plait.plan.search import RankedPlan
 from plait.plan.space import ModelSpec
 from plait.sim.wsp import replay_wsp, wsp_memory_bytes
 
-__all__ = ["StalenessChoice", "choose_staleness", "staleness_for"]
+__all__ = ["StalenessChoice", "choose_staleness", "staleness_for", "wave_exchange"]
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,27 @@ def choose_staleness(
     return StalenessChoice(chosen, paces, memory, "\n".join([why, *lines]))
 
 
+def wave_exchange(
+    blocks: Sequence[BlockCost],
+    cuts: Sequence[Sequence[int]],
+    cluster: Cluster,
+    workers: int,
+    num_devices: int,
+) -> tuple[float, float]:
+    """(bytes, seconds) of a wave's exchange among `workers` pipelines cut as `cuts`: an
+    all-reduce of the largest stage's fp32 weights on the slowest link from rank 0."""
+    largest = 0
+    for sizes in cuts:
+        first = 0
+        for n in sizes:
+            largest = max(largest, sum(b.num_params for b in blocks[first : first + n]))
+            first += n
+    weight_bytes = 4.0 * largest
+    link = max((cluster.link(0, r) for r in range(1, num_devices)),
+               key=lambda k: k.time(weight_bytes), default=cluster.link(0, 0))  # fmt: skip
+    return weight_bytes, all_reduce_time(workers, weight_bytes, link)
+
+
 def staleness_for(
     ranked: RankedPlan, model: ModelSpec, cluster: Cluster, allowance: int
 ) -> StalenessChoice:
@@ -84,16 +106,8 @@ def staleness_for(
         cuts = [r.sizes for r in ranked.hetero.replicas]
     else:
         wave_s, cuts = [ranked.step_time_s] * plan.dp, [ranked.sizes] * plan.dp
-    blocks = model.blocks_for(plan)
-    largest = 0
-    for sizes in cuts:
-        first = 0
-        for n in sizes:
-            largest = max(largest, sum(b.num_params for b in blocks[first : first + n]))
-            first += n
-    weight_bytes = 4.0 * largest
-    link = max((cluster.link(0, r) for r in range(1, plan.num_devices)),
-               key=lambda k: k.time(weight_bytes), default=cluster.link(0, 0))  # fmt: skip
-    exchange_s = all_reduce_time(plan.dp, weight_bytes, link)
+    weight_bytes, exchange_s = wave_exchange(
+        model.blocks_for(plan), cuts, cluster, plan.dp, plan.num_devices
+    )
     return choose_staleness(wave_s, exchange_s=exchange_s, allowance=allowance,
                             weight_bytes=weight_bytes)  # fmt: skip

@@ -185,7 +185,7 @@ def parallelize_hetero(
     pp = len(layout.ranks[i])
     mine = dataclasses.replace(
         plan, dp=1, pp=pp, microbatches=layout.microbatches[i], partition=layout.sizes[i],
-        pipelines=None, wsp_staleness=None,
+        pipelines=None, wsp_staleness=None, wsp_at_most=False,
     )  # fmt: skip
     schedule = build(plan.schedule, pp, mine.microbatches, plan.chunks)
     stages: dict[int, nn.Module] = dict(
@@ -214,10 +214,11 @@ def parallelize_hetero(
         schedulers=schedulers,
     )  # fmt: skip
     engine.groups = groups
+    staleness, at_most = int(plan.wsp_staleness or 0), plan.wsp_at_most
     engine.waves = (
         None
         if synchronous
-        else WaveExchange(buckets, staleness=int(plan.wsp_staleness or 0), wave=plan.wsp_wave)
+        else WaveExchange(buckets, staleness=staleness, wave=plan.wsp_wave, at_most=at_most)
     )
     return engine
 

@@ -23,6 +23,7 @@ from plait.train.logs import RecentSteps, RunLogger, setup
 from plait.train.optim import optimizer_factory, scheduler_factory
 from plait.train.profiling import StepProfiler
 from plait.train.repartition import repartitioner
+from plait.train.slowdown import check_cluster, padded_step
 from plait.train.task import CustomTask, Task, gathered_model, task_from_config
 from plait.train.validate import Validation, due, summarise, validate
 
@@ -65,13 +66,14 @@ def train_worker(
     recent = RecentSteps(cfg.trace_steps)  # every rank: rank 0 draws them at the end
     profiler = StepProfiler(cfg.profile_steps, Path(run_dir), env.rank)
     times: list[float] = []
+    slowdown = check_cluster(cfg.cluster, env.world_size)[env.rank] if cfg.cluster else 1.0
     report: StepReport | None = None
     val: Validation | None = None
     for step in range(start, cfg.max_steps):
         batch = task.batch(step)
         profiler.tick(step)
         t0 = time.perf_counter()
-        report = engine.step(batch)
+        report = padded_step(engine, batch, slowdown)  # an engine.step (padded: --cluster)
         times.append(time.perf_counter() - t0)
         if moving is not None:  # between steps: the next one may run on another partition
             engine = moving.after_step(engine, report, step)

@@ -26,6 +26,12 @@ pipeline. The cost: every worker takes part in every wave's reduction (a server 
 a worker read the newest sum instead, the paper's "at most D", nondeterministic), and each
 rank keeps D + 1 own wave updates and D reductions in flight (memory D·|W_rank| + |W_rank|).
 
+`at_most` (`--wsp-at-most`) relaxes "exactly D" to the paper's "at most D" without a
+server: at the start of a wave a worker still waits for the waves more than D behind, and
+also takes in, oldest first, every later wave whose reductions have already completed
+(polled, not waited for). The staleness is then between 0 and D waves and depends on
+timing, so such runs are not reproducible bit for bit; `lags` records it per wave.
+
 Limits: the schedule inside each worker must be synchronous (one flush per minibatch);
 optimizer state is each worker's own; learning-rate schedules step per own minibatch.
 """
@@ -46,8 +52,11 @@ __all__ = ["WaveExchange"]
 class WaveExchange:
     """The wave bookkeeping of one rank: snapshots, pushes, and delayed applies."""
 
-    def __init__(self, buckets: BlockBuckets, *, staleness: int, wave: int) -> None:
-        self.buckets, self.staleness, self.wave = buckets, staleness, wave
+    def __init__(
+        self, buckets: BlockBuckets, *, staleness: int, wave: int, at_most: bool = False
+    ) -> None:
+        self.buckets, self.staleness, self.wave, self.at_most = buckets, staleness, wave, at_most
+        self.lags: list[int] = []  # per wave begun: own waves whose others' are not taken in
         self.steps = 0  # minibatches begun
         self.start: list[torch.Tensor] = []  # weights at the start of the current wave
         # per pushed wave: (own updates, reductions in flight with their buffers)
@@ -63,6 +72,9 @@ class WaveExchange:
         if self.steps % self.wave == 0:
             while len(self.pending) > self.staleness:
                 self._apply(self.pending.popleft())
+            while self.at_most and self.pending and self._reduced(self.pending[0]):
+                self._apply(self.pending.popleft())
+            self.lags.append(len(self.pending))
             self.start = [self.buckets.flat(i) for i in range(len(self.buckets))]
         self.steps += 1
 
@@ -87,6 +99,10 @@ class WaveExchange:
             group = self.buckets.buckets[i][0]
             works.append((dist.all_reduce(total, group=group, async_op=True), total))
         self.pending.append((own, works))
+
+    @staticmethod
+    def _reduced(entry: tuple[list[torch.Tensor], list[tuple[Any, torch.Tensor]]]) -> bool:
+        return all(work.is_completed() for work, _ in entry[1])
 
     def _apply(self, entry: tuple[list[torch.Tensor], list[tuple[Any, torch.Tensor]]]) -> None:
         own, works = entry
