@@ -16,6 +16,7 @@ from plait.config import ParallelPlan
 from plait.models import GPT, GPTConfig
 from plait.train.checkpointing import resume, save
 from plait.train.engine import Engine, parallelize
+from plait.train.optim import param_groups
 
 from .harness import run_world
 
@@ -97,6 +98,26 @@ def _load_and_step(root: Path, where: str, optimizer: object = _optimizer, **pla
             torch.testing.assert_close(p, q.detach(), **TOL, msg=f"{where} block {index}")
 
 
+def _grouped(params: object) -> torch.optim.Optimizer:
+    # plait's weight-decay groups, with the embeddings and the head (the matrices of VOCAB
+    # or SEQ rows) in a third group without decay: its 3 tensors leave some rank's ZeRO-1
+    # share of it empty on 4 ranks, which torch's flattened state dict cannot load alone
+    decayed, plain = param_groups(params, 0.1)  # type: ignore[arg-type]
+    tables = [p for p in decayed["params"] if p.shape[0] in (VOCAB, SEQ)]  # type: ignore[attr-defined]
+    matrices = [p for p in decayed["params"] if p.shape[0] not in (VOCAB, SEQ)]  # type: ignore[attr-defined]
+    groups = [{**decayed, "params": matrices}, plain, {"params": tables, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=1e-2, eps=1e-4)
+
+
+def _empty_group_somewhere(engine: Engine) -> bool:
+    """Whether any rank's ZeRO-1 share of a parameter group is empty (a collective)."""
+    local = [getattr(o, "optim", o) for o in engine.optimizers.values()]
+    empty = any(not g["params"] for o in local for g in o.param_groups)
+    flag = torch.tensor(float(empty))
+    dist.all_reduce(flag)
+    return bool(flag.item())
+
+
 def _two_workers(rank: int, world: int, tmp: str) -> None:
     torch.use_deterministic_algorithms(True)
     root = Path(tmp)
@@ -122,6 +143,12 @@ def _four_workers(rank: int, world: int, tmp: str) -> None:
     _save(engine, root / "zero3", 2)
     _load_and_step(root / "zero3", "dp=4 ZeRO-3 -> dp=2 x tp=2 ZeRO-2", dp=2, tp=2, pp=1,
                    zero=2, microbatches=1)  # fmt: skip
+    engine = _engine(_grouped, dp=4, pp=1, zero=1, microbatches=1)
+    assert _empty_group_somewhere(engine), "the case needs a rank with an empty group"
+    _train(engine, 0, 2)
+    _save(engine, root / "zero1-groups", 2)
+    _load_and_step(root / "zero1-groups", "dp=4 ZeRO-1, an empty group -> the same", _grouped,
+                   dp=4, pp=1, zero=1, microbatches=1)  # fmt: skip
     dist.barrier()
 
 
@@ -133,8 +160,10 @@ def _back_to_two(rank: int, world: int, tmp: str) -> None:
 
 def test_checkpoints_load_under_any_layout_and_world(tmp_path: Path) -> None:
     """2 workers save under pp=2 and tp=2; 4 workers load those under dp×pp interleaved
-    and dp×pp ZeRO-3, and save under dp=4 ZeRO-3; 2 workers load that under pp=2. After
-    loading, the next step's weights equal one process's."""
+    and dp×pp ZeRO-3, and save under dp=4 ZeRO-3 and under dp=4 ZeRO-1 with weight-decay
+    groups of which some rank holds an empty share (loaded again under that layout); 2
+    workers load the ZeRO-3 one under pp=2. After loading, the next step's weights equal
+    one process's."""
     run_world(tmp_path, 2, _two_workers, str(tmp_path))
     run_world(tmp_path, 4, _four_workers, str(tmp_path))
     run_world(tmp_path, 2, _back_to_two, str(tmp_path))

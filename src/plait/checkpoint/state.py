@@ -29,7 +29,8 @@ from __future__ import annotations
 
 import re
 import sys
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterator, Mapping
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -155,15 +156,39 @@ def load_engine_state(engine: Engine, state: Mapping[str, Any], *, same_world: b
         values = {key: _local_slice(state["model"][ours[key]], own[key]) for key in ours}
         set_model_state_dict(stage, values)
         inner = _inner(engine.optimizers[s])
-        keys = get_optimizer_state_dict(stage, inner, options=_OPTIONS)
-        values = {key: _local_slice(state["optim"][rename(key)], keys[key]) for key in keys}
-        set_optimizer_state_dict(stage, inner, values, options=_OPTIONS)
+        with _without_empty_groups(inner):
+            keys = get_optimizer_state_dict(stage, inner, options=_OPTIONS)
+            values = {key: _local_slice(state["optim"][rename(key)], keys[key]) for key in keys}
+            set_optimizer_state_dict(stage, inner, values, options=_OPTIONS)
     rank = f"rank{torch.distributed.get_rank()}"
     if same_world and rank in state.get("rng", {}):
         torch.set_rng_state(state["rng"][rank])
     _load_comm(engine, state.get("comm", {}), rank)
     if engine.grad_sync is not None:
         engine.grad_sync.zero_grad()
+
+
+@contextmanager
+def _without_empty_groups(optimizers: Any) -> Iterator[None]:
+    """Hide the parameter groups without parameters from `optimizers` (one or a list).
+
+    ZeRO-1 gives each rank a share of every group, which may be empty (a rank that got
+    only matrices has an empty no-decay group), and torch's flattened optimizer state
+    dict names a group's settings by its parameters: an empty group has no entry, and
+    `set_optimizer_state_dict` fails on it (IndexError taking its first parameter). Such
+    a group has nothing to load, so the load runs without it; afterwards it is put back
+    in its place, since ZeroRedundancyOptimizer syncs its own groups with the local
+    optimizer's by position. The other groups are the ones `load_state_dict` made."""
+    optims = optimizers if isinstance(optimizers, list) else [optimizers]
+    every = [optim.param_groups for optim in optims]
+    for optim, groups in zip(optims, every, strict=True):
+        optim.param_groups = [group for group in groups if group["params"]]
+    try:
+        yield
+    finally:
+        for optim, groups in zip(optims, every, strict=True):
+            loaded = iter(optim.param_groups)
+            optim.param_groups = [next(loaded) if group["params"] else group for group in groups]
 
 
 def _load_comm(engine: Engine, comm: Mapping[str, Any], rank: str) -> None:
