@@ -194,7 +194,7 @@ def test_trillion_parameter_gpt_on_3072_gpus_plans_fast() -> None:
     # about 5 s of CPU on a quiet 2-core machine; the bound leaves room for a loaded one
     assert seconds < 15.0, seconds
     best = found.best.plan
-    assert best.num_devices == 3072 and 8 % best.tp == 0 and best.pp > 1
+    assert best.world_size == 3072 and 8 % best.tp == 0 and best.pp > 1
     assert 0.2 < found.best.mfu < 0.8
 
 

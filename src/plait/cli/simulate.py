@@ -283,13 +283,13 @@ def run(args: argparse.Namespace) -> int:
     if args.wsp_staleness is not None:  # before simulating: what training would refuse
         check_wsp(plan, args.wsp_staleness, args.wsp_wave, args.pipelines)
     given = load_cluster(args.cluster)
-    if given.name == "local-cpu" and plan.num_devices > given.num_devices:
+    if given.name == "local-cpu" and plan.world_size > given.num_devices:
         # this machine cannot grow nodes the way a preset of a data centre can
         raise ValueError(
-            f"dp × tp × pp = {plan.num_devices} ranks but cluster 'local-cpu' (this machine) "
+            f"dp × tp × pp = {plan.world_size} ranks but cluster 'local-cpu' (this machine) "
             f"has {given.num_devices} devices: shrink the plan"
         )
-    cluster = scaled_cluster(given, plan.num_devices)
+    cluster = scaled_cluster(given, plan.world_size)
     if args.profile:
         from plait.profile.codec import read_codec_profile, with_codec
 

@@ -87,7 +87,7 @@ def wsp_summary(
             "wsp_extra_bytes": extra, "peak_memory_bytes": memory,
             "fits": all(x <= r.capacity_bytes for x, r in zip(memory, run.ranks, strict=True)),
         })  # fmt: skip
-    _, exchange_s = wave_exchange(blocks, cuts, cluster, len(cuts), plan.num_devices)
+    _, exchange_s = wave_exchange(blocks, cuts, cluster, len(cuts), plan.world_size)
     replay = replay_wsp(wave_s, staleness=staleness, waves=WAVES, exchange_s=exchange_s)
     cycle = staleness + 1
     span = cycle * (WAVES // 2 // cycle)

@@ -150,7 +150,7 @@ def _exact_hetero(plan: SimPlan, model: ModelSpec, cluster: Cluster) -> RankedPl
         for b in model.blocks_for(plan)
     )
     total_flops = flops * plan.tp * plan.microbatches * plan.dp
-    peak = sum(cluster.device(g).peak(plan.dtype) for g in range(plan.num_devices))
+    peak = sum(cluster.device(g).peak(plan.dtype) for g in range(plan.world_size))
     bubble = max(1.0 - r.run.busy_s / (plan.pp * r.run.pipeline_time_s) for r in het.replicas)
     batch = plan.global_batch_size
     return RankedPlan(

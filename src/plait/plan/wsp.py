@@ -107,7 +107,7 @@ def staleness_for(
     else:
         wave_s, cuts = [ranked.step_time_s] * plan.dp, [ranked.sizes] * plan.dp
     weight_bytes, exchange_s = wave_exchange(
-        model.blocks_for(plan), cuts, cluster, plan.dp, plan.num_devices
+        model.blocks_for(plan), cuts, cluster, plan.dp, plan.world_size
     )
     return choose_staleness(wave_s, exchange_s=exchange_s, allowance=allowance,
                             weight_bytes=weight_bytes)  # fmt: skip

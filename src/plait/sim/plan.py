@@ -61,10 +61,6 @@ class SimPlan(ParallelPlan):
         pass
 
     @property
-    def num_devices(self) -> int:
-        return self.world_size
-
-    @property
     def global_batch_size(self) -> int:
         """Samples per step over all data-parallel ranks."""
         return self.dp * self.microbatches * self.micro_batch_size

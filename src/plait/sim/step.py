@@ -40,9 +40,9 @@ def _check(schedule: Schedule, num_stages: int, cluster: Cluster, plan: SimPlan)
             f"the schedule runs {schedule.num_microbatches} micro-batches but "
             f"plan.microbatches={plan.microbatches}: make them agree"
         )
-    if cluster.num_devices < plan.num_devices:
+    if cluster.num_devices < plan.world_size:
         raise ValueError(
-            f"the plan needs dp·tp·pp = {plan.num_devices} devices but cluster "
+            f"the plan needs dp·tp·pp = {plan.world_size} devices but cluster "
             f"{cluster.name!r} has {cluster.num_devices}: add nodes or shrink the plan"
         )
 
@@ -91,7 +91,7 @@ def simulate(
     step = worst.step_time_s  # a synchronous step, or an asynchronous window in steady state
     m = plan.microbatches
     model_flops = sum(st.model_flops for st in parts) * m * plan.tp * plan.dp
-    peak = sum(cluster.device(g).peak(plan.dtype) for g in range(plan.num_devices))
+    peak = sum(cluster.device(g).peak(plan.dtype) for g in range(plan.world_size))
     span = worst.pipeline_time_s
     return SimResult(
         plan=plan,

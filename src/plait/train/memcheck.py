@@ -97,7 +97,7 @@ def estimate_memory(cfg: TrainConfig, nproc: int) -> MemoryEstimate | None:
     blocks = spec.block_costs(micro_batch_size=plan.micro_batch_size, dtype=plan.dtype,
                               tp=plan.tp, sequence_parallel=plan.sequence_parallel,
                               device_type=device_type)  # fmt: skip
-    cluster = local_cpu(devices=plan.num_devices)  # memory is judged here, not by the cluster
+    cluster = local_cpu(devices=plan.world_size)  # memory is judged here, not by the cluster
     result = predict(blocks, cluster, plan).result
     worst = max(result.ranks, key=lambda r: r.memory.total).memory
     state = worst.params + worst.grads + worst.optimizer + worst.weight_copies
