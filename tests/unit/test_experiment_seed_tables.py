@@ -184,3 +184,67 @@ def test_a_gpipe_task_cost_follows_gpipes_closed_form(resnet18_work: list) -> No
     implied = dg.implied_task_s(cluster, free, resnet18_work, gpus=p, dtype="fp32",
                                 seconds=cell["seconds"])  # fmt: skip
     assert implied == pytest.approx(t, rel=1e-4)
+
+
+class _Blocks(nn.Module):
+    def __init__(self, *blocks: nn.Module) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(blocks)
+
+    def blocks(self) -> list[nn.Module]:
+        return list(self.parts)
+
+
+def test_winograd_flops_are_the_3x3_stride_1_convolutions() -> None:
+    # 3×3 stride 1 (Winograd-shaped), 3×3 stride 2 and 1×1 (not), each alone in a block
+    model = _Blocks(nn.Conv2d(4, 8, 3, padding=1, bias=False),
+                    nn.Conv2d(8, 8, 3, stride=2, padding=1, bias=False),
+                    nn.Conv2d(8, 6, 1, bias=False))  # fmt: skip
+    work = count_work(model, (4, 8, 8))
+    direct = 2.0 * 4 * 9 * 8 * 8 * 8  # 2 × in × k² × out channels × output pixels
+    assert work[0].forward_winograd_flops == pytest.approx(direct)
+    # backward: the input gradient (the first block's input needs none) and the weight's
+    assert work[0].backward_winograd_flops == pytest.approx(direct)
+    assert work[1].forward_winograd_flops == 0.0 and work[2].forward_winograd_flops == 0.0
+    assert work[1].backward_winograd_flops == 0.0 and work[2].backward_winograd_flops == 0.0
+
+
+def test_memory_bound_operators_cost_their_traffic_and_convolutions_their_flops() -> None:
+    from plait.cluster import Device
+    from plait.experiment.work import block_costs
+
+    model = _Blocks(nn.Conv2d(3, 4, 3, padding=1, bias=False), nn.ReLU())
+    work = count_work(model, (3, 6, 6))
+    elems = 4 * 6 * 6
+    # relu reads its input and writes its output; its backward reads the gradient and the
+    # saved output and writes the input's gradient
+    assert work[1].forward_memory_elems == 2 * elems
+    assert work[1].backward_memory_elems == 3 * elems
+    assert work[0].forward_memory_elems == 0.0  # the convolution is priced by its FLOPs
+    dev = Device(name="d", peak_flops={"fp32": 1e12}, efficiency=0.5, memory_bytes=2**30,
+                 memory_bandwidth_Bps=1e9)  # fmt: skip
+    direct = 2.0 * 3 * 9 * elems
+    costs = block_costs(work, dev, "fp32", 8, winograd=2.25)
+    assert costs[0].forward_flops == pytest.approx(8 * direct / 2.25)
+    seconds = 8 * 2 * elems * 4 / 1e9  # bytes over the memory bandwidth
+    assert costs[1].forward_flops == pytest.approx(seconds * 0.5e12)
+    with pytest.raises(ValueError, match=r"winograd=0\.5"):
+        block_costs(work, dev, "fp32", 8, winograd=0.5)
+
+
+def test_a_rerun_keeps_the_hand_written_preface_and_discussion(tmp_path: object) -> None:
+    from pathlib import Path
+
+    from plait.experiment import dp_vs_gpipe as dg
+    from plait.experiment.report import run_all
+
+    out = Path(str(tmp_path))
+    (out / "preface.md").write_text("Run on a quiet machine.\n")
+    (out / "discussion.md").write_text("The shares agree.\n")
+    movement = dm.DataMovementConfig(models=("mobilenet_v2",))
+    for _ in range(2):  # the second run resumes from results.json
+        run_all(out, dp=dg.DpGpipeConfig(), movement=movement, staleness=None, quiet=True,
+                measure=False)  # fmt: skip
+    text = (out / "report.md").read_text()
+    assert text.index("Run on a quiet machine.") < text.index("## Data parallelism vs GPipe")
+    assert text.index("## Plots") < text.index("## Discussion\n\nThe shares agree.")

@@ -22,8 +22,9 @@ Predicted (`predict`): the same DataParallel step on the cluster file (`gtx1080t
 input copy at the host's pageable-copy bandwidth plus the scatter over PCIe, weight
 broadcast and gradient reduction from GPU 0 over PCIe (GeForce cards copy through the
 host, one replica after another), and each replica's forward and backward of its share
-as the simulator replays it; the step is their sum, since DataParallel runs them in
-turn. Memory beyond the device's capacity is reported as the paper's ×.
+as the simulator replays it (block costs counted per operator, with the 3×3 convolutions'
+Winograd arithmetic: `plait.experiment.work`); the step is their sum, since DataParallel
+runs them in turn. Memory beyond the device's capacity is reported as the paper's ×.
 Limits: the pageable copy bandwidth is an assumption (`host_copy_Bps`); JPEG decoding
 before the copy is not modelled; on CPU workers "transfer" is gloo over shared memory.
 """
@@ -70,6 +71,9 @@ class PaperSetup:
     # through a pinned buffer, at about a quarter of PCIe 3.0's pinned rate
     host_copy_Bps: float = 3e9
     peer_to_peer: bool = False  # GeForce cards: GPU-to-GPU copies go through the host
+    # cuDNN runs Pascal's fp32 3×3 stride-1 convolutions as Winograd F(2×2, 3×3):
+    # 2.25× fewer multiplications (Lavin and Gray, 2016)
+    winograd: float = 2.25
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -127,7 +131,7 @@ def predict_cell(cluster: Cluster, setup: PaperSetup, model: str, gpus: int,
         model_s = all_reduce_time(gpus, params, link, algorithm="ring")
     plan = SimPlan(schedule="gpipe", microbatches=1, micro_batch_size=share, dtype="fp32",
                    optimizer="sgd")  # fmt: skip
-    stage = StageCost(tuple(block_costs(work, dev, "fp32", share)))
+    stage = StageCost(tuple(block_costs(work, dev, "fp32", share, winograd=setup.winograd)))
     result = simulate(build_schedule(plan), [stage], cluster, plan)
     step = input_s + model_s + result.step_time_s
     return {"I": 100 * input_s / step, "M": 100 * model_s / step, "step_s": step,

@@ -86,13 +86,20 @@ def run_all(out: Path, *, dp: dg.DpGpipeConfig, movement: dm.DataMovementConfig,
 
         store.put("staleness", st.run_experiment(staleness, quiet=quiet).to_dict())
     plots = _plots(store.data, out)
-    (out / "report.md").write_text(render_markdown(store.data, plots))
+    # hand-written text beside the results, so a resumed run does not write over it
+    preface, discussion = (_read(out / name) for name in ("preface.md", "discussion.md"))
+    (out / "report.md").write_text(render_markdown(store.data, plots, preface=preface,
+                                                   discussion=discussion))  # fmt: skip
     if not quiet:
         print(f"experiment all: wrote {out / 'report.md'} and {store.path}", file=sys.stderr)
     return store.data
 
 
 # ------------------------------------------------------------------ markdown
+def _read(path: Path) -> str:
+    return path.read_text() if path.is_file() else ""
+
+
 def _f(x: float | None, digits: int = 1, suffix: str = "") -> str:
     return "-" if x is None else f"{x:.{digits}f}{suffix}"
 
@@ -172,7 +179,9 @@ def _dm_section(data: dict[str, Any]) -> list[str]:
              f"Predicted on `{pred['cluster']}` at batch {s['batch_size']}, "
              f"{s['image_size']}×{s['image_size']} images, nn.DataParallel's step (host copy at "
              f"{s['host_copy_Bps'] / 1e9:.0f} GB/s, an assumption; scatter, weight broadcast "
-             "and gradient reduction over PCIe; compute by the simulator).", ""]  # fmt: skip
+             "and gradient reduction over PCIe; compute by the simulator, with 3×3 "
+             f"convolutions as Winograd at {s.get('winograd', 1.0):g}× less arithmetic).",
+             ""]  # fmt: skip
     rows = []
     for r in pred["rows"]:
         pub = r["published"]
@@ -222,10 +231,14 @@ def _staleness_section(data: dict[str, Any]) -> list[str]:
     return lines + [f"- {x}" for x in data["findings"]] + [""]
 
 
-def render_markdown(data: dict[str, Any], plots: list[str] | str) -> str:
-    """The report: one section per experiment, then the plots (or why there are none)."""
+def render_markdown(data: dict[str, Any], plots: list[str] | str, *, preface: str = "",
+                    discussion: str = "") -> str:  # fmt: skip
+    """The report: one section per experiment, then the plots (or why there are none);
+    `preface` and `discussion` are text written by hand, kept across runs."""
     lines = ["# The seeds' experiments: published, predicted at the papers' scale, measured "
              "here", ""]  # fmt: skip
+    if preface.strip():
+        lines += [preface.strip(), ""]
     if "dp_vs_gpipe" in data:
         lines += _dp_section(data["dp_vs_gpipe"])
     if "data_movement" in data:
@@ -237,6 +250,8 @@ def render_markdown(data: dict[str, Any], plots: list[str] | str) -> str:
         lines += [plots, ""]
     else:
         lines += [f"![{p}]({p})" for p in plots] + [""]
+    if discussion.strip():
+        lines += ["## Discussion", "", discussion.strip(), ""]
     return "\n".join(lines)
 
 

@@ -2,20 +2,29 @@
 
 `count_work` runs each block once on the meta device (no memory, no arithmetic) under
 torch's `FlopCounterMode` and a dispatch mode that counts the aten operators and the
-elements they write: FLOPs of forward and backward, the operators a host dispatches (each
+elements they touch: FLOPs of forward and backward, the operators a host dispatches (each
 one a kernel launch on a GPU), the bytes of the block's output and of everything its
-forward writes (what it keeps for backward, and the traffic a memory-bound block pays).
-`block_costs` turns that into the cost model's `BlockCost`s for a micro-batch on a device,
-as a roofline: a block's time is the larger of its FLOPs at the device's achievable rate
-and its memory traffic at the device's memory bandwidth, expressed as FLOPs at that rate
-so the simulator charges it unchanged.
+forward writes (what it keeps for backward), the elements the memory-bound operators read
+and write, and the FLOPs of 3×3 stride-1 convolutions (which cuDNN may run as Winograd
+transforms).
 
-Limits: traffic is counted as each operator's output written once and read once (cache
-reuse and fused kernels are ignored); batch norm's running statistics and in-place
-operators count as writes; FLOPs are torch's counts (convolutions and matmuls only), which
-charge a grouped (depthwise) convolution's backward as a dense one: about 10× MobileNetV2's
-backward arithmetic, kept because depthwise backward kernels ran no faster than dense ones
-on the seeds' GPUs (MobileNetV2 trains about 2× faster than ResNet-50 there, not 14×).
+`block_costs` turns that into the cost model's `BlockCost`s for a micro-batch on a device,
+as a roofline per operator: the convolutions and matmuls run at the device's achievable
+rate, every other operator (batch norm, activations, additions, pooling) at its memory
+bandwidth, and a block's time is their sum, expressed as FLOPs at that rate so the
+simulator charges it unchanged. A block-level roofline (the larger of all FLOPs and all
+traffic) hides the memory-bound operators behind the convolutions they follow, which is
+why it predicted ResNet-50 as fast as ResNet-34: its bottlenecks move 4× wider activations
+through batch norm. `winograd` divides the 3×3 stride-1 convolutions' arithmetic: Lavin and
+Gray (2016) F(2×2, 3×3) needs 2.25× fewer multiplications than direct convolution, and
+cuDNN picks it for those layers in fp32 on GPUs without tensor cores.
+
+Limits: each memory-bound operator reads its inputs once and writes its outputs once (cache
+reuse and kernel fusion are ignored); the convolutions' own reads and writes are taken as
+hidden behind their arithmetic; FLOPs are torch's counts, which charge a grouped
+(depthwise) convolution's backward as a dense one: about 10× MobileNetV2's backward
+arithmetic, kept because depthwise backward kernels ran no faster than dense ones on the
+seeds' GPUs (MobileNetV2 trains about 2× faster than ResNet-50 there, not 14×).
 """
 
 from __future__ import annotations
@@ -28,8 +37,9 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils import _pytree
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from plait.cluster import Device, dtype_bytes
 from plait.cost import BlockCost
@@ -50,6 +60,12 @@ class BlockWork:
     written_elems: float  # everything the forward writes: its memory traffic
     allocated_elems: float  # what it writes into new memory (what backward may keep)
     num_params: int
+    # elements the memory-bound operators (all but convolutions and matmuls) read and write
+    forward_memory_elems: float = 0.0
+    backward_memory_elems: float = 0.0
+    # the part of forward_flops and backward_flops in 3×3 stride-1 convolutions
+    forward_winograd_flops: float = 0.0
+    backward_winograd_flops: float = 0.0
 
     @property
     def ops(self) -> int:
@@ -75,12 +91,28 @@ _ALIASES = {
 }
 
 
+_CONVOLUTIONS = {"convolution", "_convolution", "convolution_backward"}
+
+
+def _is_winograd(name: str, args: Any) -> bool:
+    """A 3×3, stride-1, ungrouped 2-D convolution (forward or backward)."""
+    if name not in _CONVOLUTIONS:
+        return False
+    weight = args[2] if name == "convolution_backward" else args[1]
+    stride = args[4] if name == "convolution_backward" else args[3]
+    groups = args[9] if name == "convolution_backward" else args[8]
+    return (tuple(weight.shape[2:]) == (3, 3) and all(s == 1 for s in stride)
+            and groups == 1)  # fmt: skip
+
+
 class _Ops(TorchDispatchMode):  # type: ignore[no-untyped-call]
-    """Counts aten operators and the elements of the tensors they return."""
+    """Counts aten operators, the elements of the tensors they return, the elements the
+    memory-bound ones touch and the FLOPs of the Winograd-shaped convolutions."""
 
     def __init__(self) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.ops, self.elems, self.allocated = 0, 0.0, 0.0
+        self.memory, self.winograd = 0.0, 0.0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
@@ -93,6 +125,13 @@ class _Ops(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self.elems += elems
         if not name.endswith("_"):  # an in-place operator writes into existing memory
             self.allocated += elems
+        if func._overloadpacket in flop_registry:
+            if _is_winograd(name, args):
+                count = flop_registry[func._overloadpacket]
+                self.winograd += count(*args, **(kwargs or {}), out_val=out)
+        else:
+            read = _pytree.tree_leaves((args, kwargs or {}))
+            self.memory += elems + sum(t.numel() for t in read if isinstance(t, torch.Tensor))
         return out
 
 
@@ -109,8 +148,9 @@ def count_work(model: nn.Module, sample_shape: Sequence[int]) -> list[BlockWork]
         fwd, bwd = _Ops(), _Ops()
         with FlopCounterMode(display=False) as f_count, fwd:
             y = block(x)
+        seed = torch.ones_like(y)  # made outside the counters: the block's backward alone
         with FlopCounterMode(display=False) as b_count, bwd:
-            y.float().sum().backward()
+            y.backward(seed)
         out.append(
             BlockWork(
                 name=f"{type(block).__name__.lstrip('_').lower()}{index}",
@@ -122,6 +162,10 @@ def count_work(model: nn.Module, sample_shape: Sequence[int]) -> list[BlockWork]
                 written_elems=fwd.elems / n,
                 allocated_elems=fwd.allocated / n,
                 num_params=sum(p.numel() for p in block.parameters()),
+                forward_memory_elems=fwd.memory / n,
+                backward_memory_elems=bwd.memory / n,
+                forward_winograd_flops=fwd.winograd / n,
+                backward_winograd_flops=bwd.winograd / n,
             )
         )
         x = y
@@ -129,18 +173,25 @@ def count_work(model: nn.Module, sample_shape: Sequence[int]) -> list[BlockWork]
 
 
 def block_costs(
-    work: Sequence[BlockWork], device: Device, dtype: str, micro_batch_size: int
-) -> list[BlockCost]:
+    work: Sequence[BlockWork], device: Device, dtype: str, micro_batch_size: int,
+    *, winograd: float = 1.0,
+) -> list[BlockCost]:  # fmt: skip
     """The blocks' `BlockCost`s for `micro_batch_size` samples on `device` in `dtype`:
-    the roofline of FLOPs and memory traffic (forward writes its outputs and reads them
-    back in backward: about 3 passes over them; backward writes as much again)."""
+    convolutions and matmuls at the achievable rate (3×3 stride-1 ones with `winograd`
+    times less arithmetic), plus the memory-bound operators' traffic at the device's memory
+    bandwidth, converted to FLOPs at that rate."""
+    if not winograd >= 1.0:
+        raise ValueError(f"winograd={winograd} must be >= 1 (1: direct convolution)")
     size = dtype_bytes(dtype)
     rate = device.achievable_flops(dtype)
+    per_elem = micro_batch_size * size / device.memory_bandwidth_Bps * rate
+    saved = 1.0 - 1.0 / winograd
     costs = []
     for w in work:
-        traffic_s = micro_batch_size * w.written_elems * size / device.memory_bandwidth_Bps
-        fwd = max(w.forward_flops * micro_batch_size, traffic_s * rate)
-        bwd = max(w.backward_flops * micro_batch_size, 2 * traffic_s * rate)
+        fwd = micro_batch_size * (w.forward_flops - saved * w.forward_winograd_flops)
+        fwd += w.forward_memory_elems * per_elem
+        bwd = micro_batch_size * (w.backward_flops - saved * w.backward_winograd_flops)
+        bwd += w.backward_memory_elems * per_elem
         costs.append(
             BlockCost(
                 name=w.name,
