@@ -42,7 +42,9 @@ def test_the_target_is_reached_when_the_window_mean_is_at_most_it() -> None:
 @pytest.mark.parametrize(
     ("fields", "fragment"),
     [({"slow": 4}, "--slow 4"), ({"slowdown": 0.5}, "--slowdown 0.5"),
-     ({"batch_size": 10}, "--batch-size 10"), ({"wsp_lr": "half"}, "--wsp-lr")],
+     ({"batch_size": 10}, "--batch-size 10"), ({"wsp_lr": "half"}, "--wsp-lr"),
+     ({"block_ms": -1.0}, "--block-ms -1.0"), ({"micro_batch_size": 5}, "--micro-batch-size 5"),
+     ({"micro_batch_size": -1}, "--micro-batch-size -1")],
 )  # fmt: skip
 def test_bad_input_is_refused_before_workers_start(
     fields: dict[str, object], fragment: str
@@ -59,3 +61,32 @@ def test_the_pad_counts_forward_and_backward_actions_only() -> None:
                ActionRecord(0, 2, "1BI2v1", 3.0, 3.5), ActionRecord(0, 3, "0B0", 4.0, 6.0),
                ActionRecord(0, 4, "0UPDATE0", 6.0, 9.0)]  # fmt: skip
     assert compute_seconds(records) == 1.0 + 0.5 + 2.0
+
+
+def test_emulated_compute_sleeps_per_block_and_sample_and_twice_in_backward() -> None:
+    import torch
+    from torch import nn
+
+    from plait.runtime.slowdown import EmulatedCompute
+
+    class TwoBlocks(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 1)
+
+        def blocks(self) -> list[nn.Module]:
+            return [self.a, self.b]
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(self.a(x))
+
+    slept: list[float] = []
+    model = TwoBlocks()
+    emulated = EmulatedCompute(model, 0.5, 3.0, per_sample=True, sleep=slept.append)
+    model(torch.ones(2, 4)).sum().backward()
+    # fast: 0.5 s per block and sample, 2 samples; backward twice, last block first
+    assert slept == [1.0, 1.0, 2.0, 2.0]
+    slept.clear()
+    emulated.slow = True
+    model(torch.ones(1, 4)).sum().backward()
+    assert slept == [1.5, 1.5, 3.0, 3.0]

@@ -3,10 +3,18 @@ planner's heterogeneous plan and Wave Synchronous Parallel, to a target loss.
 
 `--workers` CPU workers train the same GPT on the same stdlib corpus batches; the last
 `--slow` of them are marked `--slowdown` times slower in a cluster file (a device's
-`slowdown`), which the planner sees as slower devices and each slow rank enforces by
-padding its steps (`plait.runtime.slowdown`). Three configurations take turns of
-`--turn` steps each (this machine's speed drifts over seconds), each turn from a barrier
-to the slowest rank's end of it:
+`slowdown`), which the planner sees as slower devices. The workers act as devices of
+those speeds by emulated compute (`plait.runtime.slowdown.EmulatedCompute`): every block
+sleeps `--block-ms` per sample after its forward and twice that in its backward, times
+the slowdown on a slow worker, on top of its real arithmetic, kept small. Emulation,
+because this machine has fewer cores than workers: with real arithmetic all plans do the
+same work on the same shared cores, so none can be faster than the cores allow, and
+equal shares already keep them busy (the fast workers compute while the slow ones sleep
+off their pad); no device would behave so. `--block-ms 0` trains on real arithmetic
+alone, each slow worker's step padded by (k − 1) × its forward and backward time
+(`plait.runtime.slowdown.pad_step`). Three configurations take turns of `--turn` steps
+each (this machine's speed drifts over seconds), each turn from a barrier to the slowest
+rank's end of it:
 
 - `equal_dp`: synchronous data parallelism, every worker an equal share of the batch
   (the slow ones set the pace);
@@ -33,8 +41,9 @@ over the best other configuration's. The target is `--target-loss`, or by defaul
 above the loss `equal_dp` reaches at 3/4 of its steps (so that `hetero_sync`, which
 computes the same steps up to rounding, reaches it at the same step).
 
-Limits: the workers share this machine's cores, so the slow ones' padding (a sleep) also
-frees a core for the others; the pad follows each step, exact for one-rank pipelines.
+Limits: the emulated times are the cluster file's ratios, not a measured device's; the
+real arithmetic (on top of the emulated time, about a tenth of it at the defaults) and the
+reductions, updates and messages still share the cores.
 Paper: HetPipe converged up to 49% faster than data parallelism (Park et al., ATC 2020).
 """
 
@@ -63,10 +72,15 @@ class HetPipeBenchConfig:
     turn: int = 10  # steps of one configuration before the next one's turn
     target_loss: float | None = None
     layers: int = 2
-    hidden: int = 128
+    hidden: int = 64
     heads: int = 2
-    seq_len: int = 64
+    seq_len: int = 32
     batch_size: int = 24
+    # emulated milliseconds per block and sample on a fast worker (0: real arithmetic)
+    block_ms: float = 2.0
+    # every configuration's micro-batch size (0: the planner's choice); fixed, so that the
+    # configurations differ in their shares, not in how many micro-batches each runs
+    micro_batch_size: int = 2
     lr: float = 3e-3  # AdamW's (see the module docstring)
     # WSP's per-pipeline learning rate: lr × its batch share ("share": a wave's summed
     # updates are one step's worth) or lr ("same": the sum is dp steps' worth)
@@ -82,6 +96,15 @@ class HetPipeBenchConfig:
             raise ValueError(
                 f"--slow {self.slow} must mark some but not all of the {self.workers} workers"
             )
+        if self.micro_batch_size < 0 or (
+            self.micro_batch_size and self.batch_size % self.micro_batch_size
+        ):
+            raise ValueError(
+                f"--micro-batch-size {self.micro_batch_size} must divide "
+                f"--batch-size {self.batch_size} (0: the planner's choice)"
+            )
+        if not self.block_ms >= 0:
+            raise ValueError(f"--block-ms {self.block_ms} must be >= 0 (0: real arithmetic)")
         if self.slowdown < 1:
             raise ValueError(f"--slowdown {self.slowdown} must be >= 1 (times slower)")
         if self.window > self.steps:
@@ -118,6 +141,7 @@ class HetPipeBenchConfig:
 def planned_pipelines(config: HetPipeBenchConfig, vocab_size: int) -> dict[str, Any]:
     """The planner's best heterogeneous synchronous plan (tp = 1) for the bench's cluster,
     as a plan-file dict."""
+    import dataclasses
     import tomllib
 
     from plait.plan import SearchSpace, search
@@ -131,11 +155,16 @@ def planned_pipelines(config: HetPipeBenchConfig, vocab_size: int) -> dict[str, 
     space = SearchSpace(schedules=("1f1b", "gpipe"), recompute=("none",), zero_stages=(0,),
                         chunks=(), sequence_parallel=(False,), dtype="fp32",
                         rank_orders=("tp-dp-pp", "tp-pp-dp"))  # fmt: skip
+    if config.micro_batch_size:
+        space = dataclasses.replace(space, micro_batch_sizes=(config.micro_batch_size,))
     found = search(spec, cluster, global_batch=config.batch_size, space=space, top_k=1000,
                    exact_limit=10**6, memory_margin=0.0)  # fmt: skip
     usable = [r for r in found.ranked if r.plan.tp == 1 and r.hetero is not None]
     if not usable:
-        raise ValueError("the planner found no heterogeneous plan with tp=1 for this cluster")
+        raise ValueError(
+            "the planner found no heterogeneous plan with tp=1 for this cluster at "
+            f"--micro-batch-size {config.micro_batch_size}: try another size, or 0"
+        )
     return plan_to_dict(usable[0])
 
 
@@ -233,7 +262,7 @@ class _Trainer:
     """One configuration on this rank: its engine, and what its steps reported."""
 
     engine: Any
-    slowdown: float
+    slowdown: float  # the pad after each step (1: none; emulated compute paces itself)
     pipeline: int
     share: float
     losses: list[float]
@@ -245,6 +274,7 @@ def _trainer(config: HetPipeBenchConfig, plan: dict[str, Any], name: str, device
     import torch.distributed as dist
 
     from plait.models import GPT, GPTConfig
+    from plait.runtime.slowdown import EmulatedCompute
     from plait.train.engine import parallelize
     from plait.train.hetero import layout_of
 
@@ -260,10 +290,12 @@ def _trainer(config: HetPipeBenchConfig, plan: dict[str, Any], name: str, device
     model = GPT(GPTConfig(vocab_size=config.vocab_size, seq_len=config.seq_len,
                           num_layers=config.layers, hidden=config.hidden,
                           num_heads=config.heads))  # fmt: skip
+    slowdown = config.slowdown if rank >= config.workers - config.slow else 1.0
+    if config.block_ms > 0:  # the hooks pace the blocks; no pad after the step
+        EmulatedCompute(model, config.block_ms / 1000, slowdown, per_sample=True, slow=True)
     engine = parallelize(model, layout, lambda ps: torch.optim.AdamW(ps, lr=lr), GPT.loss,
                          device=device, grad_clip=None)  # fmt: skip
-    slowdown = config.slowdown if rank >= config.workers - config.slow else 1.0
-    return _Trainer(engine, slowdown, pipeline, share, [], [])
+    return _Trainer(engine, slowdown if config.block_ms == 0 else 1.0, pipeline, share, [], [])
 
 
 def _measure(config: HetPipeBenchConfig, plan: dict[str, Any], device: Any) -> dict[str, Any]:
@@ -316,6 +348,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--seq-len", type=int, default=d.seq_len, help="tokens per sequence")
     a("--batch-size", type=int, default=d.batch_size, help="sequences per step")
     a("--lr", type=float, default=d.lr, help="AdamW's learning rate")
+    a("--micro-batch-size", type=int, default=d.micro_batch_size,
+      help="every configuration's micro-batch size (0: the planner's choice)")  # fmt: skip
+    a("--block-ms", type=float, default=d.block_ms,
+      help="emulated ms per block and sample on a fast worker (0: real arithmetic, "
+           "padded)")  # fmt: skip
     a("--wsp-lr", default=d.wsp_lr, choices=("share", "same"),
       help="WSP pipeline i's learning rate: lr × its batch share, or lr")  # fmt: skip
     a("--json", action="store_true", help="print one JSON object instead of a table")
@@ -327,7 +364,8 @@ def run(args: argparse.Namespace) -> int:
         steps=args.steps, window=args.window, turn=args.turn, target_loss=args.target_loss,
         layers=args.layers, hidden=args.hidden, heads=args.heads, seq_len=args.seq_len,
         batch_size=args.batch_size,
-        lr=args.lr, wsp_lr=args.wsp_lr,
+        lr=args.lr, wsp_lr=args.wsp_lr, block_ms=args.block_ms,
+        micro_batch_size=args.micro_batch_size,
     )  # fmt: skip
     result = run_bench(config)
     if args.json:

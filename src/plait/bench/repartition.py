@@ -32,7 +32,8 @@ from plait.bench import _common as common
 
 if TYPE_CHECKING:
     import torch
-    from torch import nn
+
+    from plait.runtime.slowdown import EmulatedCompute
 
 __all__ = ["RepartitionBenchConfig", "add_arguments", "run", "run_bench"]
 
@@ -105,28 +106,6 @@ def run_bench(config: RepartitionBenchConfig) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------ in the workers
-class _Emulated:
-    """Each block's compute emulated as sleep on top of its (tiny) real compute: `block_s`
-    after its forward and twice that at the start of its backward, × `slowdown` while
-    `slow` (the emulated, after `slow_from`)."""
-
-    def __init__(self, model: nn.Module, block_s: float, slowdown: float) -> None:
-        from plait.blocks import as_blocks
-
-        self.slow, self.block_s, self.slowdown = False, block_s, slowdown
-        for block in as_blocks(model):
-            block.register_forward_hook(self._forward)
-
-    def _seconds(self) -> float:
-        return self.block_s * (self.slowdown if self.slow else 1.0)
-
-    def _forward(self, module: nn.Module, args: Any, output: Any) -> None:
-        time.sleep(self._seconds())
-        if getattr(output, "requires_grad", False):
-            later = 2 * self._seconds()
-            output.register_hook(lambda grad: time.sleep(later))
-
-
 def _worker(config: RepartitionBenchConfig) -> dict[str, Any]:
     common.single_thread()
     import torch.distributed as dist
@@ -140,13 +119,16 @@ def _worker(config: RepartitionBenchConfig) -> dict[str, Any]:
         dist.destroy_process_group()
 
 
-def _setup(config: RepartitionBenchConfig, device: torch.device) -> tuple[Any, Any, _Emulated]:
+def _setup(
+    config: RepartitionBenchConfig, device: torch.device
+) -> tuple[Any, Any, EmulatedCompute]:
     """The model (same seed everywhere), `build(plan) -> Engine`, and this worker's hook."""
     import torch
     import torch.distributed as dist
 
     from plait.config import ParallelPlan
     from plait.models import GPT, GPTConfig
+    from plait.runtime.slowdown import EmulatedCompute
     from plait.train.engine import Engine, parallelize
 
     torch.manual_seed(config.seed)
@@ -159,7 +141,7 @@ def _setup(config: RepartitionBenchConfig, device: torch.device) -> tuple[Any, A
                            GPT.loss, device=device)  # fmt: skip
 
     slowdown = config.slowdown if dist.get_rank() == 1 else 1.0
-    return model, build, _Emulated(model, config.block_ms / 1000, slowdown)
+    return model, build, EmulatedCompute(model, config.block_ms / 1000, slowdown)
 
 
 def _plan(config: RepartitionBenchConfig, sizes: tuple[int, ...] | None = None) -> Any:

@@ -10,17 +10,28 @@ workers share it includes waiting for a core, which a slower device would wait t
 Limits: the pad comes at the end of the rank's step rather than after each action, so in
 a pipeline of several ranks the neighbours see the delay at the next step's first
 message, not in the bubble of this one (exact for one-rank pipelines).
+
+`EmulatedCompute` is the other way, for benchmarks on a machine with fewer cores than
+workers: there every plan does the same arithmetic on the same shared cores, so no
+re-balancing can shorten a step, whatever the devices are meant to be. Each block's
+compute is a sleep (its real arithmetic, kept small, comes on top), taken after every
+forward and at the start of every backward, so the workers act as independent devices
+of the given speeds, action by action, and what is measured is the plan: its shares, its
+pipeline, its waits and its reductions.
 """
 
 from __future__ import annotations
 
 import re
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from torch import nn
 
 from plait.runtime.executor import ActionRecord
 
-__all__ = ["compute_seconds", "pad_step"]
+__all__ = ["EmulatedCompute", "compute_seconds", "pad_step"]
 
 _COMPUTE = ("F", "B", "BI", "BW")
 _LABEL = re.compile(r"^\d+([A-Z]+)\d+")  # stage, op, micro-batch (`plait.schedule.ir`)
@@ -43,3 +54,35 @@ def pad_step(records: Iterable[ActionRecord], slowdown: float) -> float:
     pad = (slowdown - 1.0) * compute_seconds(records)
     time.sleep(pad)
     return pad
+
+
+class EmulatedCompute:
+    """Every block of `model` sleeps `seconds` after its forward and twice that when its
+    backward starts (a backward costs about two forwards, Narayanan et al. 2021), times
+    `slowdown` while `slow` is set; `per_sample`: `seconds` is per sample of the block's
+    input (its first dimension), so a device's time follows the share of the batch it
+    gets."""
+
+    def __init__(self, model: nn.Module, seconds: float, slowdown: float = 1.0, *,
+                 per_sample: bool = False, slow: bool = False,
+                 sleep: Callable[[float], None] = time.sleep) -> None:  # fmt: skip
+        from plait.blocks import as_blocks
+
+        if not seconds >= 0:
+            raise ValueError(f"emulated compute of {seconds} s must be >= 0")
+        if not slowdown >= 1:
+            raise ValueError(f"slowdown={slowdown} must be >= 1 (2: half speed)")
+        self.seconds, self.slowdown, self.per_sample = seconds, slowdown, per_sample
+        self.slow, self._sleep = slow, sleep
+        for block in as_blocks(model):
+            block.register_forward_hook(self._forward)
+
+    def _time(self, args: Any) -> float:
+        samples = args[0].shape[0] if self.per_sample and args else 1
+        return self.seconds * samples * (self.slowdown if self.slow else 1.0)
+
+    def _forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        forward = self._time(args)
+        self._sleep(forward)
+        if getattr(output, "requires_grad", False):
+            output.register_hook(lambda grad: self._sleep(2 * forward))
