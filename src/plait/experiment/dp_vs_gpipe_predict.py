@@ -233,17 +233,20 @@ def _planner_pick(cluster: Cluster, setup: PaperSetup, work: Sequence[BlockWork]
                         sequence_parallel=(False,),
                         micro_batch_sizes=(8, 16, 32, 64, 128))  # fmt: skip
     try:
+        # the search waits for the input: each data-parallel replica's first stage reads
+        # that replica's batch through its own loader
         found = search(spec, cluster, global_batch=setup.batch_size, num_devices=gpus,
-                       space=space, top_k=1, time_budget_s=2.0)  # fmt: skip
+                       space=space, top_k=1, time_budget_s=2.0,
+                       loader_samples_per_s=setup.loader_samples_per_s)  # fmt: skip
     except ValueError:
         return None
     best = found.best
     plan = best.plan
-    # each data-parallel process reads its own share; a pipeline's first stage reads its own
-    loader = plan.micro_batch_size * plan.microbatches / setup.loader_samples_per_s
-    ops = sum(w.ops for w in work) * plan.microbatches / plan.pp
-    step = max(best.step_time_s, loader, ops * setup.dispatch_s)
-    return {"plan": describe(plan), "seconds": step * setup.steps}
+    # host dispatch, one process per stage, the planner does not model
+    host = sum(w.ops for w in work) * plan.microbatches / plan.pp * setup.dispatch_s
+    step = max(best.step_time_s, host)
+    bound = "host" if step > best.step_time_s else "input" if best.input_bound else "gpu"
+    return {"plan": describe(plan), "seconds": step * setup.steps, "bound": bound}
 
 
 def _task_fit(cluster: Cluster, setup: PaperSetup, work: Sequence[BlockWork],
