@@ -416,7 +416,8 @@ def _command_cases() -> list[Case]:
         ("--nodes", "0"), ("--nodes", "x"), ("--devices", "-1"), ("--global-batch", "0"),
         ("--global-batch", "x"), ("--top", "0"), ("--dtype", "fp64"), ("--compress", "bogus"),
         ("--out", "folder"), ("--devices", "99999"), ("--wsp-staleness", "-1"),
-        ("--wsp-staleness", "x"),
+        ("--wsp-staleness", "x"), ("--loader-rate", "-1"), ("--loader-rate", "nan"),
+        ("--loader-rate", "inf"), ("--loader-rate", "x"),
     ]  # fmt: skip
     cases += [_flag_case(*_PLAN, f, v, flag=f, value=v) for f, v in plan]
     cases += [

@@ -16,6 +16,7 @@ from torch import nn
 from plait.cluster import load_cluster
 from plait.experiment import data_movement as dm
 from plait.experiment import dp_vs_gpipe as dg
+from plait.experiment import dp_vs_gpipe_predict as dgp
 from plait.experiment.work import count_work, median_abs_error, relative_error
 from plait.models.imagenet import build_imagenet_model
 from plait.models.resnet import ResNet18
@@ -95,6 +96,20 @@ def test_input_bound_ddp_takes_the_loaders_time(resnet18_work: list) -> None:
     steps = setup.epochs * math.ceil(setup.images / setup.batch_size)
     assert cell["bound"] == "input"
     assert cell["seconds"] == pytest.approx(steps * (setup.batch_size / 4) / 50.0)
+
+
+def test_the_planners_pick_waits_for_its_input(resnet18_work: list) -> None:
+    """A slow loader: the planner spreads the batch over 8 data-parallel replicas, each
+    loading a 16-image share a step (a pipeline's fewer replicas would each load more),
+    where on GPU time alone it picks a pipeline in fp16."""
+    setup = dg.PaperSetup(loader_samples_per_s=100.0, dispatch_s=0.0)
+    cluster = load_cluster(setup.cluster)
+    pick = dgp._planner_pick(cluster, setup, resnet18_work, 8, "fp16")
+    assert pick is not None
+    steps = setup.epochs * math.ceil(setup.images / setup.batch_size)
+    assert pick["plan"].startswith("dp=8 ") and " pp=1 " in pick["plan"], pick["plan"]
+    assert pick["bound"] == "input"
+    assert pick["seconds"] == pytest.approx(steps * (setup.batch_size / 8) / 100.0)
 
 
 def test_predictions_move_with_the_cluster(resnet18_work: list) -> None:

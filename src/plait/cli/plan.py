@@ -45,6 +45,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     a("--wsp-staleness", type=int, metavar="N", dest="wsp_allowance",
       help="let data-parallel replicas train under Wave Synchronous Parallel with at most N "
       "waves of staleness: the planner chooses D <= N and explains the trade")  # fmt: skip
+    a("--loader-rate", type=float, metavar="SAMPLES_PER_S", dest="loader_rate",
+      help="the input pipeline's samples per second per loading process: each data-parallel "
+      "replica loads its batch while the devices compute, and a plan's step is the longer "
+      "of the two (default: not modelled)")  # fmt: skip
     a("--json", action="store_true", help="print one JSON object")
     a("--out", help="write the best plan as JSON (for `plait train --plan`)")
     p.set_defaults(func=run)
@@ -73,6 +77,12 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--devices {args.devices} must be at least 1 (or unset: all)")
     if args.wsp_allowance is not None and args.wsp_allowance < 0:
         raise ValueError(f"--wsp-staleness {args.wsp_allowance} must be >= 0 waves")
+    rate = args.loader_rate
+    if rate is not None and not (rate >= 0 and math.isfinite(rate)):
+        raise ValueError(
+            f"--loader-rate {rate} must be a finite number of samples per second >= 0 "
+            "(0 or unset: the input pipeline is not modelled)"
+        )
     if args.out:  # checked now, not after the whole search ran
         check_out(args.out)
     if args.micro_batch_size != 1:  # the search chooses micro-batch sizes itself
@@ -119,6 +129,7 @@ def run(args: argparse.Namespace) -> int:
         num_devices=args.devices,
         space=space,
         top_k=args.top,
+        loader_samples_per_s=rate,
     )
     seconds = time.perf_counter() - t0
     model_desc: dict[str, Any] = {
@@ -224,7 +235,8 @@ def _table(found: Any, describe: Any) -> None:
             str(i), f"{p.dp}×{p.tp}{'+sp' if p.sequence_parallel else ''}×{p.pp}"
             + (f"×{p.ep}" if any(r.plan.ep > 1 for r in found.top) else ""), sched,
             f"{p.microbatches}×{p.micro_batch_size}", p.recompute, str(p.zero),
-            f"{r.step_time_s:.3g}", f"{r.tokens_per_s:,.0f}", f"{r.mfu:.1%}",
+            f"{r.step_time_s:.3g}" + (" (input)" if r.input_bound else ""),
+            f"{r.tokens_per_s:,.0f}", f"{r.mfu:.1%}",
             f"{r.bubble_fraction:.1%}", f"{r.comm_share:.1%}",
             f"{max(r.peak_memory_bytes) / _GIB:.1f}",
             f"{r.headroom_bytes / _GIB:.1f}" if math.isfinite(r.headroom_bytes) else "-",

@@ -114,7 +114,10 @@ def _table(head: list[str], rows: list[list[str]]) -> list[str]:
 
 
 def _pick(pick: dict[str, Any] | None) -> str:
-    return "-" if pick is None else f"{pick['seconds']:.1f} ({pick['plan']})"
+    if pick is None:
+        return "-"
+    bound = f"; {pick['bound']}-bound" if "bound" in pick else ""  # results before it
+    return f"{pick['seconds']:.1f} ({pick['plan']}{bound})"
 
 
 def _dp_section(data: dict[str, Any]) -> list[str]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from plait.plan.loader import replica_batch
 from plait.plan.search import PlanSearch, RankedPlan, Rejection, describe
 from plait.schedule import schedule_kind
 from plait.sim import SimPlan
@@ -15,12 +16,17 @@ _GIB = 2.0**30
 
 def time_breakdown(ranked: RankedPlan) -> dict[str, float]:
     """Seconds per step on an average pipeline rank: compute, tensor-parallel collectives,
-    exposed data-parallel reduction, optimizer, and pipeline idle time (bubble)."""
+    exposed data-parallel reduction, optimizer, and pipeline idle time (bubble); and, when
+    the input pipeline is modelled, the wait for input beyond the simulated step."""
+    wait = {}
+    if ranked.loader_step_s > 0:
+        wait = {"waiting for input": ranked.step_time_s - ranked.simulated_step_s}
     if ranked.result is None:  # unequal devices: only the step and its bubble are known
-        return {"bubble": ranked.bubble_fraction * ranked.step_time_s}
+        return {"bubble": ranked.bubble_fraction * ranked.simulated_step_s, **wait}
     ranks = ranked.result.ranks
     n = len(ranks)
     return {
+        **wait,
         "compute": sum(r.compute_s for r in ranks) / n,
         "tensor-parallel communication": sum(r.tp_comm_s for r in ranks) / n,
         "expert all-to-all": sum(r.ep_comm_s for r in ranks) / n,
@@ -173,7 +179,8 @@ def explain(search: PlanSearch) -> str:
     why = search.offload_reason and f"It offloads: {search.offload_reason}."
     stale = " ".join(x for x in (staleness(search), compression(search), experts(search), why) if x)
     if runner is None:
-        return " ".join(x for x in (f"only one layout fits: {describe(a.plan)}", stale) if x)
+        only = f"only one layout fits: {describe(a.plan)}"
+        return " ".join(x for x in (only, _input(a, "Its"), stale) if x)
     b = runner
     margin = b.step_time_s - a.step_time_s
     lines = [
@@ -183,6 +190,7 @@ def explain(search: PlanSearch) -> str:
     differs = _options(a, b)
     if differs:
         lines.append("It uses " + "; ".join(differs) + ".")
+    lines += [x for x in (_input(a, "Its"), _input(b, "The runner-up's", a)) if x]
     ta, tb = time_breakdown(a), time_breakdown(b)
     gains = [(k, tb[k] - ta[k]) for k in ta if k in tb and tb[k] - ta[k] > 1e-9]
     pays = [(k, ta[k] - tb[k]) for k in ta if k in tb and ta[k] - tb[k] > 1e-9]
@@ -207,6 +215,22 @@ def explain(search: PlanSearch) -> str:
     if stale:
         lines.append(stale)
     return " ".join(lines)
+
+
+def _input(r: RankedPlan, whose: str, said: RankedPlan | None = None) -> str:
+    """When the input pipeline sets `r`'s step: the load against the simulated step (in
+    short when `said`, already explained, waits for the same load)."""
+    if not r.input_bound:
+        return ""
+    batch = replica_batch(r.plan, r.hetero)
+    if said is not None and said.input_bound and said.loader_step_s == r.loader_step_s:
+        return f"{whose} step waits for the same load (simulated {r.simulated_step_s:.3g} s)."
+    return (
+        f"{whose} step is bound by the input pipeline: each of its dp={r.plan.dp} replicas "
+        f"loads {batch} samples at {batch / r.loader_step_s:.4g} samples/s in "
+        f"{r.loader_step_s:.3g} s, longer than the simulated step of "
+        f"{r.simulated_step_s:.3g} s (a prefetching loader overlaps the two)."
+    )
 
 
 def _layout(r: RankedPlan) -> tuple[object, ...]:

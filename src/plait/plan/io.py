@@ -51,6 +51,9 @@ def plan_to_dict(
         "comm_share": ranked.comm_share, "peak_memory_bytes": list(ranked.peak_memory_bytes),
         "headroom_bytes": ranked.headroom_bytes,
     }  # fmt: skip
+    if ranked.loader_step_s > 0:  # the input pipeline was modelled
+        out["predicted"]["loader_step_s"] = ranked.loader_step_s
+        out["predicted"]["simulated_step_s"] = ranked.simulated_step_s
     if ranked.hetero is not None:
         out["pipelines"] = [
             {"devices": list(r.devices), "partition": list(r.sizes),

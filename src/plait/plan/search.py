@@ -6,7 +6,9 @@ recomputation mode and ZeRO stage is a candidate. When the space is small (at mo
 `exact_limit` candidates) all of them are simulated; otherwise closed-form estimates
 (`plait.plan.estimate`) order them and only the most promising are partitioned exactly
 (`partition_blocks`, memory caps included) and replayed by the simulator, within a time
-budget. Alpa (Zheng et al. 2022) and Galvatron (Miao et al. 2022) search similar spaces
+budget. Given the input pipeline's rate, a plan's step is at least the time each
+data-parallel replica takes to load its batch (`search`'s `loader_samples_per_s`).
+Alpa (Zheng et al. 2022) and Galvatron (Miao et al. 2022) search similar spaces
 with compilation passes or dynamic programming over layers; plait's layers are
 homogeneous blocks, so it searches whole-model layouts and lets the simulator judge.
 """
@@ -22,6 +24,7 @@ from plait.cluster import Cluster
 from plait.cost import StageCost
 from plait.plan.estimate import Estimate, Estimator
 from plait.plan.hetero import HeteroPlan, plan_replicas, split_replica
+from plait.plan.loader import check_rate, replica_batch, with_loader
 from plait.plan.partition import MemoryShortfall
 from plait.plan.space import ModelSpec, SearchSpace, candidates
 from plait.sim import SimPlan, SimResult, build_schedule, simulate
@@ -51,6 +54,21 @@ class RankedPlan:
     capacity_bytes: tuple[float, ...]
     result: SimResult | None = None
     hetero: HeteroPlan | None = None
+    # seconds one loading process takes to load a replica's batch (0: input not modelled);
+    # prefetching overlaps it with compute, so `step_time_s` is the longer of the two
+    loader_step_s: float = 0.0
+
+    @property
+    def simulated_step_s(self) -> float:
+        """The simulator's step, before any wait for input."""
+        if self.hetero is not None:
+            return self.hetero.step_time_s
+        return self.result.step_time_s if self.result is not None else self.step_time_s
+
+    @property
+    def input_bound(self) -> bool:
+        """The input pipeline, not the devices, sets the step time."""
+        return self.loader_step_s > 0 and self.loader_step_s >= self.simulated_step_s
 
     @property
     def headroom_bytes(self) -> float:
@@ -167,10 +185,11 @@ def _exact_hetero(plan: SimPlan, model: ModelSpec, cluster: Cluster) -> RankedPl
     )
 
 
-def _preference(r: RankedPlan) -> tuple[int, bool, int, int, bool, float]:
+def _preference(r: RankedPlan) -> tuple[int, bool, int, int, bool, float, float]:
     """Fastest first; among plans equally fast (to 0.1%), the simpler one: exact
-    gradients (no compression), less sharding, less recomputation, then the most memory
-    left."""
+    gradients (no compression), less sharding, less recomputation, then (when the input
+    pipeline is modelled, and many plans wait for it alike) the least device time, then
+    the most memory left."""
     p = r.plan
     step = round(math.log(max(r.step_time_s, 1e-12)) / math.log(1.001))  # 0.1% buckets
     return (
@@ -179,6 +198,7 @@ def _preference(r: RankedPlan) -> tuple[int, bool, int, int, bool, float]:
         p.zero,
         ("none", "selective", "full").index(p.recompute),
         p.sequence_parallel,
+        r.simulated_step_s if r.loader_step_s else 0.0,
         max(r.peak_memory_bytes),
     )
 
@@ -217,12 +237,21 @@ def search(
     max_simulated: int = 24,
     time_budget_s: float = 3.0,
     memory_margin: float = 0.05,
+    loader_samples_per_s: float | None = None,
 ) -> PlanSearch:
     """The best plans for training `model` on `cluster` with `global_batch` samples a step.
 
     A plan must leave `memory_margin` of each device's memory free (allocator
-    fragmentation and buffers the model does not count)."""
+    fragmentation and buffers the model does not count).
+
+    `loader_samples_per_s` is the input pipeline's rate, in samples per second per loading
+    process (None or 0: not modelled, each plan's step is the simulator's). Each
+    data-parallel replica's first pipeline stage loads that replica's batch (micro-batch
+    size × micro-batches samples) in one process; a prefetching loader overlaps with
+    compute, so a plan's step is max(simulated step, batch / rate), and plans are ranked
+    by it (`RankedPlan.loader_step_s`, `input_bound`; limits in `plait.plan.loader`)."""
     t0 = time.perf_counter()
+    rate = check_rate(loader_samples_per_s, "loader_samples_per_s")
     if space is None:
         orders = ("tp-dp-pp",) if cluster.is_homogeneous else ("tp-dp-pp", "tp-pp-dp")
         space = SearchSpace(rank_orders=orders)
@@ -244,7 +273,7 @@ def search(
         )
     estimates = _estimates(plans, model, cluster)
     exhaustive = len(plans) <= exact_limit
-    order = _order(estimates, exhaustive)
+    order = _order(estimates, exhaustive, rate)
     ranked: list[RankedPlan] = []
     rejected = [
         Rejection(p, _short(e), e.excess_bytes)
@@ -261,14 +290,14 @@ def search(
         if isinstance(outcome, RankedPlan):
             outcome = _with_margin(outcome, memory_margin)
         if isinstance(outcome, RankedPlan):
-            ranked.append(outcome)
+            ranked.append(with_loader(outcome, rate))
         else:
             rejected.append(outcome)
     reason = ""
     if not ranked:  # the memory savers that cost host-link time, tried last
         reason, found = _offloaded(rejected, model, cluster, max_simulated)
         margined = [_with_margin(x, memory_margin) for x in found if isinstance(x, RankedPlan)]
-        ranked = [r for r in margined if isinstance(r, RankedPlan)]
+        ranked = [with_loader(r, rate) for r in margined if isinstance(r, RankedPlan)]
         simulated += len(found)
     ranked.sort(key=_preference)
     if not ranked:
@@ -321,9 +350,11 @@ def _estimates(
 
 
 def _order(
-    estimates: list[tuple[Estimate, SimPlan]], exhaustive: bool
+    estimates: list[tuple[Estimate, SimPlan]], exhaustive: bool, rate: float | None
 ) -> list[tuple[Estimate, SimPlan]]:
     pool = estimates if exhaustive else [x for x in estimates if x[0].fits]
+    if rate:  # a plan is no faster than its input
+        return sorted(pool, key=lambda x: max(x[0].step_s, replica_batch(x[1]) / rate))
     return sorted(pool, key=lambda x: x[0].step_s)
 
 
