@@ -16,9 +16,16 @@ the same ones, in the same order, so the results are those of the loop (up to th
 bias add's rounding). This is the loop that torch's `_grouped_mm` runs on devices without
 a grouped-GEMM kernel (torchtitan calls it), without its bf16-only restriction on a CPU.
 
-Under an autocast (plait's `--dtype bf16`), the input and the weights are cast once to
-the autocast dtype (not once per expert), the experts compute in it and the output is
-cast back to the input's dtype, as a loop under autocast returns it.
+Under an autocast (plait's `--dtype bf16`), the input is cast to the autocast dtype once,
+and each expert's weights just before its GEMM, inside the node: an expert's slice (a
+fraction of a MiB) is converted while it fits in the cache and read from there by the
+GEMM, where casting the stacked weights whole streams them through memory twice (on this
+project's CPU the two whole casts and the two casts of their gradients took about a fifth
+of the layer's step). The backward casts the slices again rather than keeping the
+low-precision copies (no extra memory between forward and backward) and writes each
+expert's weight gradient, computed in the autocast dtype, into its slice of the stacked
+gradient in the weights' dtype. The output is cast back to the input's dtype, as a loop
+under autocast returns it.
 """
 
 from __future__ import annotations
@@ -49,10 +56,9 @@ def grouped_ffn(
     if torch.is_autocast_enabled(device):
         dtype = torch.get_autocast_dtype(device)
         with torch.autocast(device_type=device, enabled=False):
-            args = (t.to(dtype) for t in (x, w1, b1, w2, b2))
-            out: torch.Tensor = _GroupedFFN.apply(*args, counts)  # type: ignore[no-untyped-call]
+            out: torch.Tensor = _GroupedFFN.apply(x.to(dtype), w1, b1, w2, b2, counts, dtype)  # type: ignore[no-untyped-call]
         return out.to(x.dtype)
-    return _GroupedFFN.apply(x, w1, b1, w2, b2, counts)  # type: ignore[no-untyped-call]
+    return _GroupedFFN.apply(x, w1, b1, w2, b2, counts, x.dtype)  # type: ignore[no-untyped-call]
 
 
 def _bounds(counts: list[int]) -> list[tuple[int, slice]]:
@@ -75,23 +81,26 @@ class _GroupedFFN(torch.autograd.Function):
         w2: torch.Tensor,
         b2: torch.Tensor,
         counts: list[int],
+        dtype: torch.dtype,
     ) -> torch.Tensor:
         rows = _bounds(counts)
+        low1, low2 = b1.to(dtype), b2.to(dtype)
         pre = x.new_empty(x.shape[0], w1.shape[2])  # [copies, ffn], before the GELU
         for i, r in rows:
-            torch.addmm(b1[i], x[r], w1[i], out=pre[r])
+            torch.addmm(low1[i], x[r], w1[i].to(dtype), out=pre[r])
         act = F.gelu(pre)
         out = x.new_empty(x.shape[0], w2.shape[2])
         for i, r in rows:
-            torch.addmm(b2[i], act[r], w2[i], out=out[r])
+            torch.addmm(low2[i], act[r], w2[i].to(dtype), out=out[r])
         ctx.save_for_backward(x, w1, w2, pre, act)
-        ctx.rows = rows
+        ctx.rows, ctx.dtype = rows, dtype
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, w1, w2, pre, act = ctx.saved_tensors
         rows: list[tuple[int, slice]] = ctx.rows
+        dtype: torch.dtype = ctx.dtype
         need_x, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad[:5]
         grad = grad.contiguous()
         # every expert's slice is written below, or zeroed when it received no rows
@@ -102,21 +111,30 @@ class _GroupedFFN(torch.autograd.Function):
         db2 = _grad(w2, (w2.shape[0], w2.shape[2]), idle, need_b2)
         dact = grad.new_empty(act.shape)
         for i, r in rows:
-            torch.mm(grad[r], w2[i].t(), out=dact[r])
-            if dw2 is not None:
-                torch.mm(act[r].t(), grad[r], out=dw2[i])
+            torch.mm(grad[r], w2[i].to(dtype).t(), out=dact[r])
+            _into(dw2, i, act[r].t(), grad[r])
             if db2 is not None:
-                torch.sum(grad[r], dim=0, out=db2[i])
+                db2[i] = grad[r].sum(dim=0)
         dpre = torch.ops.aten.gelu_backward(dact, pre)
         dx = x.new_empty(x.shape) if need_x else None
         for i, r in rows:
             if dx is not None:
-                torch.mm(dpre[r], w1[i].t(), out=dx[r])
-            if dw1 is not None:
-                torch.mm(x[r].t(), dpre[r], out=dw1[i])
+                torch.mm(dpre[r], w1[i].to(dtype).t(), out=dx[r])
+            _into(dw1, i, x[r].t(), dpre[r])
             if db1 is not None:
-                torch.sum(dpre[r], dim=0, out=db1[i])
-        return dx, dw1, db1, dw2, db2, None
+                db1[i] = dpre[r].sum(dim=0)
+        return dx, dw1, db1, dw2, db2, None, None
+
+
+def _into(grad: torch.Tensor | None, i: int, a: torch.Tensor, b: torch.Tensor) -> None:
+    """Expert i's slice of a stacked weight gradient = a @ b, computed in their dtype and
+    stored in the gradient's (straight into the slice when the two agree)."""
+    if grad is None:
+        return
+    if grad.dtype == a.dtype:
+        torch.mm(a, b, out=grad[i])
+    else:
+        grad[i] = torch.mm(a, b)
 
 
 def _grad(like: torch.Tensor, shape: Any, idle: list[int], needed: bool) -> torch.Tensor | None:
