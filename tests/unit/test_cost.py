@@ -10,6 +10,7 @@ import pytest
 from plait.cluster import Device, Link, load_cluster
 from plait.config import ParallelPlan
 from plait.cost import (
+    AxisLinks,
     BlockCost,
     Collective,
     StageCost,
@@ -236,8 +237,9 @@ def test_recompute_variants_of_a_stage() -> None:
     )
     device = Device(name="d", peak_flops={"bf16": 1e12}, memory_bytes=1)
     link = Link(latency_s=1e-6, bandwidth_Bps=1e10)
-    plain = stage.times(device, "bf16", tp=2, tp_link=link)
-    redo = stage.times(device, "bf16", recompute="full", tp=2, tp_link=link)
+    links = AxisLinks({"tp": 2}, {"tp": link})
+    plain = stage.times(device, "bf16", links=links)
+    redo = stage.times(device, "bf16", recompute="full", links=links)
     assert redo.backward_input_s == pytest.approx(
         plain.backward_input_s + plain.forward_s
     )  # the forward (and its collectives) again

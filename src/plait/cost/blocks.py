@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import Literal, Protocol
 
-from plait.cluster import Device, Link
+from plait.cluster import Device
 from plait.cost.comm import AxisLinks, Collective
 
 __all__ = [
@@ -233,17 +233,14 @@ class StageCost:
         dtype: str,
         *,
         recompute: Recompute = "none",
-        tp: int = 1,
-        tp_link: Link | None = None,
         links: AxisLinks | None = None,
     ) -> StageTimes:
         """Per-micro-batch seconds on `device`; each collective runs over its axis's group
-        in `links` (without it: over `tp` ranks on `tp_link`, the tensor-parallel group)."""
+        in `links`, the layout's degrees and the cluster's links (None: one rank, no
+        collective costs anything)."""
         check_recompute(recompute)
         rate = device.achievable_flops(dtype)
-        if links is None:
-            links = AxisLinks({"tp": tp}, {"tp": tp_link})
-        comm = links.time
+        comm = (links or AxisLinks()).time
 
         fwd = [c for b in self.blocks for c in b.forward_comm]
         bwd = [c for b in self.blocks for c in b.backward_comm]
