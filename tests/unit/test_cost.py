@@ -8,7 +8,9 @@ import math
 import pytest
 
 from plait.cluster import Device, Link, load_cluster
+from plait.config import ParallelPlan
 from plait.cost import (
+    AxisLinks,
     BlockCost,
     Collective,
     StageCost,
@@ -137,7 +139,12 @@ def test_tensor_parallel_divides_work_and_adds_collectives() -> None:
         num_layers=1, hidden=1024, num_heads=16, seq_len=512, vocab_size=32000
     )[1]
     four = transformer_block_costs(
-        num_layers=1, hidden=1024, num_heads=16, seq_len=512, vocab_size=32000, tp=4
+        num_layers=1,
+        hidden=1024,
+        num_heads=16,
+        seq_len=512,
+        vocab_size=32000,
+        layout=ParallelPlan(tp=4),
     )[1]
     assert four.forward_flops == pytest.approx(one.forward_flops / 4)
     assert [c.kind for c in four.forward_comm] == ["all_reduce", "all_reduce"]
@@ -148,15 +155,19 @@ def test_tensor_parallel_divides_work_and_adds_collectives() -> None:
         num_heads=16,
         seq_len=512,
         vocab_size=32000,
-        tp=4,
-        sequence_parallel=True,
+        layout=ParallelPlan(tp=4, sequence_parallel=True),
     )[1]
     kinds = [c.kind for c in sp.backward_comm]
     assert kinds == ["all_gather", "reduce_scatter"] * 2
     assert one.forward_comm == () and one.backward_comm == ()
     with pytest.raises(ValueError, match="num_heads=16 is not divisible by tp=3"):
         transformer_block_costs(
-            num_layers=1, hidden=1032, num_heads=16, seq_len=512, vocab_size=32000, tp=3
+            num_layers=1,
+            hidden=1032,
+            num_heads=16,
+            seq_len=512,
+            vocab_size=32000,
+            layout=ParallelPlan(tp=3),
         )
 
 
@@ -170,11 +181,11 @@ def test_activation_bytes_follow_korthikanti() -> None:
     assert layer_activation_bytes(plain, "none") == approx(sbh * (34 + 5 * a * s / h))
     assert layer_activation_bytes(plain, "selective") == approx(34 * sbh)
     assert layer_activation_bytes(plain, "full") == approx(2 * sbh)
-    tp = _shape(tp=t, dropout=0.1)
+    tp = _shape(layout=ParallelPlan(tp=t), dropout=0.1)
     expected = sbh * (10 + 24 / t + 5 * a * s / (h * t))
     assert layer_activation_bytes(tp, "none") == approx(expected)
     assert layer_activation_bytes(tp, "selective") == approx(sbh * (10 + 24 / t))
-    sp = _shape(tp=t, sequence_parallel=True, dropout=0.1)
+    sp = _shape(layout=ParallelPlan(tp=t, sequence_parallel=True), dropout=0.1)
     assert layer_activation_bytes(sp, "none") == approx(sbh / t * (34 + 5 * a * s / h))
     assert layer_activation_bytes(sp, "selective") == approx(34 * sbh / t)
     assert layer_activation_bytes(sp, "full") == approx(2 * sbh / t)
@@ -208,7 +219,13 @@ def test_block_from_seconds_round_trips_on_its_device() -> None:
 
 def test_recompute_variants_of_a_stage() -> None:
     blocks = transformer_block_costs(
-        num_layers=4, hidden=512, num_heads=8, seq_len=256, vocab_size=1000, tp=2, dropout=0.1
+        num_layers=4,
+        hidden=512,
+        num_heads=8,
+        seq_len=256,
+        vocab_size=1000,
+        layout=ParallelPlan(tp=2),
+        dropout=0.1,
     )
     stage = stage_costs(blocks, [0, 3, 6])[0]
     assert [b.name for b in stage.blocks] == ["embedding", "layer0", "layer1"]
@@ -220,8 +237,9 @@ def test_recompute_variants_of_a_stage() -> None:
     )
     device = Device(name="d", peak_flops={"bf16": 1e12}, memory_bytes=1)
     link = Link(latency_s=1e-6, bandwidth_Bps=1e10)
-    plain = stage.times(device, "bf16", tp=2, tp_link=link)
-    redo = stage.times(device, "bf16", recompute="full", tp=2, tp_link=link)
+    links = AxisLinks({"tp": 2}, {"tp": link})
+    plain = stage.times(device, "bf16", links=links)
+    redo = stage.times(device, "bf16", recompute="full", links=links)
     assert redo.backward_input_s == pytest.approx(
         plain.backward_input_s + plain.forward_s
     )  # the forward (and its collectives) again

@@ -28,9 +28,10 @@ def test_moe_layer_flops_params_and_all_to_all_by_hand(size: tuple) -> None:
     h, a, s, b, e, k, c, imbalance, shared, ep, dtype = size
     f, width, v = 4 * h, 4 if dtype == "fp32" else 2, 96
     moe = MoEShape(num_experts=e, top_k=k, capacity_factor=c, moe_every=2,
-                   shared_expert=shared, imbalance=imbalance, ep=ep)  # fmt: skip
+                   shared_expert=shared, imbalance=imbalance)  # fmt: skip
     blocks = moe_block_costs(num_layers=4, hidden=h, num_heads=a, seq_len=s, vocab_size=v,
-                             moe=moe, micro_batch_size=b, dtype=dtype)  # fmt: skip
+                             moe=moe, micro_batch_size=b, dtype=dtype,
+                             layout=SimPlan(dp=ep, ep=ep))  # fmt: skip
     assert [x.name for x in blocks] == ["embedding", "layer0", "layer1", "layer2", "layer3", "head"]
     layer = blocks[2]  # layer1: (1 + 1) % 2 == 0, a MoE layer
     tokens = b * s
@@ -74,9 +75,10 @@ def test_moe_layer_under_tensor_parallelism_by_hand(tp: int, ep: int, shared: bo
     h, a, s, b, e, k, width = 64, 4, 32, 2, 4, 2, 2
     f, tokens = 4 * h, b * s
     moe = MoEShape(num_experts=e, top_k=k, capacity_factor=1.0, moe_every=1,
-                   shared_expert=shared, ep=ep)  # fmt: skip
+                   shared_expert=shared)  # fmt: skip
+    layout = SimPlan(dp=max(1, ep // tp), tp=tp, ep=ep)  # ep borrows dp × tp ranks
     layer = moe_block_costs(num_layers=1, hidden=h, num_heads=a, seq_len=s, vocab_size=96,
-                            moe=moe, micro_batch_size=b, tp=tp)[1]  # fmt: skip
+                            moe=moe, micro_batch_size=b, layout=layout)[1]  # fmt: skip
     gemms = (
         (2 * tokens * 4 * h * h + (4 * tokens * h * f if shared else 0)) / tp
         + 2 * tokens * h * e  # the router sees every token on every tp rank
@@ -114,7 +116,7 @@ def test_analytic_parameters_equal_the_real_model() -> None:
             assert cost.num_params == sum(p.numel() for p in module.parameters()), cost.name
         assert spec.num_params() == model.num_params()
         # under ep=2 a rank holds half of each MoE layer's experts
-        halves = spec.block_costs(dtype="fp32", ep=2)
+        halves = spec.block_costs(dtype="fp32", layout=SimPlan(dp=2, ep=2))
         for whole, half in zip(blocks, halves, strict=True):
             assert whole.num_params - half.num_params == whole.expert_params // 2
 
@@ -145,7 +147,7 @@ def _step(
     ep: int, *, dp: int, m: int, zero: int = 0, dtype: str = "fp32", cluster: Cluster | None = None
 ) -> tuple[SimResult, StageCost]:
     plan = SimPlan(dp=dp, ep=ep, microbatches=m, dtype=dtype, seq_len=32, zero=zero)
-    stage = StageCost(tuple(SPEC.block_costs(dtype=dtype, ep=ep)))
+    stage = StageCost(tuple(SPEC.block_costs(dtype=dtype, layout=plan)))
     cluster = cluster or _cluster(SLOW, devices=dp)
     return simulate(build_schedule(plan), [stage], cluster, plan), stage
 

@@ -83,7 +83,7 @@ def _brute_force(cluster: Cluster, global_batch: int, margin: float = 0.05) -> f
 
 
 def _simulate(plan: SimPlan, cluster: Cluster, margin: float) -> float:
-    blocks = MODEL.blocks(plan.micro_batch_size, plan.tp, plan.sequence_parallel)
+    blocks = MODEL.blocks(plan.micro_batch_size, plan)
     k = plan.pp * plan.chunks
     counts = [
         max(

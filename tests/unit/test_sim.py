@@ -191,7 +191,7 @@ def gpt3_blocks(**options: object) -> list[BlockCost]:
         seq_len=2048,
         vocab_size=51200,
         micro_batch_size=1,
-        tp=8,
+        layout=SimPlan(tp=8),
         dropout=0.1,  # GPT-3's, with Megatron's materialized attention (Korthikanti et al.)
         **options,
     )  # type: ignore[arg-type]

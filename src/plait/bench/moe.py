@@ -265,10 +265,11 @@ def predict_share(
 
     dtype = normalize_dtype(config.dtype)
     moe = MoEShape(num_experts=config.num_experts, top_k=config.top_k,
-                   capacity_factor=config.capacity_factor, moe_every=1, ep=ep)  # fmt: skip
+                   capacity_factor=config.capacity_factor, moe_every=1)  # fmt: skip
+    plan = SimPlan(dp=ep, ep=ep, dtype=dtype, seq_len=config.tokens, optimizer="sgd")
     layer = moe_block_costs(num_layers=1, hidden=config.hidden, num_heads=1,
                             seq_len=config.tokens, vocab_size=1, moe=moe,
-                            ffn_hidden=config.ffn, dtype=dtype)[1]  # fmt: skip
+                            ffn_hidden=config.ffn, dtype=dtype, layout=plan)[1]  # fmt: skip
     rate = 1e12  # any: the profile's seconds become FLOPs at this rate and back
     device = measured_device(name="cpu core", flops=rate, dtype=dtype, memory_bytes=1 << 40)
     layer = replace(layer, forward_flops=compute_s * rate / 3,
@@ -277,7 +278,6 @@ def predict_share(
     link = Link(latency_s=latency_s, bandwidth_Bps=bandwidth_Bps)
     group = NodeGroup(device=device, devices_per_node=ep, intra_node=link)
     cluster = Cluster(name=f"local-cpu ({ep} workers)", groups=(group,), inter_node=link)
-    plan = SimPlan(dp=ep, ep=ep, dtype=dtype, seq_len=config.tokens, optimizer="sgd")
     result = simulate(build_schedule(plan), [layer], cluster, plan)
     return result.all_to_all_share
 

@@ -110,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
         "ffn_hidden": spec.ffn_hidden,
         "dtype": args.dtype,
     }
-    moe = spec.shape(1) if isinstance(spec, MoESpec) else None
+    moe = spec.shape() if isinstance(spec, MoESpec) else None
     model = gpt_spec(**sizes) if moe is None else moe_spec(**sizes, moe=moe)
     t0 = time.perf_counter()
     orders = ("tp-dp-pp",) if cluster.is_homogeneous else ("tp-dp-pp", "tp-pp-dp")

@@ -262,12 +262,19 @@ def _measured_row(block: BlockProfile, cost: BlockCost) -> dict[str, Any]:
 
 
 def _analytic(spec: GPTSpec, args: argparse.Namespace, dtype: str) -> dict[str, Any]:
+    from plait.config import ParallelPlan
+
+    if args.sequence_parallel and isinstance(spec, MoESpec):
+        raise ValueError(
+            "--sequence-parallel with --model moe-gpt, whose MoE layers take whole "
+            "sequences: drop --sequence-parallel"
+        )
     try:
+        # one rank's blocks; --sequence-parallel with --tp 1 shards nothing, as it always did
+        sp = args.sequence_parallel and args.tp > 1
+        layout = ParallelPlan(tp=args.tp, pp=1, sequence_parallel=sp)
         blocks = spec.block_costs(
-            micro_batch_size=args.micro_batch_size,
-            dtype=dtype,
-            tp=args.tp,
-            sequence_parallel=args.sequence_parallel,
+            micro_batch_size=args.micro_batch_size, dtype=dtype, layout=layout
         )
     except ValueError as error:
         raise _flag_error(error) from None

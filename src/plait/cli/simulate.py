@@ -28,7 +28,7 @@ from plait.cli.simulate_wsp import check_wsp, print_wsp, wsp_summary
 from plait.cluster import Cluster, load_cluster, normalize_dtype
 from plait.cost import RECOMPUTE_MODES, BlockCost, StageCost
 from plait.plan import Partition, partition, partition_blocks
-from plait.profile import GPTSpec, MoESpec
+from plait.profile import GPTSpec
 from plait.schedule import KINDS, Schedule, schedule_kind, validate
 from plait.sim import MemoryOverflow, RankReport, SimPlan, SimResult, build_schedule, simulate
 
@@ -295,13 +295,7 @@ def run(args: argparse.Namespace) -> int:
 
         cluster = with_codec(cluster, read_codec_profile(args.profile))
     cluster.device(0).peak(dtype)  # a device without this dtype fails here, naming it
-    blocks = spec.block_costs(
-        micro_batch_size=args.micro_batch_size,
-        dtype=dtype,
-        tp=args.tp,
-        sequence_parallel=args.sequence_parallel,
-        **({"ep": args.ep} if isinstance(spec, MoESpec) else {}),
-    )
+    blocks = spec.block_costs(micro_batch_size=args.micro_batch_size, dtype=dtype, layout=plan)
     prediction = predict(blocks, cluster, plan)
     summary = to_dict(prediction, spec)
     if args.wsp_staleness is not None:

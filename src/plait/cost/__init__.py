@@ -3,6 +3,7 @@
 from plait.cost.blocks import (
     RECOMPUTE_MODES,
     BlockCost,
+    Layout,
     Recompute,
     StageCost,
     StageTimes,
@@ -57,6 +58,7 @@ __all__ = [
     "Collective",
     "CollectiveAxis",
     "CollectiveKind",
+    "Layout",
     "MoEShape",
     "ModelState",
     "Optimizer",

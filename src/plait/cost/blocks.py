@@ -14,14 +14,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
-from typing import Literal
+from typing import Literal, Protocol
 
-from plait.cluster import Device, Link
+from plait.cluster import Device
 from plait.cost.comm import AxisLinks, Collective
 
 __all__ = [
     "RECOMPUTE_MODES",
     "BlockCost",
+    "Layout",
     "Recompute",
     "StageCost",
     "StageTimes",
@@ -31,6 +32,23 @@ __all__ = [
 
 Recompute = Literal["none", "selective", "full"]
 RECOMPUTE_MODES: tuple[str, ...] = ("none", "selective", "full")
+
+
+class Layout(Protocol):
+    """What of a layout changes a block's cost: the tensor-parallel degree, sequence
+    parallelism and the expert-parallel degree. The layout is `plait.config.ParallelPlan`
+    (the simulator's `plait.sim.SimPlan`); the cost model names only the three degrees it
+    reads, so that whatever caches block costs by layout keys on exactly these, and so
+    that `cost` stays below `config`, whose import brings the schedule registry."""
+
+    @property
+    def tp(self) -> int: ...
+
+    @property
+    def sequence_parallel(self) -> bool: ...
+
+    @property
+    def ep(self) -> int: ...
 
 
 def check_recompute(recompute: str) -> None:
@@ -215,17 +233,14 @@ class StageCost:
         dtype: str,
         *,
         recompute: Recompute = "none",
-        tp: int = 1,
-        tp_link: Link | None = None,
         links: AxisLinks | None = None,
     ) -> StageTimes:
         """Per-micro-batch seconds on `device`; each collective runs over its axis's group
-        in `links` (without it: over `tp` ranks on `tp_link`, the tensor-parallel group)."""
+        in `links`, the layout's degrees and the cluster's links (None: one rank, no
+        collective costs anything)."""
         check_recompute(recompute)
         rate = device.achievable_flops(dtype)
-        if links is None:
-            links = AxisLinks({"tp": tp}, {"tp": tp_link})
-        comm = links.time
+        comm = (links or AxisLinks()).time
 
         fwd = [c for b in self.blocks for c in b.forward_comm]
         bwd = [c for b in self.blocks for c in b.backward_comm]

@@ -54,7 +54,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from plait.cluster import Device, Link
-from plait.cost.blocks import BlockCost
+from plait.cost.blocks import BlockCost, Layout
 from plait.cost.comm import Collective, dp_sync_time
 from plait.cost.memory import ModelState, Optimizer, model_state_bytes, optimizer_step_time
 from plait.cost.transformer import TransformerShape, transformer_block_costs
@@ -70,7 +70,7 @@ __all__ = [
 
 @dataclass(frozen=True, kw_only=True)
 class MoEShape:
-    """The experts of a MoE-GPT and how they are spread over `ep` ranks."""
+    """The experts of a MoE-GPT (the layout's `ep` spreads them over ranks)."""
 
     num_experts: int
     top_k: int = 2
@@ -78,10 +78,9 @@ class MoEShape:
     moe_every: int = 2
     shared_expert: bool = False
     imbalance: float = 1.0  # the busiest expert's load over the mean
-    ep: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("num_experts", "top_k", "moe_every", "ep"):
+        for name in ("num_experts", "top_k", "moe_every"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}={value!r} must be an integer >= 1")
@@ -96,9 +95,14 @@ class MoEShape:
                 f"imbalance={self.imbalance} must be >= 1: it is the busiest expert's load "
                 "over the mean (1.0: perfectly balanced)"
             )
-        if self.num_experts % self.ep:
+
+    def check_ep(self, ep: int) -> None:
+        """Raise ValueError unless `ep` ranks can hold the same number of experts each."""
+        if not isinstance(ep, int) or isinstance(ep, bool) or ep < 1:
+            raise ValueError(f"ep={ep!r} must be an integer >= 1")
+        if self.num_experts % ep:
             raise ValueError(
-                f"ep={self.ep} does not divide num_experts={self.num_experts}: each of the ep "
+                f"ep={ep} does not divide num_experts={self.num_experts}: each of the ep "
                 "ranks holds the same number of experts; choose ep dividing the experts"
             )
 
@@ -117,7 +121,7 @@ def _ffn_params(h: int, f: int) -> int:
     return 2 * h * f + f + h  # two GEMMs and their biases
 
 
-def _moe_layer(shape: TransformerShape, moe: MoEShape, index: int) -> BlockCost:
+def _moe_layer(shape: TransformerShape, moe: MoEShape, ep: int, index: int) -> BlockCost:
     t, h, f, s = shape.tokens, shape.hidden, shape.ffn_hidden, shape.seq_len
     width, e, k, tp = shape.width, moe.num_experts, moe.top_k, shape.tp
     copies = t * k * moe.load / tp  # the tp ranks of a replica split its tokens
@@ -125,7 +129,7 @@ def _moe_layer(shape: TransformerShape, moe: MoEShape, index: int) -> BlockCost:
     # attention and the shared expert sharded by tp; the router whole on every tp rank
     weighted = (8 * t * h * h + shared * 4 * t * h * f) / tp + 2 * t * h * e + 4 * h * f * copies
     attention = 4 * t * s * h / tp
-    experts = e // moe.ep * _ffn_params(h, f)  # not sharded by tp
+    experts = e // ep * _ffn_params(h, f)  # not sharded by tp
     router = width * t * h + 8 * t * e + copies * (2 * h * width + 2 * f * width + 12)
     ffn_bytes = router + shared * 2 * t * f * width / tp
     scale = width / 2
@@ -136,7 +140,7 @@ def _moe_layer(shape: TransformerShape, moe: MoEShape, index: int) -> BlockCost:
     # tp: the layer's output all-gathered forward, its input gradients backward
     gather = (Collective(kind="all_gather", num_bytes=t * h * width),) if tp > 1 else ()
     tp_comm = (reduce,) * ((1 + shared) if tp > 1 else 0) + gather
-    comm = ((a2a, a2a) if moe.ep > 1 else ()) + tp_comm
+    comm = ((a2a, a2a) if ep > 1 else ()) + tp_comm
     # the forward first exchanges the per-expert counts (E int64: latency-bound)
     counts = Collective(kind="all_to_all", num_bytes=8 * e, axis="ep")
     return BlockCost(
@@ -155,7 +159,7 @@ def _moe_layer(shape: TransformerShape, moe: MoEShape, index: int) -> BlockCost:
         + experts
         + shared * h,
         expert_params=experts,
-        forward_comm=((counts,) if moe.ep > 1 else ()) + comm,
+        forward_comm=((counts,) if ep > 1 else ()) + comm,
         backward_comm=comm,
     )
 
@@ -171,23 +175,31 @@ def moe_block_costs(
     micro_batch_size: int = 1,
     ffn_hidden: int = 0,
     dtype: str = "bf16",
-    tp: int = 1,
+    layout: Layout | None = None,
 ) -> list[BlockCost]:
-    """The blocks of a MoE-GPT per micro-batch on one rank of an ep group and of a
-    tensor-parallel group of `tp` ranks: `embedding`, `layer0` ... `layer{L-1}` (MoE or
-    dense by `moe.moe_every`), `head`."""
+    """The blocks of a MoE-GPT per micro-batch on one rank of `layout` (None: one rank
+    holds everything): of an ep group of `layout.ep` ranks and a tensor-parallel group of
+    `layout.tp`: `embedding`, `layer0` ... `layer{L-1}` (MoE or dense by `moe.moe_every`),
+    `head`. No sequence parallelism (the MoE layers take whole sequences)."""
+    ep = layout.ep if layout is not None else 1
+    moe.check_ep(ep)
+    if layout is not None and layout.sequence_parallel:
+        raise ValueError(
+            "sequence_parallel for a MoE-GPT, whose MoE layers take whole sequences: "
+            "turn sequence parallelism off"
+        )
     dense = transformer_block_costs(
         num_layers=num_layers, hidden=hidden, num_heads=num_heads, seq_len=seq_len,
         vocab_size=vocab_size, micro_batch_size=micro_batch_size, ffn_hidden=ffn_hidden,
-        dtype=dtype, tp=tp,
+        dtype=dtype, layout=layout,
     )  # fmt: skip
     shape = TransformerShape(
         num_layers=num_layers, hidden=hidden, num_heads=num_heads, seq_len=seq_len,
         vocab_size=vocab_size, micro_batch_size=micro_batch_size, ffn_hidden=ffn_hidden,
-        dtype=dtype, tp=tp,
+        dtype=dtype, layout=layout,
     )  # fmt: skip
     layers = [
-        _moe_layer(shape, moe, i) if moe.is_moe(i) else dense[1 + i] for i in range(num_layers)
+        _moe_layer(shape, moe, ep, i) if moe.is_moe(i) else dense[1 + i] for i in range(num_layers)
     ]
     return [dense[0], *layers, dense[-1]]
 

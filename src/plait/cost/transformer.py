@@ -40,7 +40,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from plait.cluster import dtype_bytes
-from plait.cost.blocks import BlockCost, Recompute, check_recompute
+from plait.cost.blocks import BlockCost, Layout, Recompute, check_recompute
 from plait.cost.comm import Collective
 
 __all__ = [
@@ -52,8 +52,8 @@ __all__ = [
 
 @dataclass(frozen=True, kw_only=True)
 class TransformerShape:
-    """A GPT and how one micro-batch of it is split: `tp` tensor-parallel ranks, with or
-    without sequence parallelism."""
+    """A GPT and how one micro-batch of it is split: over `layout.tp` tensor-parallel ranks,
+    with or without sequence parallelism (`layout` None: one rank holds everything)."""
 
     num_layers: int
     hidden: int
@@ -63,8 +63,7 @@ class TransformerShape:
     micro_batch_size: int = 1
     ffn_hidden: int = 0  # 0: 4 × hidden
     dtype: str = "bf16"
-    tp: int = 1
-    sequence_parallel: bool = False
+    layout: Layout | None = None
     dropout: float = 0.0  # plait's GPTConfig default
     device_type: str = "cuda"  # "cpu": dropout masks and attention kept as torch's CPU kernels do
 
@@ -98,6 +97,14 @@ class TransformerShape:
                 f"seq_len={self.seq_len} is not divisible by tp={self.tp}, which sequence "
                 "parallelism needs; change tp or turn sequence_parallel off"
             )
+
+    @property
+    def tp(self) -> int:
+        return self.layout.tp if self.layout is not None else 1
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.layout is not None and self.layout.sequence_parallel
 
     @property
     def tokens(self) -> int:
@@ -231,14 +238,14 @@ def transformer_block_costs(
     micro_batch_size: int = 1,
     ffn_hidden: int = 0,
     dtype: str = "bf16",
-    tp: int = 1,
-    sequence_parallel: bool = False,
+    layout: Layout | None = None,
     dropout: float = 0.0,
     device_type: str = "cuda",
 ) -> list[BlockCost]:
-    """The blocks of a GPT, per micro-batch and tensor-parallel rank: `embedding`,
-    `layer0` ... `layer{L-1}`, then `head` (final norm, LM head, loss). Each block carries
-    all three recomputation variants; the plan picks one. `dropout` is the model's dropout
+    """The blocks of a GPT, per micro-batch and tensor-parallel rank of `layout` (its `tp`
+    and `sequence_parallel`; None: one rank holds everything): `embedding`, `layer0` ...
+    `layer{L-1}`, then `head` (final norm, LM head, loss). Each block carries all three
+    recomputation variants; the plan picks one. `dropout` is the model's dropout
     probability and `device_type` ("cuda" or "cpu") which kernels keep the activations."""
     shape = TransformerShape(
         num_layers=num_layers,
@@ -249,8 +256,7 @@ def transformer_block_costs(
         micro_batch_size=micro_batch_size,
         ffn_hidden=ffn_hidden,
         dtype=dtype,
-        tp=tp,
-        sequence_parallel=sequence_parallel,
+        layout=layout,
         dropout=dropout,
         device_type=device_type,
     )

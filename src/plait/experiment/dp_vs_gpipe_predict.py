@@ -225,7 +225,7 @@ def _planner_pick(cluster: Cluster, setup: PaperSetup, work: Sequence[BlockWork]
 
     dev = cluster.device(0)
 
-    def costs(mbs: int, tp: int, sp: bool, ep: int) -> list[Any]:
+    def costs(mbs: int, layout: object) -> list[Any]:
         return block_costs(work, dev, dtype, mbs)
 
     spec = ModelSpec(name="resnet18", num_blocks=len(work), seq_len=1, num_heads=1, costs=costs)

@@ -371,7 +371,7 @@ def _nothing_fits(
     """Which resource is short, by how much, and what would make it fit."""
     closest = min(rejected, key=lambda r: r.excess_bytes if r.excess_bytes > 0 else float("inf"))
     capacity = cluster.device(0).memory_bytes
-    params = sum(b.num_params for b in model.blocks(1, 1, False))
+    params = sum(b.num_params for b in model.blocks(1, SimPlan()))  # one rank holds all
     state = 16 * params  # mixed-precision Adam without ZeRO (Rajbhandari et al. 2020)
     need = max(devices, -(-int(2 * state) // int(capacity)))
     hints = []

@@ -7,7 +7,14 @@ from dataclasses import dataclass, field, replace
 from itertools import product
 
 from plait.compression import parse_compression
-from plait.cost import BlockCost, Collective, MoEShape, moe_block_costs, transformer_block_costs
+from plait.cost import (
+    BlockCost,
+    Collective,
+    Layout,
+    MoEShape,
+    moe_block_costs,
+    transformer_block_costs,
+)
 from plait.schedule import KINDS, kind_names, schedule_kind
 from plait.sim import SimPlan
 
@@ -22,15 +29,17 @@ __all__ = [
     "scaled_spec",
 ]
 
-# (micro-batch size, tp, sequence parallel, ep) -> the blocks of one rank
-BlockCosts = Callable[[int, int, bool, int], Sequence[BlockCost]]
+# (micro-batch size, layout) -> the blocks of one rank; `Layout` names the only degrees
+# they may depend on, which `ModelSpec` caches them by
+BlockCosts = Callable[[int, Layout], Sequence[BlockCost]]
 
 
 @dataclass(frozen=True, kw_only=True)
 class ModelSpec:
-    """What the planner needs of a model: its block costs for a micro-batch size, a
-    tensor-parallel degree, sequence parallelism and an expert-parallel degree; the head
-    count that tp must divide; its experts per MoE layer (0: none, ep stays 1)."""
+    """What the planner needs of a model: its block costs for a micro-batch size on one
+    rank of a layout (its tensor-parallel degree, sequence parallelism and expert-parallel
+    degree); the head count that tp must divide; its experts per MoE layer (0: none, ep
+    stays 1)."""
 
     name: str
     num_blocks: int
@@ -46,30 +55,21 @@ class ModelSpec:
     )
 
     def blocks(
-        self,
-        micro_batch_size: int,
-        tp: int,
-        sequence_parallel: bool,
-        *,
-        split: bool = False,
-        ep: int = 1,
+        self, micro_batch_size: int, layout: Layout, *, split: bool = False
     ) -> tuple[BlockCost, ...]:
+        """The blocks of one rank of `layout`, cached by what changes them: the micro-batch
+        size, the layout's degrees (`Layout`) and whether the backward is split."""
         split = split and self.split_costs is not None
-        key = (micro_batch_size, tp, sequence_parallel, ep, split)
+        key = (micro_batch_size, layout.tp, layout.sequence_parallel, layout.ep, split)
         if key not in self._cache:
             source = self.split_costs if split and self.split_costs else self.costs
-            self._cache[key] = tuple(source(*key[:4]))
+            self._cache[key] = tuple(source(micro_batch_size, layout))
         return self._cache[key]
 
     def blocks_for(self, plan: SimPlan) -> tuple[BlockCost, ...]:
         """The blocks as `plan` runs them (split backward for zero-bubble schedules)."""
-        return self.blocks(
-            plan.micro_batch_size,
-            plan.tp,
-            plan.sequence_parallel,
-            split=schedule_kind(plan.schedule).split_backward,
-            ep=plan.ep,
-        )
+        split = schedule_kind(plan.schedule).split_backward
+        return self.blocks(plan.micro_batch_size, plan, split=split)
 
 
 def gpt_spec(
@@ -86,8 +86,7 @@ def gpt_spec(
     """A GPT described analytically (any size; nothing is built), with dropout
     probability `dropout` (plait's GPT default: none)."""
 
-    def costs(b: int, tp: int, sp: bool, ep: int) -> list[BlockCost]:
-        del ep  # no experts
+    def costs(b: int, layout: Layout) -> list[BlockCost]:
         return transformer_block_costs(
             num_layers=num_layers,
             hidden=hidden,
@@ -97,8 +96,7 @@ def gpt_spec(
             micro_batch_size=b,
             ffn_hidden=ffn_hidden,
             dtype=dtype,
-            tp=tp,
-            sequence_parallel=sp and tp > 1,
+            layout=layout,
             dropout=dropout,
         )
 
@@ -119,16 +117,14 @@ def moe_spec(
     ffn_hidden: int = 0,
     dtype: str = "bf16",
 ) -> ModelSpec:
-    """A MoE-GPT described analytically (`plait.cost.moe_block_costs`); `moe.ep` is
-    ignored: each plan's ep picks how many experts a rank holds. No sequence parallelism."""
+    """A MoE-GPT described analytically (`plait.cost.moe_block_costs`); each plan's ep
+    picks how many experts a rank holds. No sequence parallelism."""
 
-    def costs(b: int, tp: int, sp: bool, ep: int) -> list[BlockCost]:
-        if sp:
-            raise ValueError("sequence_parallel: a MoE-GPT's MoE layers take whole sequences")
+    def costs(b: int, layout: Layout) -> list[BlockCost]:
         return moe_block_costs(
             num_layers=num_layers, hidden=hidden, num_heads=num_heads, seq_len=seq_len,
-            vocab_size=vocab_size, moe=replace(moe, ep=ep), micro_batch_size=b,
-            ffn_hidden=ffn_hidden, dtype=dtype, tp=tp,
+            vocab_size=vocab_size, moe=moe, micro_batch_size=b, ffn_hidden=ffn_hidden,
+            dtype=dtype, layout=layout,
         )  # fmt: skip
 
     name = f"moe-gpt-{num_layers}x{hidden}-e{moe.num_experts}k{moe.top_k}"
@@ -165,11 +161,11 @@ def scaled_spec(
             raise ValueError("the measured profiles disagree on the number of blocks")
         sharded = frozenset(tp_blocks)
 
-        def costs(b: int, tp: int, sp: bool, ep: int) -> list[BlockCost]:
-            del sp, ep  # measured blocks have no experts
+        def costs(b: int, layout: Layout) -> list[BlockCost]:
+            # measured blocks have no experts and keep whole sequences
             return [
                 _at([(size, blocks[i]) for size, blocks in points], b,
-                    tp if i in sharded else 1)
+                    layout.tp if i in sharded else 1)
                 for i in range(len(points[0][1]))
             ]  # fmt: skip
 

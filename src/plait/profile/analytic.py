@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from plait.cluster import dtype_bytes
-from plait.cost import BlockCost, MoEShape, moe_block_costs, transformer_block_costs
+from plait.cost import BlockCost, Layout, MoEShape, moe_block_costs, transformer_block_costs
 
 __all__ = ["GPTSpec", "MoESpec"]
 
@@ -60,16 +60,15 @@ class GPTSpec:
         *,
         micro_batch_size: int = 1,
         dtype: str = "bf16",
-        tp: int = 1,
-        sequence_parallel: bool = False,
-        ep: int = 1,
+        layout: Layout | None = None,
         device_type: str = "cuda",
     ) -> list[BlockCost]:
-        """Per-block costs for one micro-batch on one of `tp` tensor-parallel ranks, with
-        activations kept as `device_type`'s ("cuda" or "cpu") kernels keep them."""
-        if ep != 1:
+        """Per-block costs for one micro-batch on one rank of `layout` (None: one rank
+        holds everything), with activations kept as `device_type`'s ("cuda" or "cpu")
+        kernels keep them."""
+        if layout is not None and layout.ep != 1:
             raise ValueError(
-                f"ep={ep} but a GPT has no experts to spread: use --model moe-gpt or ep=1"
+                f"ep={layout.ep} but a GPT has no experts to spread: use --model moe-gpt or ep=1"
             )
         return transformer_block_costs(
             num_layers=self.num_layers,
@@ -80,8 +79,7 @@ class GPTSpec:
             micro_batch_size=micro_batch_size,
             ffn_hidden=self.ffn_hidden,
             dtype=dtype,
-            tp=tp,
-            sequence_parallel=sequence_parallel,
+            layout=layout,
             dropout=self.dropout,
             device_type=device_type,
         )
@@ -129,18 +127,17 @@ class MoESpec(GPTSpec):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self.shape(1)  # checks the expert fields
+        self.shape()  # checks the expert fields
         if self.moe_every > self.num_layers:
             raise ValueError(
                 f"moe_every={self.moe_every} with num_layers={self.num_layers} leaves no MoE "
                 "layer: use moe_every <= layers"
             )
 
-    def shape(self, ep: int) -> MoEShape:
+    def shape(self) -> MoEShape:
         return MoEShape(
             num_experts=self.num_experts, top_k=self.top_k, capacity_factor=self.capacity_factor,
-            moe_every=self.moe_every, shared_expert=self.shared_expert,
-            imbalance=self.imbalance, ep=ep,
+            moe_every=self.moe_every, shared_expert=self.shared_expert, imbalance=self.imbalance,
         )  # fmt: skip
 
     def block_costs(
@@ -148,25 +145,20 @@ class MoESpec(GPTSpec):
         *,
         micro_batch_size: int = 1,
         dtype: str = "bf16",
-        tp: int = 1,
-        sequence_parallel: bool = False,
-        ep: int = 1,
+        layout: Layout | None = None,
         device_type: str = "cuda",
     ) -> list[BlockCost]:
-        """Per-block costs for one micro-batch on one of `ep` expert-parallel ranks and of
-        `tp` tensor-parallel ones (experts not sharded by tp: the tp ranks split the tokens).
-        The MoE cost model keeps Korthikanti et al.'s activation accounting: `dropout` and
-        `device_type` are not modelled there."""
+        """Per-block costs for one micro-batch on one rank of `layout`: of its `ep` expert-
+        parallel ranks and of its `tp` tensor-parallel ones (experts not sharded by tp: the
+        tp ranks split the tokens); no sequence parallelism. The MoE cost model keeps
+        Korthikanti et al.'s activation accounting: `dropout` and `device_type` are not
+        modelled there."""
         del device_type
-        if sequence_parallel:
-            raise ValueError(
-                "sequence_parallel for a MoE-GPT, whose MoE layers take whole sequences: "
-                "turn sequence parallelism off"
-            )
         return moe_block_costs(
             num_layers=self.num_layers, hidden=self.hidden, num_heads=self.num_heads,
-            seq_len=self.seq_len, vocab_size=self.vocab_size, moe=self.shape(ep),
-            micro_batch_size=micro_batch_size, ffn_hidden=self.ffn_hidden, dtype=dtype, tp=tp,
+            seq_len=self.seq_len, vocab_size=self.vocab_size, moe=self.shape(),
+            micro_batch_size=micro_batch_size, ffn_hidden=self.ffn_hidden, dtype=dtype,
+            layout=layout,
         )  # fmt: skip
 
     def build(self) -> object:

@@ -95,8 +95,7 @@ def estimate_memory(cfg: TrainConfig, nproc: int) -> MemoryEstimate | None:
                           optimizer=optimizer, seq_len=m.seq_len)  # fmt: skip
     device_type = "cuda" if torch.cuda.is_available() else "cpu"  # where the workers train
     blocks = spec.block_costs(micro_batch_size=plan.micro_batch_size, dtype=plan.dtype,
-                              tp=plan.tp, sequence_parallel=plan.sequence_parallel,
-                              device_type=device_type)  # fmt: skip
+                              layout=plan, device_type=device_type)  # fmt: skip
     cluster = local_cpu(devices=plan.world_size)  # memory is judged here, not by the cluster
     result = predict(blocks, cluster, plan).result
     worst = max(result.ranks, key=lambda r: r.memory.total).memory
