@@ -17,21 +17,23 @@ counts exchanged first and variable-split all-to-alls. Both routers get the same
 weights, so both send the same token copies to the same experts: the bench checks it
 (`routing_agrees`, `*_received_copies`). What differs, each the runtime's own choice:
 torchtitan's experts are SwiGLU (three matrices) run as bf16 grouped GEMMs
-(`torch._grouped_mm`), plait's are GELU FFNs with biases (two matrices) run one expert
-after another, in bf16 under plait's bf16 autocast (`--dtype bf16`, the default: the
-peer's precision) or in fp32 (`--dtype fp32`); both keep their routers in fp32. The
-peer's expert width is 2/3 of `ffn` (rounded down to a multiple of 8, which its grouped
-GEMM needs), the usual SwiGLU sizing that gives both the same parameters and FLOPs per
-token copy. plait's loss adds its router's load-balancing and
-z losses (torchtitan balances by an expert bias updated outside the layer, left off
-here). With `--capacity-factor` > 0 plait drops copies past capacity and the peer does
-not, so the received copies differ. The outputs cannot be compared value by value (the
-expert functions differ); the bench checks their shapes.
+(`torch._grouped_mm`), plait's are GELU FFNs with biases (two matrices) run as one
+autograd node (`plait.models.grouped_ffn`), in bf16 under plait's bf16 autocast
+(`--dtype bf16`, the default: the peer's precision) or in fp32 (`--dtype fp32`); both
+keep their routers in fp32. The peer's expert width is 2/3 of `ffn` (rounded down to a
+multiple of 8, which its grouped GEMM needs), the usual SwiGLU sizing that gives both
+the same parameters and FLOPs per token copy. plait's loss adds its router's
+load-balancing and z losses (torchtitan balances by an expert bias updated outside the
+layer, left off here). With `--capacity-factor` > 0 plait drops copies past capacity and
+the peer does not, so the received copies differ. The outputs cannot be compared value
+by value (the expert functions differ); the bench checks their shapes.
 
 The all-to-all share (rows with W > 1): plait's exchange times its collectives on every
 rank, forward and backward (`ExpertExchange.timings`); each is charged the least time any
 rank spent in it (what remains when no rank waits for a later one), and their sum over
-the step's time is `all_to_all_share_measured`. `all_to_all_share_predicted` is the
+all timed steps, over those steps' time, is `all_to_all_share_measured` (a share of the
+run's time: a few slow exchanges count for what they cost, which a median of per-step
+shares would hide). `all_to_all_share_predicted` is the
 simulator's share for the same layer (`predict_share`): the cost model's all-to-alls on
 an alpha-beta link, and the layer's compute, both profiled in the same run in turn with
 the layers (this machine's load moves both): the link (`link`) fitted to gloo
@@ -185,8 +187,9 @@ def _all_to_all_share(reports: list[dict[str, Any]], step_s: float, ep: int) -> 
 
     Measured: each collective of a step is charged the least time any rank spent in it
     (the last rank to arrive waits for no one: what remains is the transfer, not another
-    rank's lateness); their sum over the step, over the step's time (its slowest rank),
-    median over the steps."""
+    rank's lateness); their sum over all steps over the steps' time (each its slowest
+    rank's). The link and the compute profile are means too, so that the prediction is
+    of the same quantity."""
     config = reports[0]["config"]
     warmup = config["num_warmup"]
     steps = [r["all_to_all"][warmup:] for r in reports]
@@ -196,7 +199,7 @@ def _all_to_all_share(reports: list[dict[str, Any]], step_s: float, ep: int) -> 
         [min(call) for call in zip(*per_rank, strict=True)] for per_rank in zip(*steps, strict=True)
     ]
     seconds = [sum(step) for step in calls]
-    compute_s = common.median(
+    compute_s = statistics.fmean(
         [max(t) for t in zip(*(r["times"]["local"] for r in reports), strict=True)]
     )
     link = _fit_all_to_all(reports, ep)
@@ -205,9 +208,10 @@ def _all_to_all_share(reports: list[dict[str, Any]], step_s: float, ep: int) -> 
     # the exchange alone: with 1 s of compute the share is a / (1 + a), a its seconds
     unit = predict_share(bench, ep=ep, compute_s=1.0, **link)
     predicted_s = unit / (1 - unit)
-    measured = common.median([a / s for a, s in zip(seconds, slowest, strict=True)])
+    # the share of the run's time: all steps' exchange seconds over all steps' seconds
+    measured = sum(seconds) / sum(slowest)
     return {
-        "all_to_all_s": common.median(seconds),
+        "all_to_all_s": statistics.fmean(seconds),
         "all_to_all_s_predicted": predicted_s,
         "all_to_all_calls": len(steps[0][0]) if steps[0] else 0,
         # median seconds of each: counts, dispatch, combine, then the backward's two
@@ -231,13 +235,13 @@ def _all_to_all_share(reports: list[dict[str, Any]], step_s: float, ep: int) -> 
 def _fit_all_to_all(reports: list[dict[str, Any]], ep: int) -> dict[str, float]:
     """The alpha-beta link under the cost model's all-to-all (`all_to_all_time`: n - 1
     messages of latency alpha, (n - 1)/n of the B-byte send buffer at bandwidth beta),
-    fitted to the probes: each probe's least time over the ranks, median over the steps."""
+    fitted to the probes: each probe's least time over the ranks, mean over the steps."""
     from plait.profile import fit_link
 
     per_size = zip(*(zip(*r["probes"], strict=True) for r in reports), strict=True)
     samples = []
     for size, ranks in zip(_Probe.SIZES, per_size, strict=True):
-        seconds = common.median([min(step) for step in zip(*ranks, strict=True)])
+        seconds = statistics.fmean([min(step) for step in zip(*ranks, strict=True)])
         # t = (n-1)·alpha + (n-1)/n·B/beta: a one-message sample (B/n bytes, t/(n-1))
         samples.append((size / ep, seconds / (ep - 1)))
     link = fit_link(samples)
