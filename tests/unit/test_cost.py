@@ -134,41 +134,22 @@ def test_transformer_flops_follow_narayanan() -> None:
     assert total == pytest.approx(narayanan)
 
 
+def _layer(layout: ParallelPlan | None = None, hidden: int = 1024) -> BlockCost:
+    return transformer_block_costs(num_layers=1, hidden=hidden, num_heads=16, seq_len=512,
+                                   vocab_size=32000, layout=layout)[1]  # fmt: skip
+
+
 def test_tensor_parallel_divides_work_and_adds_collectives() -> None:
-    one = transformer_block_costs(
-        num_layers=1, hidden=1024, num_heads=16, seq_len=512, vocab_size=32000
-    )[1]
-    four = transformer_block_costs(
-        num_layers=1,
-        hidden=1024,
-        num_heads=16,
-        seq_len=512,
-        vocab_size=32000,
-        layout=ParallelPlan(tp=4),
-    )[1]
+    one, four = _layer(), _layer(ParallelPlan(tp=4))
     assert four.forward_flops == pytest.approx(one.forward_flops / 4)
     assert [c.kind for c in four.forward_comm] == ["all_reduce", "all_reduce"]
     assert four.forward_comm[0].num_bytes == 512 * 1024 * 2
-    sp = transformer_block_costs(
-        num_layers=1,
-        hidden=1024,
-        num_heads=16,
-        seq_len=512,
-        vocab_size=32000,
-        layout=ParallelPlan(tp=4, sequence_parallel=True),
-    )[1]
+    sp = _layer(ParallelPlan(tp=4, sequence_parallel=True))
     kinds = [c.kind for c in sp.backward_comm]
     assert kinds == ["all_gather", "reduce_scatter"] * 2
     assert one.forward_comm == () and one.backward_comm == ()
     with pytest.raises(ValueError, match="num_heads=16 is not divisible by tp=3"):
-        transformer_block_costs(
-            num_layers=1,
-            hidden=1032,
-            num_heads=16,
-            seq_len=512,
-            vocab_size=32000,
-            layout=ParallelPlan(tp=3),
-        )
+        _layer(ParallelPlan(tp=3), hidden=1032)
 
 
 def test_activation_bytes_follow_korthikanti() -> None:
