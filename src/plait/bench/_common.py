@@ -21,6 +21,7 @@ __all__ = [
     "report",
     "single_thread",
     "timed",
+    "token_batch",
 ]
 
 T = TypeVar("T")
@@ -117,3 +118,13 @@ def report(result: Any, *, as_json: bool, table: Callable[[Any], None]) -> int:
     else:
         table(result)
     return 0 if result.loss_match else 1
+
+
+def token_batch(config: Any, step: int, device: Any) -> tuple[Any, Any]:
+    """Step `step`'s token ids and next-token targets ([batch_size, seq_len] each), the same
+    on every rank: drawn from `config.seed` and the step, over `config.vocab_size` tokens."""
+    import torch
+
+    g = torch.Generator().manual_seed(config.seed + 1000 + step)
+    ids = torch.randint(0, config.vocab_size, (config.batch_size, config.seq_len + 1), generator=g)
+    return ids[:, :-1].contiguous().to(device), ids[:, 1:].contiguous().to(device)

@@ -190,7 +190,7 @@ def _measure(config: AsyncBenchConfig, device: torch.device) -> dict[str, Any]:
 
     def run(kind: str, count: int) -> None:
         for _ in range(count):
-            engines[kind].step(_batch(config, window[kind], device))
+            engines[kind].step(common.token_batch(config, window[kind], device))
             window[kind] += 1
 
     for kind in config.schedules:
@@ -208,15 +208,6 @@ def _measure(config: AsyncBenchConfig, device: torch.device) -> dict[str, Any]:
         engine.drain()
         versions[kind] = sum(engine.executor.weights.peak_versions.values())
     return {"starts": starts, "ends": ends, "versions": versions}
-
-
-def _batch(config: AsyncBenchConfig, step: int, device: torch.device) -> Any:
-    """Window `step`'s token ids and next-token targets, the same on every rank."""
-    import torch
-
-    g = torch.Generator().manual_seed(config.seed + 1000 + step)
-    ids = torch.randint(0, config.vocab_size, (config.batch_size, config.seq_len + 1), generator=g)
-    return ids[:, :-1].contiguous().to(device), ids[:, 1:].contiguous().to(device)
 
 
 # ------------------------------------------------------------------ command line

@@ -180,7 +180,7 @@ def _measure(config: DPBenchConfig, rank: int, device: torch.device) -> dict[str
     out: dict[str, Any] = {"times_s": {n: [] for n in RUNTIMES}, "cpu_s": {n: [] for n in RUNTIMES}}
     out["num_params"] = sum(p.numel() for p in runners["ddp"].model.parameters())
     for i in range(config.num_warmup + config.num_steps):
-        x, y = _batch(config, i, device)
+        x, y = common.token_batch(config, i, device)
         shift = i % len(RUNTIMES)
         for name in RUNTIMES[shift:] + RUNTIMES[:shift]:
             dist.barrier()
@@ -196,17 +196,6 @@ def _measure(config: DPBenchConfig, rank: int, device: torch.device) -> dict[str
                 n: _max_diff(runners[n].grads(), reference) for n in ("plait", "fsdp")
             }
     return out
-
-
-def _batch(
-    config: DPBenchConfig, step: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Step `step`'s global token ids and next-token targets, the same on every rank."""
-    import torch
-
-    g = torch.Generator().manual_seed(config.seed + 1000 + step)
-    ids = torch.randint(0, config.vocab_size, (config.batch_size, config.seq_len + 1), generator=g)
-    return ids[:, :-1].contiguous().to(device), ids[:, 1:].contiguous().to(device)
 
 
 def _max_diff(a: list[torch.Tensor | None], b: list[torch.Tensor | None]) -> float:

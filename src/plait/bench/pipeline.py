@@ -222,7 +222,7 @@ def _measure(config: PipelineBenchConfig, rank: int, device: torch.device) -> di
     }
     out: dict[str, Any] = {f"{n}_{k}": [] for n in runners for k in ("times_s", "cpu_s")}
     for i in range(config.num_warmup + config.num_steps):
-        x, y = _batch(config, i, device)
+        x, y = common.token_batch(config, i, device)
         for name in ("plait", "torch") if i % 2 == 0 else ("torch", "plait"):
             dist.barrier()
             t = common.timed(functools.partial(runners[name].step, x, y, device))
@@ -234,17 +234,6 @@ def _measure(config: PipelineBenchConfig, rank: int, device: torch.device) -> di
         if i == 0:
             out["grad_max_diff"] = common.max_grad_diff(*_same_parts(runners))
     return out
-
-
-def _batch(
-    config: PipelineBenchConfig, step: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Step `step`'s token ids and next-token targets, the same on every rank."""
-    import torch
-
-    g = torch.Generator().manual_seed(config.seed + 1000 + step)
-    ids = torch.randint(0, config.vocab_size, (config.batch_size, config.seq_len + 1), generator=g)
-    return ids[:, :-1].contiguous().to(device), ids[:, 1:].contiguous().to(device)
 
 
 def _same_parts(runners: dict[str, _Runner]) -> tuple[list[Any], list[Any]]:

@@ -157,7 +157,7 @@ def _timed(engine: Any, steps: range, config: RepartitionBenchConfig, device: An
     dist.barrier()
     t0 = time.perf_counter()
     for step in steps:
-        engine.step(_batch(config, step, device))
+        engine.step(common.token_batch(config, step, device))
     dist.barrier()
     return len(steps) / (time.perf_counter() - t0)
 
@@ -170,11 +170,11 @@ def _measure(config: RepartitionBenchConfig, device: torch.device) -> dict[str, 
     _, build, emulated = _setup(c, device)
     engine = build(_plan(c))
     for step in range(c.slow_from - w):
-        engine.step(_batch(c, step, device))
+        engine.step(common.token_batch(c, step, device))
     before = _timed(engine, range(c.slow_from - w, c.slow_from), c, device)
     emulated.slow = True
     for step in range(c.slow_from, c.num_steps - w):
-        engine.step(_batch(c, step, device))
+        engine.step(common.token_batch(c, step, device))
     slowed_off = _timed(engine, range(c.num_steps - w, c.num_steps), c, device)
     # auto: the same run with the policy stepping in
     model, build, emulated = _setup(c, device)
@@ -182,7 +182,7 @@ def _measure(config: RepartitionBenchConfig, device: torch.device) -> dict[str, 
     mover = Repartitioner(model, build, threshold=c.threshold, patience=c.patience)
     for step in range(c.num_steps - w):
         emulated.slow = step >= c.slow_from
-        report = engine.step(_batch(c, step, device))
+        report = engine.step(common.token_batch(c, step, device))
         engine = mover.after_step(engine, report, step)
     slowed_auto = _timed(engine, range(c.num_steps - w, c.num_steps), c, device)
     # planned: every split, slowed from the start (one untimed step each)
@@ -193,7 +193,7 @@ def _measure(config: RepartitionBenchConfig, device: torch.device) -> dict[str, 
         _, build, emulated = _setup(c, device)
         emulated.slow = True
         engine = build(_plan(c, sizes))
-        engine.step(_batch(c, 0, device))
+        engine.step(common.token_batch(c, 0, device))
         planned[f"{first},{blocks - first}"] = _timed(engine, range(1, w + 1), c, device)
     return {
         "before": before,
@@ -202,15 +202,6 @@ def _measure(config: RepartitionBenchConfig, device: torch.device) -> dict[str, 
         "planned": planned,
         "moves": [[step, list(sizes)] for step, sizes in mover.moves],
     }
-
-
-def _batch(config: RepartitionBenchConfig, step: int, device: torch.device) -> Any:
-    """Step `step`'s token ids and next-token targets, the same on every rank."""
-    import torch
-
-    g = torch.Generator().manual_seed(config.seed + 1000 + step)
-    ids = torch.randint(0, config.vocab_size, (config.batch_size, config.seq_len + 1), generator=g)
-    return ids[:, :-1].contiguous().to(device), ids[:, 1:].contiguous().to(device)
 
 
 # ------------------------------------------------------------------ command line
