@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
-__all__ = ["StageModule", "as_blocks", "equal_split", "stage_modules"]
+__all__ = ["BlockChain", "StageModule", "as_blocks", "equal_split", "stage_modules"]
 
 
 def as_blocks(model: nn.Module) -> list[nn.Module]:
@@ -29,6 +29,24 @@ def as_blocks(model: nn.Module) -> list[nn.Module]:
         f"{type(model).__name__} cannot be cut into pipeline stages: pass an nn.Sequential, "
         "or give the model a `blocks()` method returning its layers in order"
     )
+
+
+class BlockChain(nn.Module):
+    """A model that is its blocks run in order: a subclass builds `layers` (a list of
+    modules, kept as `self.layers`, so checkpoints name them `layers.i`) and gets
+    `blocks()` and `forward()`."""
+
+    def __init__(self, layers: Sequence[nn.Module]) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+
+    def blocks(self) -> list[nn.Module]:
+        return list(self.layers)
+
+    def forward(self, x: object) -> object:
+        for layer in self.layers:
+            x = layer(x)
+        return x
 
 
 class StageModule(nn.Module):

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from plait.blocks import BlockChain
 from plait.models.resnet import ResNetHead
 
 __all__ = ["IMAGENET_MODELS", "VGG19", "MobileNetV2", "ResNetImageNet", "build_imagenet_model"]
@@ -79,12 +80,11 @@ def _shortcut(cin: int, cout: int, stride: int) -> nn.Module:
     return nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
 
 
-class ResNetImageNet(nn.Module):
+class ResNetImageNet(BlockChain):
     """ResNet with the 7×7 stride-2 stem and max-pool; `depth` 34 (BasicBlocks 3-4-6-3) or
     50 (Bottlenecks 3-4-6-3). Blocks: stem, each residual block, head."""
 
     def __init__(self, depth: int = 50, *, num_classes: int = 1000, width_mult: float = 1.0):
-        super().__init__()
         if depth not in (34, 50):
             raise ValueError(f"depth={depth}: use 34 (BasicBlock) or 50 (Bottleneck)")
         kind: type[_Basic] | type[_Bottleneck] = _Basic if depth == 34 else _Bottleneck
@@ -97,15 +97,7 @@ class ResNetImageNet(nn.Module):
                 layers.append(kind(cin, width, 2 if stage > 0 and index == 0 else 1))
                 cin = width * kind.expansion
         layers.append(ResNetHead(cin, num_classes))
-        self.layers = nn.ModuleList(layers)
-
-    def blocks(self) -> list[nn.Module]:
-        return list(self.layers)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = layer(x)
-        return x
+        super().__init__(layers)
 
 
 _VGG19 = (64, 64, "M", 128, 128, "M", 256, 256, 256, 256, "M", 512, 512, 512, 512, "M",
@@ -126,12 +118,11 @@ class _VGGHead(nn.Module):
         return self.fc(torch.flatten(self.pool(x), 1))
 
 
-class VGG19(nn.Module):
+class VGG19(BlockChain):
     """VGG-19 (configuration E, no batch norm). Blocks: the five conv groups (each ending
     in its max-pool), then the classifier."""
 
     def __init__(self, *, num_classes: int = 1000, width_mult: float = 1.0) -> None:
-        super().__init__()
         groups: list[nn.Module] = []
         group: list[nn.Module] = []
         cin = 3
@@ -144,15 +135,7 @@ class VGG19(nn.Module):
             group += [nn.Conv2d(cin, cout, 3, padding=1), nn.ReLU(inplace=True)]
             cin = cout
         groups.append(_VGGHead(cin, _ch(4096, width_mult), num_classes))
-        self.layers = nn.ModuleList(groups)
-
-    def blocks(self) -> list[nn.Module]:
-        return list(self.layers)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = layer(x)
-        return x
+        super().__init__(groups)
 
 
 class _Inverted(nn.Module):
@@ -191,12 +174,11 @@ class _MobileHead(nn.Module):
         return self.fc(self.conv(x).mean(dim=(2, 3)))
 
 
-class MobileNetV2(nn.Module):
+class MobileNetV2(BlockChain):
     """MobileNetV2 (width multiplier `width_mult`, channels rounded to multiples of 8 as
     the paper's code). Blocks: stem, the 17 inverted residuals, head."""
 
     def __init__(self, *, num_classes: int = 1000, width_mult: float = 1.0) -> None:
-        super().__init__()
         cin = _ch(32, width_mult, 8)
         layers: list[nn.Module] = [_bn_relu6(nn.Conv2d(3, cin, 3, 2, 1, bias=False))]
         for t, c, n, s in _MOBILENET_V2:
@@ -205,15 +187,7 @@ class MobileNetV2(nn.Module):
                 layers.append(_Inverted(cin, cout, s if index == 0 else 1, t))
                 cin = cout
         layers.append(_MobileHead(cin, _ch(1280, max(1.0, width_mult), 8), num_classes))
-        self.layers = nn.ModuleList(layers)
-
-    def blocks(self) -> list[nn.Module]:
-        return list(self.layers)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = layer(x)
-        return x
+        super().__init__(layers)
 
 
 def _bn_relu6(conv: nn.Conv2d) -> nn.Sequential:

@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from plait.blocks import BlockChain
+
 __all__ = ["BasicBlock", "ResNet18", "ResNetHead", "ResNetStem"]
 
 Norm = Literal["batch", "group"]
@@ -86,7 +88,7 @@ class ResNetHead(nn.Module):
         return self.fc(x.mean(dim=(2, 3)))
 
 
-class ResNet18(nn.Module):
+class ResNet18(BlockChain):
     """CIFAR ResNet-18: stem, 4 stages × 2 BasicBlocks, head — ten pipeline blocks.
 
     `width` is the first stage's channel count (64 in the paper; use 4-8 in tests);
@@ -102,7 +104,6 @@ class ResNet18(nn.Module):
         norm: Norm = "batch",
         in_channels: int = 3,
     ) -> None:
-        super().__init__()
         for name, value in (("num_classes", num_classes), ("width", width)):
             if value < 1:
                 raise ValueError(f"{name}={value} must be >= 1")
@@ -120,21 +121,13 @@ class ResNet18(nn.Module):
                 layers.append(BasicBlock(channels, out, stride, norm))
                 channels = out
         layers.append(ResNetHead(channels, num_classes))
-        self.layers = nn.ModuleList(layers)
+        super().__init__(layers)
         self.apply(self._init)
 
     @staticmethod
     def _init(module: nn.Module) -> None:
         if isinstance(module, nn.Conv2d):
             nn.init.kaiming_normal_(module.weight, mode="fan_out", nonlinearity="relu")
-
-    def blocks(self) -> list[nn.Module]:
-        return list(self.layers)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = layer(x)
-        return x
 
     @staticmethod
     def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
