@@ -14,6 +14,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from plait.cli.experiment import _number
+
 __all__ = ["add_seed_experiments"]
 
 
@@ -84,14 +86,6 @@ def _dm_arguments(p: argparse.ArgumentParser, prefix: str = "") -> None:
     a(f"--{prefix}image-size", default=str(d.image_size), help=f"image side ({d.image_size})")
     a(f"--{prefix}steps", default=str(d.steps), help=f"timed steps per cell ({d.steps})")
     a(f"--{prefix}cluster", default=s.cluster, help=f"cluster of the prediction ({s.cluster})")
-
-
-def _number(flag: str, text: str, kind: type[int] | type[float]) -> Any:
-    try:
-        return kind(text)
-    except ValueError:
-        what = "an integer" if kind is int else "a number"
-        raise ValueError(f"--{flag} {text!r} is not {what}") from None
 
 
 def _ints(flag: str, text: str) -> tuple[int, ...]:

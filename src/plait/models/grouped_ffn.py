@@ -104,7 +104,8 @@ class _GroupedFFN(torch.autograd.Function):
         need_x, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad[:5]
         grad = grad.contiguous()
         # every expert's slice is written below, or zeroed when it received no rows
-        idle = [i for i in range(w1.shape[0]) if i not in {j for j, _ in rows}]
+        busy = {i for i, _ in rows}
+        idle = [i for i in range(w1.shape[0]) if i not in busy]
         dw1 = _grad(w1, w1.shape, idle, need_w1)
         db1 = _grad(w1, (w1.shape[0], w1.shape[2]), idle, need_b1)
         dw2 = _grad(w2, w2.shape, idle, need_w2)
