@@ -47,12 +47,13 @@ def compute_seconds(records: Iterable[ActionRecord]) -> float:
     return total
 
 
-def pad_step(records: Iterable[ActionRecord], slowdown: float) -> float:
+def pad_step(records: Iterable[ActionRecord], slowdown: float,
+             sleep: Callable[[float], None] = time.sleep) -> float:  # fmt: skip
     """Sleep (slowdown − 1) × the compute time of `records`; return the seconds slept."""
     if slowdown <= 1.0:
         return 0.0
     pad = (slowdown - 1.0) * compute_seconds(records)
-    time.sleep(pad)
+    sleep(pad)
     return pad
 
 

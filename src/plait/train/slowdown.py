@@ -11,11 +11,12 @@ and data parallelism's usual case) sees it exactly.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
 from plait.cluster import Cluster, load_cluster
-from plait.runtime.slowdown import compute_seconds
+from plait.runtime.slowdown import pad_step
 
 __all__ = ["check_cluster", "padded_step", "rank_slowdowns"]
 
@@ -40,15 +41,9 @@ def check_cluster(name: str, world_size: int) -> tuple[float, ...]:
 
 
 def padded_step(
-    engine: Any, batch: Any, slowdown: float, sleep: Callable[[float], None] | None = None
+    engine: Any, batch: Any, slowdown: float, sleep: Callable[[float], None] = time.sleep
 ) -> Any:
     """`engine.step(batch)`, then a sleep of (slowdown − 1) × its compute time; the report."""
     report = engine.step(batch)
-    if slowdown > 1.0:
-        pad = (slowdown - 1.0) * compute_seconds(report.result.records)
-        if sleep is None:
-            import time
-
-            sleep = time.sleep
-        sleep(pad)
+    pad_step(report.result.records, slowdown, sleep)
     return report
