@@ -306,7 +306,7 @@ def _measure(config: HetPipeBenchConfig, plan: dict[str, Any], device: Any) -> d
     import torch.distributed as dist
 
     from plait.data.corpus import stdlib_corpus
-    from plait.runtime.slowdown import pad_step
+    from plait.train.slowdown import padded_step
 
     corpus = stdlib_corpus()
     trainers = {name: _trainer(config, plan, name, device) for name in CONFIGS}
@@ -317,8 +317,7 @@ def _measure(config: HetPipeBenchConfig, plan: dict[str, Any], device: Any) -> d
             start = time.perf_counter()
             for step in range(first, min(config.steps, first + config.turn)):
                 batch = corpus.batch(step, config.batch_size, config.seq_len, seed=config.seed)
-                report = tr.engine.step(batch)
-                pad_step(report.result.records, tr.slowdown)
+                report = padded_step(tr.engine, batch, tr.slowdown)
                 tr.losses.append(report.loss)
                 tr.ends.append(elapsed[name] + time.perf_counter() - start)
             took = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
