@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 from collections.abc import Collection
@@ -221,4 +222,14 @@ def init_worker(*, timeout_s: float = 300.0) -> tuple[WorkerEnv, torch.device]:
             timeout=datetime.timedelta(seconds=timeout_s),
             device_id=device if device.type == "cuda" else None,
         )
+        atexit.register(_leave)
     return env, device
+
+
+def _leave() -> None:
+    """At exit, leave the process group `init_worker` joined. A script that ends without
+    `destroy_process_group` (as a short one may) otherwise has gloo's threads torn down with
+    the interpreter, which can abort the process ("terminate called without an active
+    exception") after its work is done."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
