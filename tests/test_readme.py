@@ -50,6 +50,7 @@ SHORTEST = {
     "bench faults": ["--trials", "1", "--steps", "4", "--every", "2"],
     "bench moe": ["--workers", "1,2", "--tokens", "16", "--hidden", "16", "--ffn", "24",
                   "--experts", "4", "--steps", "1", "--warmup", "0"],
+    "bench arrival": ["--sizes", "1", "--calls", "2", "--warmup", "0", "--compute-ms", "0.5"],
     "bench repartition": ["--steps", "4", "--slow-from", "1", "--window", "1", "--layers", "1",
                           "--block-ms", "1"],
     "bench hetpipe": ["--workers", "2", "--slow", "1", "--steps", "2", "--turn", "1",

@@ -499,6 +499,12 @@ _BENCH: dict[str, list[tuple[tuple[str, ...], str | tuple[str, ...]]]] = {
         (("--hidden", "0"), "hidden"), (("--seq-len", "0"), "seq_len"),
         (("--warmup", "100"), "warmup"),
     ],
+    "arrival": [
+        (("--workers", "1"), "workers"), (("--sizes", "0"), "sizes"), (("--sizes", "x"), "--sizes"),
+        (("--compute-ms", "-1"), "--compute-ms"), (("--jitter-ms", "nan"), "--jitter-ms"),
+        (("--late-ms", "inf"), "--late-ms"), (("--calls", "0"), "calls"),
+        (("--warmup", "-1"), "warmup"),
+    ],
     "faults": [
         (("--trials", "0"), "trials"), (("--nproc", "1"), "nproc"), (("--every", "0"), "every"),
         (("--steps", "3"), "steps"), (("--trials", "x"), "--trials"),
@@ -673,6 +679,7 @@ def _refuse_work(*args: Any, **kwargs: Any) -> Any:
 @pytest.fixture()
 def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """An empty working directory with a file and a folder to misuse; work refused."""
+    import plait.bench.arrival
     import plait.bench.asynchronous
     import plait.bench.compress
     import plait.bench.dp
@@ -683,8 +690,8 @@ def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     import plait.cli.profile
     import plait.experiment.staleness
 
-    for module in (plait.bench.asynchronous, plait.bench.compress, plait.bench.dp,
-                   plait.bench.faults, plait.bench.pipeline, plait.bench.planner,
+    for module in (plait.bench.arrival, plait.bench.asynchronous, plait.bench.compress,
+                   plait.bench.dp, plait.bench.faults, plait.bench.pipeline, plait.bench.planner,
                    plait.bench.sim_accuracy):  # fmt: skip
         monkeypatch.setattr(module, "run_bench", _refuse_work)
     monkeypatch.setattr(plait.experiment.staleness, "run_experiment", _refuse_work)

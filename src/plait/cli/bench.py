@@ -19,6 +19,7 @@ _BENCHES = {
     "moe": "plait.bench.moe",
     "repartition": "plait.bench.repartition",
     "hetpipe": "plait.bench.hetpipe",
+    "arrival": "plait.bench.arrival",
 }
 
 
