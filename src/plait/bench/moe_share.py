@@ -67,6 +67,13 @@ def all_to_all_share(reports: list[dict[str, Any]], step_s: float, ep: int) -> d
         "all_to_all_calls": len(steps[0][0]) if steps[0] else 0,
         # median seconds of each: counts, dispatch, combine, then the backward's two
         "all_to_all_call_s": [common.median(list(c)) for c in zip(*calls, strict=True)],
+        # their means: a few slow calls move these, not the medians (`plait bench arrival`)
+        "all_to_all_call_mean_s": [statistics.fmean(c) for c in zip(*calls, strict=True)],
+        # how far apart the ranks came to each (median of the most minus the least time a
+        # rank spent in it): ranks that come together stall on some hosts
+        "all_to_all_call_skew_s": [
+            common.median(list(c)) for c in zip(*_skews(steps), strict=True)
+        ],
         "probe_s": {
             str(size): common.median([min(step) for step in zip(*ranks, strict=True)])
             for size, ranks in zip(
@@ -81,6 +88,14 @@ def all_to_all_share(reports: list[dict[str, Any]], step_s: float, ep: int) -> d
         "all_to_all_share_predicted": predicted,
         "share_error": abs(predicted - measured) / measured if measured > 0 else None,
     }
+
+
+def _skews(steps: list[list[list[float]]]) -> list[list[float]]:
+    """Per step, per collective: the most minus the least seconds a rank spent in it."""
+    return [
+        [max(call) - min(call) for call in zip(*per_rank, strict=True)]
+        for per_rank in zip(*steps, strict=True)
+    ]
 
 
 def _fit_all_to_all(reports: list[dict[str, Any]], ep: int) -> dict[str, float]:
