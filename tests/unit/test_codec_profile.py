@@ -13,7 +13,7 @@ import pytest
 
 from plait.cli.main import main
 from plait.cluster import Device, Link, local_cpu
-from plait.cost.comm import Collective, collective_time
+from plait.cost.comm import AxisLinks, Collective, collective_time
 from plait.cost.compress import codec_figure, compressed_sync_time
 from plait.presets import cluster_from_toml, cluster_to_toml
 from plait.profile.codec import measure_codec, read_codec_profile, with_codec
@@ -40,13 +40,19 @@ def test_a_measured_figure_replaces_the_estimate_by_exactly_its_term() -> None:
     dp, per_entry = 4, 2e-6
     # sign: every rank's N/8 bytes of signs and a 4-byte scale, all-gathered
     wire = collective_time(Collective(kind="all_gather", num_bytes=dp * (N // 8 + 4)), dp, LINK)
-    measured = compressed_sync_time("sign", N, dp=dp, link=LINK, device=_device(sign=per_entry))
+    measured = compressed_sync_time(
+        "sign", N, links=AxisLinks({"dp": dp}, {"dp": LINK}), device=_device(sign=per_entry)
+    )
     assert measured == pytest.approx(wire + per_entry * N, rel=1e-12)
     # no figure: 8 passes over N fp32 entries at the device's memory bandwidth
-    estimated = compressed_sync_time("sign", N, dp=dp, link=LINK, device=_device())
+    estimated = compressed_sync_time(
+        "sign", N, links=AxisLinks({"dp": dp}, {"dp": LINK}), device=_device()
+    )
     assert estimated == pytest.approx(wire + 8 * N * 4 / 1e11, rel=1e-12)
     # a figure for another method changes nothing
-    other = compressed_sync_time("sign", N, dp=dp, link=LINK, device=_device(fp16=1.0))
+    other = compressed_sync_time(
+        "sign", N, links=AxisLinks({"dp": dp}, {"dp": LINK}), device=_device(fp16=1.0)
+    )
     assert other == estimated
 
 

@@ -8,6 +8,7 @@ import pytest
 
 from plait.cluster import Device, Link
 from plait.compression import Compression, parse_compression
+from plait.cost import AxisLinks
 from plait.cost.compress import compressed_sync_time, wire_bytes
 
 VALID = {
@@ -58,11 +59,13 @@ def test_compression_pays_on_a_slow_link_and_not_on_a_fast_one() -> None:
     slow = Link(latency_s=1e-4, bandwidth_Bps=1e9 / 8)  # 1 Gbit/s
     fast = Link(latency_s=1e-6, bandwidth_Bps=1e14)
     for link, pays in ((slow, True), (fast, False)):
-        plain = compressed_sync_time("none", N, dp=8, link=link, device=device)
+        links = AxisLinks({"dp": 8}, {"dp": link})
+        plain = compressed_sync_time("none", N, links=links, device=device)
         for method in ("threshold:0.1", "sign", "topk:0.001"):
-            t = compressed_sync_time(method, N, dp=8, link=link, device=device)
+            t = compressed_sync_time(method, N, links=links, device=device)
             assert (t < plain) is pays, (method, link, t, plain)
-    assert compressed_sync_time("sign", N, dp=1, link=slow, device=device) == 0.0
+    one = AxisLinks({"dp": 1}, {"dp": slow})
+    assert compressed_sync_time("sign", N, links=one, device=device) == 0.0
 
 
 def test_zero_2_and_3_take_only_a_lower_reduce_dtype() -> None:

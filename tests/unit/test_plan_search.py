@@ -99,8 +99,7 @@ def _simulate(plan: SimPlan, cluster: Cluster, margin: float) -> float:
             dtype=plan.dtype,
             recompute=plan.recompute,
             inflight=counts,
-            zero_stage=plan.zero,
-            dp=plan.dp,
+            layout=plan,
         )
     except ValueError:
         return float("inf")

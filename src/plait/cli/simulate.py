@@ -138,11 +138,8 @@ def _partition(
             dtype=plan.dtype,
             recompute=plan.recompute,
             inflight=[inflight[s] for s in first],
-            zero_stage=plan.zero,
-            dp=plan.dp,
+            layout=plan,
             optimizer=plan.optimizer,
-            ep=plan.ep,
-            tp=plan.tp,
         )
     except ValueError:
         work = [

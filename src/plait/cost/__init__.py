@@ -21,6 +21,7 @@ from plait.cost.comm import (
     all_reduce_time,
     all_to_all_time,
     collective_time,
+    dp_sync_collectives,
     dp_sync_time,
     group_collective_time,
     p2p_time,
@@ -42,7 +43,9 @@ from plait.cost.moe import (
     expert_sync_time,
     moe_block_costs,
     moe_optimizer_step_time,
+    weight_gather_time,
 )
+from plait.cost.replicas import DataDegrees, DataLayout, expert_dp_degree, sync_degrees
 from plait.cost.transformer import (
     TransformerShape,
     layer_activation_bytes,
@@ -58,6 +61,8 @@ __all__ = [
     "Collective",
     "CollectiveAxis",
     "CollectiveKind",
+    "DataDegrees",
+    "DataLayout",
     "Layout",
     "MoEShape",
     "ModelState",
@@ -71,7 +76,9 @@ __all__ = [
     "all_to_all_time",
     "check_recompute",
     "collective_time",
+    "dp_sync_collectives",
     "dp_sync_time",
+    "expert_dp_degree",
     "expert_state_bytes",
     "expert_sync_time",
     "group_collective_time",
@@ -86,6 +93,8 @@ __all__ = [
     "ring_all_reduce_time",
     "stage_costs",
     "swapped_optimizer_bytes",
+    "sync_degrees",
     "transformer_block_costs",
     "tree_all_reduce_time",
+    "weight_gather_time",
 ]

@@ -32,6 +32,7 @@ __all__ = [
     "all_reduce_time",
     "all_to_all_time",
     "collective_time",
+    "dp_sync_collectives",
     "dp_sync_time",
     "group_collective_time",
     "p2p_time",
@@ -44,8 +45,10 @@ CollectiveKind = Literal["all_reduce", "reduce_scatter", "all_gather", "all_to_a
 COLLECTIVE_KINDS: tuple[str, ...] = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
 
 
-CollectiveAxis = Literal["tp", "dp", "ep", "pp"]
-COLLECTIVE_AXES: tuple[str, ...] = ("tp", "dp", "ep", "pp")
+# "edp": the ranks holding the same experts (dp·tp / ep of them, `plait.layout`), over
+# which expert gradients are reduced and expert state sharded
+CollectiveAxis = Literal["tp", "dp", "ep", "pp", "edp"]
+COLLECTIVE_AXES: tuple[str, ...] = ("tp", "dp", "ep", "pp", "edp")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,11 +78,15 @@ class AxisLinks:
     degrees: Mapping[str, int] = field(default_factory=dict)
     links: Mapping[str, Link | None] = field(default_factory=dict)
 
+    def group(self, axis: str) -> tuple[int, Link | None]:
+        """(degree, link) of `axis`'s group: (1, None) for an axis left out."""
+        return self.degrees.get(axis, 1), self.links.get(axis)
+
     def time(self, collectives: Sequence[Collective]) -> float:
         """Seconds of `collectives`, one after another, each over its axis's group."""
         total = 0.0
         for c in collectives:
-            n, link = self.degrees.get(c.axis, 1), self.links.get(c.axis)
+            n, link = self.group(c.axis)
             if n > 1 and link is not None:
                 total += collective_time(c, n, link)
         return total
@@ -174,13 +181,23 @@ _DP_COLLECTIVES: dict[int, tuple[CollectiveKind, ...]] = {
 }
 
 
-def dp_sync_time(num_bytes: float, *, zero_stage: int, dp: int, link: Link) -> float:
-    """Seconds of the gradient reduction of `num_bytes` of parameters over `dp` ranks: an
+def dp_sync_collectives(
+    num_bytes: float, *, zero_stage: int, axis: CollectiveAxis = "dp"
+) -> tuple[Collective, ...]:
+    """What the gradient reduction of `num_bytes` of parameters issues over `axis` ("dp":
+    the data-parallel group; "edp": the ranks holding the same experts) per step: an
     all-reduce; with ZeRO-1/2 a reduce-scatter plus the all-gather of the updated
     weights; with ZeRO-3 only the reduce-scatter (its gathers happen per micro-batch)."""
-    if dp == 1:
-        return 0.0
-    return sum(
-        collective_time(Collective(kind=k, num_bytes=num_bytes), dp, link)
-        for k in _DP_COLLECTIVES[zero_stage]
+    if zero_stage not in _DP_COLLECTIVES:
+        raise ValueError(f"zero_stage={zero_stage!r} must be 0, 1, 2 or 3")
+    return tuple(
+        Collective(kind=k, num_bytes=num_bytes, axis=axis) for k in _DP_COLLECTIVES[zero_stage]
     )
+
+
+def dp_sync_time(
+    num_bytes: float, *, zero_stage: int, links: AxisLinks, axis: CollectiveAxis = "dp"
+) -> float:
+    """Seconds of `dp_sync_collectives` over the group `links` gives `axis` (nothing on
+    one rank)."""
+    return links.time(dp_sync_collectives(num_bytes, zero_stage=zero_stage, axis=axis))

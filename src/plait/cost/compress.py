@@ -28,10 +28,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 
-from plait.cluster import Device, Link
+from plait.cluster import Device
 from plait.compression import Compression, check_zero, parse_compression
-from plait.cost.comm import Collective, collective_time, dp_sync_time
+from plait.cost.comm import AxisLinks, Collective, CollectiveAxis, dp_sync_time
 
 __all__ = [
     "codec_figure",
@@ -56,11 +57,25 @@ def compressed_collectives(
     matrices: Sequence[tuple[int, int]] | None = None,
     matrix_dim: int = 1024,
     density: float = 0.001,
+    axis: CollectiveAxis = "dp",
 ) -> list[Collective]:
     """The collectives one step's reduction of `num_entries` gradients issues per rank
-    (`num_bytes` as `plait.cost.comm` counts them: an all-gather's output)."""
+    over the `dp` ranks of `axis` (`num_bytes` as `plait.cost.comm` counts them: an
+    all-gather's output)."""
     c = parse_compression(compression) if isinstance(compression, str) else compression
-    n = float(num_entries)
+    collectives = _collectives(c, float(num_entries), dp, grad_bytes, matrices, matrix_dim, density)
+    return [replace(col, axis=axis) for col in collectives]
+
+
+def _collectives(
+    c: Compression,
+    n: float,
+    dp: int,
+    grad_bytes: int,
+    matrices: Sequence[tuple[int, int]] | None,
+    matrix_dim: int,
+    density: float,
+) -> list[Collective]:
     if c.method == "none":
         return [Collective(kind="all_reduce", num_bytes=n * grad_bytes)]
     if c.method in ("fp16", "bf16"):
@@ -109,25 +124,27 @@ def compressed_sync_time(
     compression: Compression | str,
     num_entries: float,
     *,
-    dp: int,
-    link: Link,
+    links: AxisLinks,
     device: Device,
+    axis: CollectiveAxis = "dp",
     grad_bytes: int = 4,
     matrices: Sequence[tuple[int, int]] | None = None,
     matrix_dim: int = 1024,
     density: float = 0.001,
     codec_s_per_entry: Mapping[str, float] | None = None,
 ) -> float:
-    """Seconds of one step's compressed reduction over `dp` ranks: its collectives on
-    `link` plus encode/decode on `device` (or from a measured `codec_s_per_entry`)."""
+    """Seconds of one step's compressed reduction over the group `links` gives `axis`:
+    its collectives on that group's link plus encode/decode on `device` (or from a
+    measured `codec_s_per_entry`); nothing on one rank."""
     c = parse_compression(compression) if isinstance(compression, str) else compression
-    if dp == 1:
+    n, link = links.group(axis)
+    if n == 1 or link is None:
         return 0.0
     collectives = compressed_collectives(
-        c, num_entries, dp=dp, grad_bytes=grad_bytes, matrices=matrices,
-        matrix_dim=matrix_dim, density=density,
+        c, num_entries, dp=n, grad_bytes=grad_bytes, matrices=matrices,
+        matrix_dim=matrix_dim, density=density, axis=axis,
     )  # fmt: skip
-    wire = sum(collective_time(col, dp, link) for col in collectives)
+    wire = links.time(collectives)
     codec = codec_time(
         c, num_entries, device=device, matrices=matrices, matrix_dim=matrix_dim,
         codec_s_per_entry=codec_s_per_entry,
@@ -234,26 +251,27 @@ def gradient_sync_time(
     num_params: float,
     *,
     zero_stage: int,
-    dp: int,
-    link: Link,
+    links: AxisLinks,
     device: Device,
     param_bytes: int,
+    axis: CollectiveAxis = "dp",
     codec_s_per_entry: Mapping[str, float] | None = None,
 ) -> float:
-    """Seconds of one stage's data-parallel gradient reduction under `compression`: the
-    compressed reduction (ZeRO-1 then gathers the updated weights), or under ZeRO-2/3 a
+    """Seconds of one stage's gradient reduction over `axis` ("dp", or "edp" for expert
+    gradients; its degree and link from `links`) under `compression`: the compressed
+    reduction (ZeRO-1 then gathers the updated weights), or under ZeRO-2/3 a
     reduce-scatter in the lower dtype."""
     c = parse_compression(compression) if isinstance(compression, str) else compression
     check_zero(c, zero_stage)
     if c.method == "none":
-        return dp_sync_time(num_params * param_bytes, zero_stage=zero_stage, dp=dp, link=link)
+        return dp_sync_time(num_params * param_bytes, zero_stage=zero_stage, links=links, axis=axis)
     if zero_stage >= 2:
-        return dp_sync_time(num_params * 2, zero_stage=zero_stage, dp=dp, link=link)
+        return dp_sync_time(num_params * 2, zero_stage=zero_stage, links=links, axis=axis)
     reduce = compressed_sync_time(
-        c, num_params, dp=dp, link=link, device=device, grad_bytes=param_bytes,
+        c, num_params, links=links, axis=axis, device=device, grad_bytes=param_bytes,
         codec_s_per_entry=codec_s_per_entry,
     )  # fmt: skip
-    if zero_stage == 1 and dp > 1:
-        gather = Collective(kind="all_gather", num_bytes=num_params * param_bytes)
-        reduce += collective_time(gather, dp, link)
+    if zero_stage == 1:  # the updated weights gathered (nothing on one rank)
+        gather = Collective(kind="all_gather", num_bytes=num_params * param_bytes, axis=axis)
+        reduce += links.time([gather])
     return reduce

@@ -72,7 +72,9 @@ def model_state_bytes(
     optimizer: Optimizer = "adam",
 ) -> ModelState:
     """Model-state bytes of a rank holding `num_params` parameters (its pipeline stages, its
-    tensor-parallel shard) with ZeRO `zero_stage` over `dp` data-parallel ranks."""
+    tensor-parallel shard) with ZeRO `zero_stage` sharding them over `dp` ranks: the
+    formula for one group of replicas; a rank of a layout, whose experts are replicated
+    on other ranks than the rest, is `plait.cost.expert_state_bytes`."""
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage={zero_stage!r} must be 0, 1, 2 or 3")
     if dp < 1:

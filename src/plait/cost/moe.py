@@ -53,10 +53,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from plait.cluster import Device, Link
+from plait.cluster import Device
 from plait.cost.blocks import BlockCost, Layout
-from plait.cost.comm import Collective, dp_sync_time
+from plait.cost.comm import AxisLinks, Collective, dp_sync_time
 from plait.cost.memory import ModelState, Optimizer, model_state_bytes, optimizer_step_time
+from plait.cost.replicas import DataLayout, expert_dp_degree
 from plait.cost.transformer import TransformerShape, transformer_block_costs
 
 __all__ = [
@@ -65,6 +66,7 @@ __all__ = [
     "expert_sync_time",
     "moe_block_costs",
     "moe_optimizer_step_time",
+    "weight_gather_time",
 ]
 
 
@@ -208,24 +210,24 @@ def expert_state_bytes(
     num_params: float,
     expert_params: float,
     *,
+    layout: DataLayout,
     dtype: str = "bf16",
-    zero_stage: int = 0,
-    dp: int = 1,
-    ep: int = 1,
-    tp: int = 1,
     optimizer: Optimizer = "adam",
 ) -> ModelState:
-    """Model state of a rank holding `num_params` parameters of which `expert_params` are
-    its experts': ZeRO shards the others over dp ranks, the experts over the dp·tp / ep
-    ranks that hold the same experts (`model_state_bytes` for each part)."""
+    """Model state of a rank of `layout` holding `num_params` parameters of which
+    `expert_params` are its experts': ZeRO (`layout.zero`) shards the others over the dp
+    ranks, the experts over the ranks holding the same experts (`expert_dp_degree`;
+    `model_state_bytes` for each part)."""
     rest = model_state_bytes(
-        num_params - expert_params, dtype=dtype, zero_stage=zero_stage, dp=dp, optimizer=optimizer
-    )
+        num_params - expert_params, dtype=dtype, zero_stage=layout.zero, dp=layout.dp,
+        optimizer=optimizer,
+    )  # fmt: skip
     if not expert_params:
         return rest
     experts = model_state_bytes(
-        expert_params, dtype=dtype, zero_stage=zero_stage, dp=dp * tp // ep, optimizer=optimizer
-    )
+        expert_params, dtype=dtype, zero_stage=layout.zero, dp=expert_dp_degree(layout),
+        optimizer=optimizer,
+    )  # fmt: skip
     return ModelState(
         rest.params + experts.params, rest.grads + experts.grads, rest.optimizer + experts.optimizer
     )
@@ -235,25 +237,43 @@ def expert_sync_time(
     num_params: float,
     expert_params: float,
     *,
+    layout: DataLayout,
+    links: AxisLinks,
     param_bytes: int,
-    zero_stage: int,
-    dp: int,
-    ep: int,
-    dp_link: Link,
-    edp_link: Link,
-    tp: int = 1,
 ) -> float:
-    """Gradient reduction of a stage: the non-expert gradients over dp ranks on `dp_link`,
-    then the expert gradients over the dp·tp / ep ranks holding the same experts on
-    `edp_link` (`dp_sync_time` for each)."""
+    """Gradient reduction of a stage of `layout` (`layout.zero` sets its collectives,
+    `dp_sync_time`): the non-expert gradients over axis "dp", then the expert gradients
+    over axis "edp" (the ranks holding the same experts), each over the degree and link
+    `links` gives that axis (`sync_degrees` of the layout)."""
     rest = dp_sync_time(
-        (num_params - expert_params) * param_bytes, zero_stage=zero_stage, dp=dp, link=dp_link
+        (num_params - expert_params) * param_bytes, zero_stage=layout.zero, links=links
     )
     if not expert_params:
         return rest
     return rest + dp_sync_time(
-        expert_params * param_bytes, zero_stage=zero_stage, dp=dp * tp // ep, link=edp_link
+        expert_params * param_bytes, zero_stage=layout.zero, links=links, axis="edp"
     )
+
+
+def weight_gather_time(
+    num_params: float,
+    expert_params: float,
+    *,
+    layout: DataLayout,
+    links: AxisLinks,
+    param_bytes: int,
+) -> float:
+    """ZeRO-3's all-gather of a stage's weights before its forward (and again before its
+    backward): the non-expert weights over axis "dp", the experts' over axis "edp".
+    Nothing below ZeRO-3 or with one data-parallel rank."""
+    if layout.zero < 3 or layout.dp == 1:
+        return 0.0
+    size = (num_params - expert_params) * param_bytes
+    time = links.time([Collective(kind="all_gather", num_bytes=size, axis="dp")])
+    if expert_params:
+        experts = Collective(kind="all_gather", num_bytes=expert_params * param_bytes, axis="edp")
+        time += links.time([experts])
+    return time
 
 
 def moe_optimizer_step_time(
@@ -261,22 +281,19 @@ def moe_optimizer_step_time(
     expert_params: float,
     device: Device,
     *,
+    layout: DataLayout,
     dtype: str = "bf16",
-    zero_stage: int = 0,
-    dp: int = 1,
-    ep: int = 1,
-    tp: int = 1,
     optimizer: Optimizer = "adam",
 ) -> float:
-    """`optimizer_step_time` of the non-expert shard over dp plus the expert shard over
-    dp·tp/ep."""
+    """`optimizer_step_time` of the non-expert shard over the dp ranks plus the expert
+    shard over the ranks holding the same experts (`expert_dp_degree`)."""
     rest = optimizer_step_time(
-        num_params - expert_params, device, dtype=dtype, zero_stage=zero_stage, dp=dp,
+        num_params - expert_params, device, dtype=dtype, zero_stage=layout.zero, dp=layout.dp,
         optimizer=optimizer,
     )  # fmt: skip
     if not expert_params:
         return rest
     return rest + optimizer_step_time(
-        expert_params, device, dtype=dtype, zero_stage=zero_stage, dp=dp * tp // ep,
-        optimizer=optimizer,
+        expert_params, device, dtype=dtype, zero_stage=layout.zero,
+        dp=expert_dp_degree(layout), optimizer=optimizer,
     )  # fmt: skip

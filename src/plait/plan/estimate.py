@@ -28,12 +28,14 @@ from plait.cluster import Cluster, Link, dtype_bytes
 from plait.cost import (
     AxisLinks,
     BlockCost,
-    Collective,
+    CollectiveAxis,
     StageCost,
-    collective_time,
     dp_sync_time,
+    expert_dp_degree,
     model_state_bytes,
-    optimizer_step_time,
+    moe_optimizer_step_time,
+    sync_degrees,
+    weight_gather_time,
 )
 from plait.cost.compress import gradient_sync_time
 from plait.schedule import schedule_kind
@@ -171,6 +173,12 @@ class Estimator:
             self._links[key] = self.cluster.group_link(group)
         return self._links[key]
 
+    def sync_links(self, plan: SimPlan) -> AxisLinks:
+        """The groups gradients are reduced over: axis "dp" and, for experts, "edp"."""
+        return AxisLinks(
+            sync_degrees(plan), {"dp": self.link(plan, "dp"), "edp": self.link(plan, "edp")}
+        )
+
     def _ep_key(self, plan: SimPlan) -> tuple[object, ...]:
         """What the ep group's link depends on (nothing without expert parallelism)."""
         return (plan.dp, plan.ep, plan.tp, plan.pp, plan.rank_order) if plan.ep > 1 else ()
@@ -214,10 +222,10 @@ class Estimator:
             self._profiles[key] = _rank_sums(arrays, self._splits[split_key], plan.pp)
         return self._profiles[key]
 
-    def state_per_param(self, plan: SimPlan, dp: int | None = None) -> float:
+    def state_per_param(self, plan: SimPlan, *, experts: bool = False) -> float:
         """Model-state bytes per parameter (linear in the parameter count), ZeRO sharding
-        over `dp` ranks (default: the plan's)."""
-        dp = plan.dp if dp is None else dp
+        over the plan's dp ranks, or for `experts` over the ranks holding the same ones."""
+        dp = expert_dp_degree(plan) if experts else plan.dp
         key = (plan.dtype, plan.zero, dp, plan.optimizer)
         if key not in self._state:
             big = 1e9
@@ -276,31 +284,31 @@ def estimate(plan: SimPlan, profile: RankProfile, est: Estimator) -> Estimate:
         else profile.stage_experts
     )
     if plan.zero == 3 and plan.dp > 1:  # weights gathered for forward and backward
+        links = est.sync_links(plan)
         per_stage = np.array(
             [
-                _gather(plan, n - x, plan.dp, est.link(plan, "dp"))
-                + _gather(plan, x, plan.edp, est.link(plan, "edp"))
+                weight_gather_time(n, x, layout=plan, links=links, param_bytes=pbytes)
                 for n, x in zip(profile.stage_params, stage_experts, strict=True)
             ]
         )
         work = work + 2 * per_stage.reshape(v, p).sum(axis=0)
     p2p = 2 * (p - 1) * v * est.link(plan, "pp").time(profile.activation_bytes) if p > 1 else 0.0
     syncs = np.array([_dp_sync(plan, n * pbytes, est) for n in profile.params])
-    opts = np.array([_optimizer(plan, n, est) for n in profile.params])
     if profile.experts is not None:  # expert gradients and state live on dp·tp / ep ranks
-        edp = plan.edp
         syncs = np.array(
             [
-                _dp_sync(plan, (n - x) * pbytes, est) + _dp_sync(plan, x * pbytes, est, edp)
+                _dp_sync(plan, (n - x) * pbytes, est) + _dp_sync(plan, x * pbytes, est, "edp")
                 for n, x in zip(profile.params, rank_experts, strict=True)
             ]
         )
-        opts = np.array(
-            [
-                _optimizer(plan, n - x, est) + _optimizer(plan, x, est, edp)
-                for n, x in zip(profile.params, rank_experts, strict=True)
-            ]
-        )
+    opts = np.array(
+        [
+            moe_optimizer_step_time(
+                n, x, est.device, layout=plan, dtype=plan.dtype, optimizer=plan.optimizer
+            )
+            for n, x in zip(profile.params, rank_experts, strict=True)
+        ]
+    )
     copies = np.array([kind.copies(p, m, r) for r in range(p)], dtype=float)
     if kind.synchronous:
         overlapped = m >= p  # fewer micro-batches than ranks: no chunk or W pass can fill in
@@ -318,7 +326,7 @@ def estimate(plan: SimPlan, profile: RankProfile, est: Estimator) -> Estimate:
     counts = np.array([kind.inflight(p, m, v, r) for r in range(p)])
     memory = (
         (profile.params - rank_experts) * est.state_per_param(plan)
-        + rank_experts * est.state_per_param(plan, plan.edp)
+        + rank_experts * est.state_per_param(plan, experts=True)
         + counts * profile.saved
         + profile.transient
         + copies * profile.params * pbytes
@@ -326,33 +334,14 @@ def estimate(plan: SimPlan, profile: RankProfile, est: Estimator) -> Estimate:
     return Estimate(step, tuple(memory.tolist()), float(est.device.memory_bytes), profile.sizes)
 
 
-def _gather(plan: SimPlan, num_params: float, n: int, link: Link) -> float:
-    """A ZeRO-3 all-gather of `num_params` parameters over `n` ranks."""
-    if n == 1 or not num_params:
-        return 0.0
-    size = num_params * dtype_bytes(plan.dtype)
-    return collective_time(Collective(kind="all_gather", num_bytes=size), n, link)
-
-
-def _dp_sync(plan: SimPlan, num_bytes: float, est: Estimator, edp: int | None = None) -> float:
-    """The reduction of `num_bytes` of gradients over the dp group, or, given `edp`, over
-    the expert-data-parallel group of that many ranks."""
-    dp, link = (plan.dp, est.link(plan, "dp")) if edp is None else (edp, est.link(plan, "edp"))
+def _dp_sync(plan: SimPlan, num_bytes: float, est: Estimator, axis: CollectiveAxis = "dp") -> float:
+    """The reduction of `num_bytes` of gradients over the group of `axis`: "dp", or "edp"
+    for expert gradients."""
+    links = est.sync_links(plan)
     if plan.compress != "none":
         pbytes = dtype_bytes(plan.dtype)
         return gradient_sync_time(
-            plan.compress, num_bytes / pbytes, zero_stage=plan.zero, dp=dp,
-            link=link, device=est.device, param_bytes=pbytes,
+            plan.compress, num_bytes / pbytes, zero_stage=plan.zero, links=links, axis=axis,
+            device=est.device, param_bytes=pbytes,
         )  # fmt: skip
-    return dp_sync_time(num_bytes, zero_stage=plan.zero, dp=dp, link=link)
-
-
-def _optimizer(plan: SimPlan, num_params: float, est: Estimator, dp: int | None = None) -> float:
-    return optimizer_step_time(
-        num_params,
-        est.device,
-        dtype=plan.dtype,
-        zero_stage=plan.zero,
-        dp=plan.dp if dp is None else dp,
-        optimizer=plan.optimizer,
-    )
+    return dp_sync_time(num_bytes, zero_stage=plan.zero, links=links, axis=axis)

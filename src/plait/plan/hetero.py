@@ -92,8 +92,7 @@ def split_replica(
             for s in range(k)]  # fmt: skip
     part = partition_blocks(
         blocks, devices, dtype=plan.dtype, recompute=plan.recompute,
-        inflight=[max(1, round(h)) for h in held], zero_stage=plan.zero, dp=plan.dp,
-        optimizer=plan.optimizer, ep=plan.ep, tp=plan.tp,
+        inflight=[max(1, round(h)) for h in held], layout=plan, optimizer=plan.optimizer,
         offload_activations=plan.offload_activations, offload_optimizer=plan.offload_optimizer,
     )  # fmt: skip
     return devices, part

@@ -24,13 +24,14 @@ from itertools import pairwise
 from typing import TypeVar
 
 from plait.cluster import Device
-from plait.cost import BlockCost, Optimizer, Recompute, expert_state_bytes
+from plait.cost import BlockCost, DataDegrees, DataLayout, Optimizer, Recompute, expert_state_bytes
 from plait.offload import offloaded_blocks
 
 __all__ = ["MemoryShortfall", "Partition", "partition", "partition_blocks"]
 
 _T = TypeVar("_T")
 Segment = Callable[[int, int, int], float]  # (stage, first block, end block) -> value
+_ONE_RANK = DataDegrees()
 
 
 @dataclass(frozen=True)
@@ -196,18 +197,16 @@ def partition_blocks(
     dtype: str = "bf16",
     recompute: Recompute = "none",
     inflight: Sequence[int] | None = None,
-    zero_stage: int = 0,
-    dp: int = 1,
+    layout: DataLayout = _ONE_RANK,
     optimizer: Optimizer = "adam",
-    ep: int = 1,
     offload_activations: str = "none",
     offload_optimizer: bool = False,
-    tp: int = 1,
 ) -> Partition:
     """Partition cost-model blocks over `devices` (stage i on devices[i]): times from
     FLOPs (recomputation included) at each device's achievable rate, memory from model
-    state and saved activations against each device's capacity (expert state sharded by
-    ZeRO over the dp·tp / ep ranks holding the same experts). Offloaded activations
+    state and saved activations against each device's capacity (the model state of a rank
+    of `layout`, a plan or `DataDegrees`, default one rank: ZeRO shards it over the dp
+    ranks, expert state over the ranks holding the same experts). Offloaded activations
     (`plait.offload`) and optimizer state count nothing here: the simulator charges the
     block left on the device and the state swapped in for the step."""
     if not devices:
@@ -221,14 +220,7 @@ def partition_blocks(
     ]
     state = [
         expert_state_bytes(
-            b.num_params,
-            b.expert_params,
-            dtype=dtype,
-            zero_stage=zero_stage,
-            dp=dp,
-            ep=ep,
-            tp=tp,
-            optimizer=optimizer,
+            b.num_params, b.expert_params, layout=layout, dtype=dtype, optimizer=optimizer
         )
         for b in blocks
     ]

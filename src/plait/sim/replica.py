@@ -35,15 +35,15 @@ from plait.cluster import Cluster, Device, Link, dtype_bytes
 from plait.cost import (
     AxisLinks,
     BlockCost,
-    Collective,
     ModelState,
     StageCost,
-    collective_time,
     expert_state_bytes,
     expert_sync_time,
     moe_optimizer_step_time,
     offload_time,
     swapped_optimizer_bytes,
+    sync_degrees,
+    weight_gather_time,
 )
 from plait.cost.compress import gradient_sync_time
 from plait.offload import offloaded_blocks
@@ -101,18 +101,15 @@ class _Replica:
         self.s, self.stages, self.cluster, self.plan = schedule, stages, cluster, plan
         self.ranks = [plan.global_rank(r, dp_rank) for r in range(plan.pp)]
         self.devices = [cluster.device(g) for g in self.ranks]
-        self.dp_links = [cluster.group_link(plan.dp_group(r)) for r in range(plan.pp)]
-        # expert gradients and ZeRO shards live on the dp·tp / ep ranks holding the same experts
-        self.edp_links = [
-            cluster.group_link(plan.expert_dp_group(r, dp_rank)) for r in range(plan.pp)
-        ]
+        # per pipeline rank: the groups its collectives, gradient reductions included, run over
+        self.axes = [_axis_links(cluster, plan, r, dp_rank) for r in range(plan.pp)]
         place = schedule.stage_to_rank
         self.times = [
             st.times(
                 self.devices[place[i]],
                 plan.dtype,
                 recompute=plan.recompute,
-                links=_axis_links(cluster, plan, place[i], dp_rank),
+                links=self.axes[place[i]],
             )
             for i, st in enumerate(stages)
         ]
@@ -143,16 +140,11 @@ class _Replica:
         return self.stages[stage].num_params * dtype_bytes(self.plan.dtype)
 
     def _zero3_gather(self, stage: int) -> float:
-        plan, st = self.plan, self.stages[stage]
-        if plan.zero < 3 or plan.dp == 1:
-            return 0.0
-        width, rank = dtype_bytes(plan.dtype), self.s.stage_to_rank[stage]
-        rest = Collective(kind="all_gather", num_bytes=(st.num_params - st.expert_params) * width)
-        time = collective_time(rest, plan.dp, self.dp_links[rank])
-        if st.expert_params and plan.edp > 1:
-            experts = Collective(kind="all_gather", num_bytes=st.expert_params * width)
-            time += collective_time(experts, plan.edp, self.edp_links[rank])
-        return time
+        st, links = self.stages[stage], self.axes[self.s.stage_to_rank[stage]]
+        return weight_gather_time(
+            st.num_params, st.expert_params, layout=self.plan, links=links,
+            param_bytes=dtype_bytes(self.plan.dtype),
+        )  # fmt: skip
 
     def _durations(self) -> dict[Op, list[float]]:
         t, g, place, plan = self.times, self.gather, self.s.stage_to_rank, self.plan
@@ -163,11 +155,8 @@ class _Replica:
                 self.stages[i].num_params,
                 self.stages[i].expert_params,
                 self.devices[place[i]],
+                layout=plan,
                 dtype=plan.dtype,
-                zero_stage=plan.zero,
-                dp=plan.dp,
-                ep=plan.ep,
-                tp=plan.tp,
                 optimizer=plan.optimizer,
             )
             for i in range(n)
@@ -201,30 +190,26 @@ class _Replica:
         return {Op.SEND_F: forward, Op.SEND_B: backward}
 
     def dp_sync_time(self, stage: int) -> float:
-        """Gradient reduction of one stage: its non-expert gradients over the data-parallel
-        group, its expert gradients over the expert-data-parallel group (`expert_sync_time`)."""
+        """Gradient reduction of one stage: its non-expert gradients over axis "dp", its
+        expert gradients over axis "edp" (`expert_sync_time`)."""
         plan, st, rank = self.plan, self.stages[stage], self.s.stage_to_rank[stage]
-        link = self.dp_links[rank]
-        if plan.compress != "none":
-            rest = st.num_params - st.expert_params
-            time = gradient_sync_time(
-                plan.compress, rest, zero_stage=plan.zero, dp=plan.dp, link=link,
-                device=self.devices[rank], param_bytes=dtype_bytes(plan.dtype),
-            )  # fmt: skip
-            if st.expert_params and plan.edp > 1:
-                # experts: uncompressed, but FSDP (ZeRO-2/3) reduces every gradient in fp16/bf16
-                codec = plan.compress if plan.zero >= 2 else "none"
-                time += gradient_sync_time(
-                    codec, st.expert_params, zero_stage=plan.zero,
-                    dp=plan.edp, link=self.edp_links[rank],
-                    device=self.devices[rank], param_bytes=dtype_bytes(plan.dtype),
-                )  # fmt: skip
-            return time
-        return expert_sync_time(
-            st.num_params, st.expert_params, param_bytes=dtype_bytes(plan.dtype),
-            zero_stage=plan.zero, dp=plan.dp, ep=plan.ep, tp=plan.tp, dp_link=link,
-            edp_link=self.edp_links[rank],
+        links, width = self.axes[rank], dtype_bytes(plan.dtype)
+        if plan.compress == "none":
+            return expert_sync_time(
+                st.num_params, st.expert_params, layout=plan, links=links, param_bytes=width
+            )
+        time = gradient_sync_time(
+            plan.compress, st.num_params - st.expert_params, zero_stage=plan.zero,
+            links=links, device=self.devices[rank], param_bytes=width,
         )  # fmt: skip
+        if st.expert_params:
+            # experts: uncompressed, but FSDP (ZeRO-2/3) reduces every gradient in fp16/bf16
+            codec = plan.compress if plan.zero >= 2 else "none"
+            time += gradient_sync_time(
+                codec, st.expert_params, zero_stage=plan.zero, links=links, axis="edp",
+                device=self.devices[rank], param_bytes=width,
+            )  # fmt: skip
+        return time
 
     def run(self) -> ReplicaRun:
         durations, transfers = self.durations, self.transfers
@@ -342,11 +327,8 @@ class _Replica:
         return expert_state_bytes(
             sum(self.stages[i].num_params for i in stages),
             sum(self.stages[i].expert_params for i in stages),
+            layout=plan,
             dtype=plan.dtype,
-            zero_stage=plan.zero,
-            dp=plan.dp,
-            ep=plan.ep,
-            tp=plan.tp,
             optimizer=plan.optimizer,
         )
 
@@ -416,14 +398,15 @@ def simulate_replica(
 
 
 def _axis_links(cluster: Cluster, plan: SimPlan, pp_rank: int, dp_rank: int) -> AxisLinks:
-    """The degree and link of each axis a stage's collectives run over, from rank
-    (pp_rank, dp_rank, tp rank 0)'s groups; the axes of one rank cost nothing."""
-    groups = {"tp": plan.tp_group(pp_rank, dp_rank)}
-    if plan.dp > 1:
-        groups["dp"] = plan.dp_group(pp_rank)
-    if plan.ep > 1:
-        groups["ep"] = plan.ep_group(pp_rank, dp_rank)
-    return AxisLinks(
-        {axis: len(g) for axis, g in groups.items()},
-        {axis: cluster.group_link(g) for axis, g in groups.items()},
-    )
+    """The degree and link of each axis a stage's collectives and gradient reductions run
+    over, from rank (pp_rank, dp_rank, tp rank 0)'s groups; the axes of one rank cost
+    nothing."""
+    degrees = {"tp": plan.tp, "ep": plan.ep, **sync_degrees(plan)}
+    groups = {
+        "tp": plan.tp_group(pp_rank, dp_rank),
+        "dp": plan.dp_group(pp_rank),
+        "ep": plan.ep_group(pp_rank, dp_rank),
+        "edp": plan.expert_dp_group(pp_rank, dp_rank),
+    }
+    links = {axis: cluster.group_link(g) for axis, g in groups.items() if degrees[axis] > 1}
+    return AxisLinks(degrees, links)
