@@ -194,3 +194,25 @@ def test_a_layout_given_by_numbers_refuses_what_no_mesh_can_be() -> None:
         DataDegrees(dp=2, zero=4)
     with pytest.raises(ValueError, match=r"dp=0 must be an integer >= 1"):
         DataDegrees(dp=0)
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_a_codec_compresses_dense_gradients_only_below_zero_2(zero: int) -> None:
+    """Under a codec (here PowerSGD, ZeRO-0/1) the runtime compresses the dp buckets and
+    all-reduces the expert gradients uncompressed over their replicas: the experts' part
+    is the plain reduction over "edp"; a rank without experts pays nothing on "edp"."""
+    from plait.cost import stage_sync_time
+
+    layout = DataDegrees(dp=4, tp=1, ep=2, zero=zero)
+    device = Device(name="d", peak_flops={"fp32": 1e13}, memory_bytes=1 << 34,
+                    memory_bandwidth_Bps=1e12)  # fmt: skip
+    links = _links(layout)
+    kw = {"layout": layout, "links": links, "device": device, "param_bytes": 4}
+    with_experts = stage_sync_time("powersgd:2", N, X, **kw)  # type: ignore[arg-type]
+    dense_only = stage_sync_time("powersgd:2", N - X, 0, **kw)  # type: ignore[arg-type]
+    plain = _all_reduce(2, 4 * X, EDP_LINK) if zero == 0 else 2 * _ring_pass(2, 4 * X, EDP_LINK)
+    assert with_experts - dense_only == pytest.approx(plain, rel=1e-9)
+    # the dense part is priced on "dp" alone: a broken edp link does not move it
+    broken = _links(layout, edp=WRONG)
+    assert stage_sync_time("powersgd:2", N - X, 0, layout=layout, links=broken, device=device,
+                           param_bytes=4) == dense_only  # fmt: skip

@@ -43,6 +43,7 @@ from plait.cost.moe import (
     expert_sync_time,
     moe_block_costs,
     moe_optimizer_step_time,
+    stage_sync_time,
     weight_gather_time,
 )
 from plait.cost.replicas import DataDegrees, DataLayout, expert_dp_degree, sync_degrees
@@ -92,6 +93,7 @@ __all__ = [
     "reduce_scatter_time",
     "ring_all_reduce_time",
     "stage_costs",
+    "stage_sync_time",
     "swapped_optimizer_bytes",
     "sync_degrees",
     "transformer_block_costs",

@@ -56,6 +56,7 @@ from dataclasses import dataclass
 from plait.cluster import Device
 from plait.cost.blocks import BlockCost, Layout
 from plait.cost.comm import AxisLinks, Collective, dp_sync_time
+from plait.cost.compress import gradient_sync_time
 from plait.cost.memory import ModelState, Optimizer, model_state_bytes, optimizer_step_time
 from plait.cost.replicas import DataLayout, expert_dp_degree
 from plait.cost.transformer import TransformerShape, transformer_block_costs
@@ -66,6 +67,7 @@ __all__ = [
     "expert_sync_time",
     "moe_block_costs",
     "moe_optimizer_step_time",
+    "stage_sync_time",
     "weight_gather_time",
 ]
 
@@ -253,6 +255,38 @@ def expert_sync_time(
     return rest + dp_sync_time(
         expert_params * param_bytes, zero_stage=layout.zero, links=links, axis="edp"
     )
+
+
+def stage_sync_time(
+    compress: str,
+    num_params: float,
+    expert_params: float,
+    *,
+    layout: DataLayout,
+    links: AxisLinks,
+    device: Device,
+    param_bytes: int,
+) -> float:
+    """Gradient reduction of a stage of `layout` under the runtime's `compress` (the
+    plan's codec): the non-expert gradients over axis "dp" with the codec
+    (`gradient_sync_time`); the expert gradients over axis "edp" uncompressed, as the
+    runtime reduces them, except that ZeRO-2/3 reduce-scatter every gradient in
+    fp16/bf16. Without a codec: `expert_sync_time`."""
+    if compress == "none":
+        return expert_sync_time(
+            num_params, expert_params, layout=layout, links=links, param_bytes=param_bytes
+        )
+    time = gradient_sync_time(
+        compress, num_params - expert_params, zero_stage=layout.zero, links=links,
+        device=device, param_bytes=param_bytes,
+    )  # fmt: skip
+    if expert_params:
+        codec = compress if layout.zero >= 2 else "none"
+        time += gradient_sync_time(
+            codec, expert_params, zero_stage=layout.zero, links=links, axis="edp",
+            device=device, param_bytes=param_bytes,
+        )  # fmt: skip
+    return time
 
 
 def weight_gather_time(

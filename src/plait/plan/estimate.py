@@ -28,16 +28,14 @@ from plait.cluster import Cluster, Link, dtype_bytes
 from plait.cost import (
     AxisLinks,
     BlockCost,
-    CollectiveAxis,
     StageCost,
-    dp_sync_time,
     expert_dp_degree,
     model_state_bytes,
     moe_optimizer_step_time,
+    stage_sync_time,
     sync_degrees,
     weight_gather_time,
 )
-from plait.cost.compress import gradient_sync_time
 from plait.schedule import schedule_kind
 from plait.sim import SimPlan
 
@@ -293,14 +291,17 @@ def estimate(plan: SimPlan, profile: RankProfile, est: Estimator) -> Estimate:
         )
         work = work + 2 * per_stage.reshape(v, p).sum(axis=0)
     p2p = 2 * (p - 1) * v * est.link(plan, "pp").time(profile.activation_bytes) if p > 1 else 0.0
-    syncs = np.array([_dp_sync(plan, n * pbytes, est) for n in profile.params])
-    if profile.experts is not None:  # expert gradients and state live on dp·tp / ep ranks
-        syncs = np.array(
-            [
-                _dp_sync(plan, (n - x) * pbytes, est) + _dp_sync(plan, x * pbytes, est, "edp")
-                for n, x in zip(profile.params, rank_experts, strict=True)
-            ]
-        )
+    # per rank: its gradients' reduction, the experts' over the ranks holding the same
+    # experts, exactly as the simulator prices a stage's (`stage_sync_time`)
+    links = est.sync_links(plan)
+    syncs = np.array(
+        [
+            stage_sync_time(
+                plan.compress, n, x, layout=plan, links=links, device=est.device, param_bytes=pbytes
+            )
+            for n, x in zip(profile.params, rank_experts, strict=True)
+        ]
+    )
     opts = np.array(
         [
             moe_optimizer_step_time(
@@ -332,16 +333,3 @@ def estimate(plan: SimPlan, profile: RankProfile, est: Estimator) -> Estimate:
         + copies * profile.params * pbytes
     )
     return Estimate(step, tuple(memory.tolist()), float(est.device.memory_bytes), profile.sizes)
-
-
-def _dp_sync(plan: SimPlan, num_bytes: float, est: Estimator, axis: CollectiveAxis = "dp") -> float:
-    """The reduction of `num_bytes` of gradients over the group of `axis`: "dp", or "edp"
-    for expert gradients."""
-    links = est.sync_links(plan)
-    if plan.compress != "none":
-        pbytes = dtype_bytes(plan.dtype)
-        return gradient_sync_time(
-            plan.compress, num_bytes / pbytes, zero_stage=plan.zero, links=links, axis=axis,
-            device=est.device, param_bytes=pbytes,
-        )  # fmt: skip
-    return dp_sync_time(num_bytes, zero_stage=plan.zero, links=links, axis=axis)

@@ -38,14 +38,13 @@ from plait.cost import (
     ModelState,
     StageCost,
     expert_state_bytes,
-    expert_sync_time,
     moe_optimizer_step_time,
     offload_time,
+    stage_sync_time,
     swapped_optimizer_bytes,
     sync_degrees,
     weight_gather_time,
 )
-from plait.cost.compress import gradient_sync_time
 from plait.offload import offloaded_blocks
 from plait.schedule import Action, Op, Replay, Schedule, Unrolled, replay, unroll, window_ends
 from plait.schedule.sharing import Sharing, replay_shared
@@ -191,25 +190,12 @@ class _Replica:
 
     def dp_sync_time(self, stage: int) -> float:
         """Gradient reduction of one stage: its non-expert gradients over axis "dp", its
-        expert gradients over axis "edp" (`expert_sync_time`)."""
+        expert gradients over axis "edp" (`stage_sync_time`)."""
         plan, st, rank = self.plan, self.stages[stage], self.s.stage_to_rank[stage]
-        links, width = self.axes[rank], dtype_bytes(plan.dtype)
-        if plan.compress == "none":
-            return expert_sync_time(
-                st.num_params, st.expert_params, layout=plan, links=links, param_bytes=width
-            )
-        time = gradient_sync_time(
-            plan.compress, st.num_params - st.expert_params, zero_stage=plan.zero,
-            links=links, device=self.devices[rank], param_bytes=width,
+        return stage_sync_time(
+            plan.compress, st.num_params, st.expert_params, layout=plan, links=self.axes[rank],
+            device=self.devices[rank], param_bytes=dtype_bytes(plan.dtype),
         )  # fmt: skip
-        if st.expert_params:
-            # experts: uncompressed, but FSDP (ZeRO-2/3) reduces every gradient in fp16/bf16
-            codec = plan.compress if plan.zero >= 2 else "none"
-            time += gradient_sync_time(
-                codec, st.expert_params, zero_stage=plan.zero, links=links, axis="edp",
-                device=self.devices[rank], param_bytes=width,
-            )  # fmt: skip
-        return time
 
     def run(self) -> ReplicaRun:
         durations, transfers = self.durations, self.transfers
