@@ -39,7 +39,9 @@ def test_every_method_measures_a_positive_finite_time_per_entry() -> None:
 def test_a_measured_figure_replaces_the_estimate_by_exactly_its_term() -> None:
     dp, per_entry = 4, 2e-6
     # sign: every rank's N/8 bytes of signs and a 4-byte scale, all-gathered
-    wire = collective_time(Collective(kind="all_gather", num_bytes=dp * (N // 8 + 4)), dp, LINK)
+    wire = collective_time(
+        Collective(kind="all_gather", num_bytes=dp * (N // 8 + 4), axis="dp"), dp, LINK
+    )
     measured = compressed_sync_time(
         "sign", N, links=AxisLinks({"dp": dp}, {"dp": LINK}), device=_device(sign=per_entry)
     )

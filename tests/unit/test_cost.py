@@ -52,7 +52,10 @@ def test_collective_formulas(n: int) -> None:
     assert 2 * one_way == pytest.approx(ring_all_reduce_time(n, size, LINK))
     best = all_reduce_time(n, size, LINK)
     assert best == min(ring_all_reduce_time(n, size, LINK), tree_all_reduce_time(n, size, LINK))
-    assert collective_time(Collective(kind="all_gather", num_bytes=size), n, LINK) == one_way
+    assert (
+        collective_time(Collective(kind="all_gather", num_bytes=size, axis="tp"), n, LINK)
+        == one_way
+    )
 
 
 def test_tree_wins_on_latency_ring_on_bandwidth() -> None:
@@ -67,7 +70,7 @@ def test_tree_wins_on_latency_ring_on_bandwidth() -> None:
 
 def test_group_link_is_the_bottleneck() -> None:
     cluster = load_cluster("dgx-a100-80gb", num_nodes=2)
-    ar = Collective(kind="all_reduce", num_bytes=1e9)
+    ar = Collective(kind="all_reduce", num_bytes=1e9, axis="dp")
     inside = group_collective_time(cluster, range(8), ar)
     across = group_collective_time(cluster, [0, 1, 2, 3, 8, 9, 10, 11], ar)
     assert inside == pytest.approx(all_reduce_time(8, 1e9, cluster.groups[0].intra_node))

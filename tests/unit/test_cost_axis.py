@@ -12,7 +12,7 @@ from plait.cost.blocks import BlockCost
 
 def test_a_collective_runs_over_the_group_of_its_axis() -> None:
     fast, slow = Link(latency_s=1e-6, bandwidth_Bps=1e11), Link(latency_s=1e-5, bandwidth_Bps=1e9)
-    tp_c = Collective(kind="all_reduce", num_bytes=1e6)
+    tp_c = Collective(kind="all_reduce", num_bytes=1e6, axis="tp")
     ep_c = Collective(kind="all_to_all", num_bytes=2e6, axis="ep")
     links = AxisLinks({"tp": 2, "ep": 4}, {"tp": fast, "ep": slow})
     expected = collective_time(tp_c, 2, fast) + collective_time(ep_c, 4, slow)

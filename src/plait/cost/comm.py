@@ -58,7 +58,7 @@ class Collective:
 
     kind: CollectiveKind
     num_bytes: float
-    axis: CollectiveAxis = "tp"
+    axis: CollectiveAxis
 
     def __post_init__(self) -> None:
         if self.kind not in COLLECTIVE_KINDS:

@@ -28,11 +28,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
 
 from plait.cluster import Device
 from plait.compression import Compression, check_zero, parse_compression
-from plait.cost.comm import AxisLinks, Collective, CollectiveAxis, dp_sync_time
+from plait.cost.comm import AxisLinks, Collective, CollectiveAxis, CollectiveKind, dp_sync_time
 
 __all__ = [
     "codec_figure",
@@ -63,8 +62,7 @@ def compressed_collectives(
     over the `dp` ranks of `axis` (`num_bytes` as `plait.cost.comm` counts them: an
     all-gather's output)."""
     c = parse_compression(compression) if isinstance(compression, str) else compression
-    collectives = _collectives(c, float(num_entries), dp, grad_bytes, matrices, matrix_dim, density)
-    return [replace(col, axis=axis) for col in collectives]
+    return _collectives(c, float(num_entries), dp, grad_bytes, matrices, matrix_dim, density, axis)
 
 
 def _collectives(
@@ -75,11 +73,15 @@ def _collectives(
     matrices: Sequence[tuple[int, int]] | None,
     matrix_dim: int,
     density: float,
+    axis: CollectiveAxis,
 ) -> list[Collective]:
+    def on_axis(kind: CollectiveKind, num_bytes: float) -> Collective:
+        return Collective(kind=kind, num_bytes=num_bytes, axis=axis)
+
     if c.method == "none":
-        return [Collective(kind="all_reduce", num_bytes=n * grad_bytes)]
+        return [on_axis("all_reduce", n * grad_bytes)]
     if c.method in ("fp16", "bf16"):
-        return [Collective(kind="all_reduce", num_bytes=n * 2)]
+        return [on_axis("all_reduce", n * 2)]
     if c.method == "powersgd":
         r = int(c.value or 1)
         shapes = list(matrices) if matrices is not None else []
@@ -93,21 +95,21 @@ def _collectives(
             q = sum(b * min(r, a, b) for a, b in shapes)
             vectors = max(0.0, n - in_matrices)
         return [
-            Collective(kind="all_reduce", num_bytes=vectors * 4),
-            Collective(kind="all_reduce", num_bytes=p * 4),
-            Collective(kind="all_reduce", num_bytes=q * 4),
+            on_axis("all_reduce", vectors * 4),
+            on_axis("all_reduce", p * 4),
+            on_axis("all_reduce", q * 4),
         ]
     if c.method == "threshold":
         if not 0 <= density <= 1:
             raise ValueError(f"density={density} must lie in [0, 1] (share of entries sent)")
         return [
-            Collective(kind="all_gather", num_bytes=dp * 8),
-            Collective(kind="all_gather", num_bytes=dp * math.ceil(density * n) * 4),
+            on_axis("all_gather", dp * 8),
+            on_axis("all_gather", dp * math.ceil(density * n) * 4),
         ]
     if c.method == "topk":
         k = max(1, math.ceil(float(c.value or 1.0) * n))
-        return [Collective(kind="all_gather", num_bytes=dp * k * 8)]
-    return [Collective(kind="all_gather", num_bytes=dp * (math.ceil(n / 8) + 4))]  # sign
+        return [on_axis("all_gather", dp * k * 8)]
+    return [on_axis("all_gather", dp * (math.ceil(n / 8) + 4))]  # sign
 
 
 def wire_bytes(compression: Compression | str, num_entries: float, **kw: object) -> float:

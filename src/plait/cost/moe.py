@@ -140,9 +140,11 @@ def _moe_layer(shape: TransformerShape, moe: MoEShape, ep: int, index: int) -> B
     attn_bytes = scale * t * h * (10 + 6 / tp)  # its share of the 10 + 24/tp
     full = attn_bytes + scale * t * h * 5 * shape.num_heads * s / h / tp + ffn_bytes
     a2a = Collective(kind="all_to_all", num_bytes=copies / moe.load * h * width, axis="ep")
-    reduce = Collective(kind="all_reduce", num_bytes=t * h * width)  # row-parallel outputs
+    reduce = Collective(
+        kind="all_reduce", num_bytes=t * h * width, axis="tp"
+    )  # row-parallel outputs
     # tp: the layer's output all-gathered forward, its input gradients backward
-    gather = (Collective(kind="all_gather", num_bytes=t * h * width),) if tp > 1 else ()
+    gather = (Collective(kind="all_gather", num_bytes=t * h * width, axis="tp"),) if tp > 1 else ()
     tp_comm = (reduce,) * ((1 + shared) if tp > 1 else 0) + gather
     comm = ((a2a, a2a) if ep > 1 else ()) + tp_comm
     # the forward first exchanges the per-expert counts (E int64: latency-bound)

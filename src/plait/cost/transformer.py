@@ -159,10 +159,10 @@ def _tp_comm(shape: TransformerShape, count: int) -> tuple[Collective, ...]:
         return ()
     size = shape.tokens * shape.hidden * shape.width
     if not shape.sequence_parallel:
-        return tuple(Collective(kind="all_reduce", num_bytes=size) for _ in range(count))
+        return tuple(Collective(kind="all_reduce", num_bytes=size, axis="tp") for _ in range(count))
     pair = (
-        Collective(kind="all_gather", num_bytes=size),
-        Collective(kind="reduce_scatter", num_bytes=size),
+        Collective(kind="all_gather", num_bytes=size, axis="tp"),
+        Collective(kind="reduce_scatter", num_bytes=size, axis="tp"),
     )
     return pair * count
 
@@ -212,7 +212,7 @@ def _head(shape: TransformerShape) -> BlockCost:
     logits = 2 * b_s * h * v / t
     # the norm's input, output, mean and rstd, the fp32 log-probabilities, the int64 targets
     saved = shape.width * 2 * b_s * (h + 1) / sp + 4 * b_s * v / t + 8 * b_s
-    stats = Collective(kind="all_reduce", num_bytes=3 * 4 * b_s) if t > 1 else None
+    stats = Collective(kind="all_reduce", num_bytes=3 * 4 * b_s, axis="tp") if t > 1 else None
     gather = _tp_comm(shape, 1)[:1] if shape.sequence_parallel else ()
     return BlockCost(
         name="head",

@@ -202,7 +202,7 @@ def _at(points: list[tuple[int, BlockCost]], b: int, tp: int) -> BlockCost:
     kept = None if recompute is None else recompute * b / b1
     comm: tuple[Collective, ...] = ()
     if tp > 1:
-        comm = (Collective(kind="all_reduce", num_bytes=at["activation_bytes"]),) * 2
+        comm = (Collective(kind="all_reduce", num_bytes=at["activation_bytes"], axis="tp"),) * 2
     return replace(
         c1,
         forward_flops=at["forward_flops"] / tp,
