@@ -74,6 +74,7 @@ def test_data_movement_measures_baseline_and_remedies(
         for variant in ("base", "remedy"):
             shares = cell[variant]
             assert 0 <= shares["I"] <= 100 and 0 <= shares["M"] <= 100 and shares["step_s"] > 0
+            assert shares["replicas_agree"]  # the averaged gradients reached the optimizer
             if key.endswith("/1"):
                 assert shares["M"] == 0  # one worker reduces nothing
     rows = result["predicted"]["rows"]

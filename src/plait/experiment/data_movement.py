@@ -228,10 +228,14 @@ def _timed_steps(rank: int, world: int, config: DataMovementConfig, model_name: 
         loss.backward()  # type: ignore[no-untyped-call]
         t2 = time.perf_counter()
         if world > 1:
-            flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()])  # type: ignore[union-attr]
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
+            flat = torch.cat([g.reshape(-1) for g in grads])
             wire = flat.half() if variant == "remedy" else flat
             dist.all_reduce(wire)
             flat.copy_(wire.float() / world)
+            # the mean back into the gradients the optimizer steps with, as DDP leaves it
+            for g, mean in zip(grads, torch.split(flat, [g.numel() for g in grads]), strict=True):
+                g.copy_(mean.view_as(g))
         t3 = time.perf_counter()
         opt.step()
         reduce_s = t3 - t2 if world > 1 else 0.0  # one worker reduces nothing
@@ -241,7 +245,22 @@ def _timed_steps(rank: int, world: int, config: DataMovementConfig, model_name: 
     timed = rows[config.warmup :]
     step = statistics.median(r[2] for r in timed)
     return {"I": 100 * statistics.median(r[0] for r in timed) / step,
-            "M": 100 * statistics.median(r[1] for r in timed) / step, "step_s": step}  # fmt: skip
+            "M": 100 * statistics.median(r[1] for r in timed) / step, "step_s": step,
+            "replicas_agree": _replicas_agree(model, world)}  # fmt: skip
+
+
+def _replicas_agree(model: torch.nn.Module, world: int) -> bool:
+    """Whether every rank holds the same weights (each parameter's sum, bit for bit), as
+    data parallelism that averages the gradients leaves them."""
+    import torch.distributed as dist
+
+    sums = torch.stack([p.detach().double().sum() for p in model.parameters()])
+    if world == 1:
+        return True
+    low, high = sums.clone(), sums.clone()
+    dist.all_reduce(low, op=dist.ReduceOp.MIN)
+    dist.all_reduce(high, op=dist.ReduceOp.MAX)
+    return bool(torch.equal(low, high))
 
 
 def _scatter(pipe: _Pipeline, rank: int, world: int, share: int,
