@@ -7,6 +7,7 @@ value is written out from the alpha-beta formulas (Thakur et al. 2005), not take
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 
@@ -18,8 +19,8 @@ from plait.cost import (
     StageCost,
     expert_dp_degree,
     expert_state_bytes,
-    expert_sync_time,
     moe_optimizer_step_time,
+    stage_sync_time,
     sync_degrees,
     weight_gather_time,
 )
@@ -67,12 +68,12 @@ def test_the_expert_data_parallel_group_is_dp_tp_over_ep_for_every_layout() -> N
 
 def test_dense_gradients_reduce_over_the_dp_axis() -> None:
     layout = DataDegrees(dp=4, tp=2, ep=2)  # edp = 4, but there are no experts here
-    got = expert_sync_time(N, 0, layout=layout, links=_links(layout), param_bytes=2)
+    got = _sync(N, 0, layout=layout, links=_links(layout), param_bytes=2)
     assert got == pytest.approx(_all_reduce(4, 2 * N, DP_LINK), rel=1e-12)
     # ZeRO-1/2: reduce-scatter plus the all-gather of the updated weights, ZeRO-3 only the first
     for zero, passes in ((1, 2), (2, 2), (3, 1)):
         z = DataDegrees(dp=4, tp=2, ep=2, zero=zero)
-        got = expert_sync_time(N, 0, layout=z, links=_links(z), param_bytes=2)
+        got = _sync(N, 0, layout=z, links=_links(z), param_bytes=2)
         assert got == pytest.approx(passes * _ring_pass(4, 2 * N, DP_LINK), rel=1e-12)
 
 
@@ -82,7 +83,7 @@ def test_expert_gradients_reduce_over_dp_tp_over_ep_ranks_on_the_edp_link(
 ) -> None:
     layout = DataDegrees(dp=dp, tp=tp, ep=ep, zero=1)
     edp = dp * tp // ep
-    got = expert_sync_time(N, X, layout=layout, links=_links(layout), param_bytes=2)
+    got = _sync(N, X, layout=layout, links=_links(layout), param_bytes=2)
     dense = 2 * _ring_pass(dp, 2 * (N - X), DP_LINK)
     experts = 2 * _ring_pass(edp, 2 * X, EDP_LINK)
     assert got == pytest.approx(dense + experts, rel=1e-12)
@@ -93,8 +94,8 @@ def test_expert_gradients_reduce_over_dp_tp_over_ep_ranks_on_the_edp_link(
 def test_one_copy_of_each_expert_per_stage_leaves_nothing_to_reduce() -> None:
     layout = DataDegrees(dp=2, tp=2, ep=4)  # ep = dp·tp: every expert on one rank
     links = _links(layout)
-    assert expert_sync_time(X, X, layout=layout, links=links, param_bytes=2) == 0.0
-    got = expert_sync_time(N, X, layout=layout, links=links, param_bytes=2)
+    assert _sync(X, X, layout=layout, links=links, param_bytes=2) == 0.0
+    got = _sync(N, X, layout=layout, links=links, param_bytes=2)
     assert got == pytest.approx(_all_reduce(2, 2 * (N - X), DP_LINK), rel=1e-12)
     compressed = gradient_sync_time(
         "bf16", X, zero_stage=0, links=links, axis="edp", device=_device(), param_bytes=4
@@ -104,13 +105,18 @@ def test_one_copy_of_each_expert_per_stage_leaves_nothing_to_reduce() -> None:
 
 def test_a_wrong_link_on_one_axis_changes_only_that_axis_s_part() -> None:
     layout = DataDegrees(dp=4, tp=2, ep=2, zero=0)
-    right = expert_sync_time(N, X, layout=layout, links=_links(layout), param_bytes=4)
+    right = _sync(N, X, layout=layout, links=_links(layout), param_bytes=4)
     dense, experts = _all_reduce(4, 4 * (N - X), DP_LINK), _all_reduce(4, 4 * X, EDP_LINK)
     assert right == pytest.approx(dense + experts, rel=1e-12)
-    bad_edp = expert_sync_time(N, X, layout=layout, links=_links(layout, edp=WRONG), param_bytes=4)
+    bad_edp = _sync(N, X, layout=layout, links=_links(layout, edp=WRONG), param_bytes=4)
     assert bad_edp == pytest.approx(dense + _all_reduce(4, 4 * X, WRONG), rel=1e-12)
-    bad_dp = expert_sync_time(N, X, layout=layout, links=_links(layout, dp=WRONG), param_bytes=4)
+    bad_dp = _sync(N, X, layout=layout, links=_links(layout, dp=WRONG), param_bytes=4)
     assert bad_dp == pytest.approx(_all_reduce(4, 4 * (N - X), WRONG) + experts, rel=1e-12)
+
+
+def _sync(num_params: float, expert_params: float, **kw: Any) -> float:
+    """A stage's uncompressed gradient reduction (the device only prices codecs)."""
+    return stage_sync_time("none", num_params, expert_params, device=_device(), **kw)
 
 
 def _device() -> Device:

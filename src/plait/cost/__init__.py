@@ -40,7 +40,6 @@ from plait.cost.memory import (
 from plait.cost.moe import (
     MoEShape,
     expert_state_bytes,
-    expert_sync_time,
     moe_block_costs,
     moe_optimizer_step_time,
     stage_sync_time,
@@ -81,7 +80,6 @@ __all__ = [
     "dp_sync_time",
     "expert_dp_degree",
     "expert_state_bytes",
-    "expert_sync_time",
     "group_collective_time",
     "layer_activation_bytes",
     "model_state_bytes",

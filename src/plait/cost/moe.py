@@ -55,7 +55,7 @@ from dataclasses import dataclass
 
 from plait.cluster import Device
 from plait.cost.blocks import BlockCost, Layout
-from plait.cost.comm import AxisLinks, Collective, dp_sync_time
+from plait.cost.comm import AxisLinks, Collective
 from plait.cost.compress import gradient_sync_time
 from plait.cost.memory import ModelState, Optimizer, model_state_bytes, optimizer_step_time
 from plait.cost.replicas import DataLayout, expert_dp_degree
@@ -64,7 +64,6 @@ from plait.cost.transformer import TransformerShape, transformer_block_costs
 __all__ = [
     "MoEShape",
     "expert_state_bytes",
-    "expert_sync_time",
     "moe_block_costs",
     "moe_optimizer_step_time",
     "stage_sync_time",
@@ -237,28 +236,6 @@ def expert_state_bytes(
     )
 
 
-def expert_sync_time(
-    num_params: float,
-    expert_params: float,
-    *,
-    layout: DataLayout,
-    links: AxisLinks,
-    param_bytes: int,
-) -> float:
-    """Gradient reduction of a stage of `layout` (`layout.zero` sets its collectives,
-    `dp_sync_time`): the non-expert gradients over axis "dp", then the expert gradients
-    over axis "edp" (the ranks holding the same experts), each over the degree and link
-    `links` gives that axis (`sync_degrees` of the layout)."""
-    rest = dp_sync_time(
-        (num_params - expert_params) * param_bytes, zero_stage=layout.zero, links=links
-    )
-    if not expert_params:
-        return rest
-    return rest + dp_sync_time(
-        expert_params * param_bytes, zero_stage=layout.zero, links=links, axis="edp"
-    )
-
-
 def stage_sync_time(
     compress: str,
     num_params: float,
@@ -273,11 +250,8 @@ def stage_sync_time(
     plan's codec): the non-expert gradients over axis "dp" with the codec
     (`gradient_sync_time`); the expert gradients over axis "edp" uncompressed, as the
     runtime reduces them, except that ZeRO-2/3 reduce-scatter every gradient in
-    fp16/bf16. Without a codec: `expert_sync_time`."""
-    if compress == "none":
-        return expert_sync_time(
-            num_params, expert_params, layout=layout, links=links, param_bytes=param_bytes
-        )
+    fp16/bf16. The collectives each reduction issues follow `layout.zero`
+    (`plait.cost.comm.dp_sync_time`)."""
     time = gradient_sync_time(
         compress, num_params - expert_params, zero_stage=layout.zero, links=links,
         device=device, param_bytes=param_bytes,
