@@ -281,8 +281,8 @@ def estimate(plan: SimPlan, profile: RankProfile, est: Estimator) -> Estimate:
         if profile.stage_experts is None
         else profile.stage_experts
     )
-    if plan.zero == 3 and plan.dp > 1:  # weights gathered for forward and backward
-        links = est.sync_links(plan)
+    links = est.sync_links(plan)
+    if plan.zero == 3:  # weights gathered for forward and backward
         per_stage = np.array(
             [
                 weight_gather_time(n, x, layout=plan, links=links, param_bytes=pbytes)
@@ -293,7 +293,6 @@ def estimate(plan: SimPlan, profile: RankProfile, est: Estimator) -> Estimate:
     p2p = 2 * (p - 1) * v * est.link(plan, "pp").time(profile.activation_bytes) if p > 1 else 0.0
     # per rank: its gradients' reduction, the experts' over the ranks holding the same
     # experts, exactly as the simulator prices a stage's (`stage_sync_time`)
-    links = est.sync_links(plan)
     syncs = np.array(
         [
             stage_sync_time(
