@@ -14,8 +14,10 @@ from typing import Any, Generic, TypeVar
 __all__ = [
     "Timing",
     "across_ranks",
+    "busy",
     "max_grad_diff",
     "median",
+    "now",
     "print_json",
     "print_table",
     "report",
@@ -128,3 +130,20 @@ def token_batch(config: Any, step: int, device: Any) -> tuple[Any, Any]:
     g = torch.Generator().manual_seed(config.seed + 1000 + step)
     ids = torch.randint(0, config.vocab_size, (config.batch_size, config.seq_len + 1), generator=g)
     return ids[:, :-1].contiguous().to(device), ids[:, 1:].contiguous().to(device)
+
+
+def now(device: Any) -> float:
+    """The wall clock once `device`'s queued work is done (a GPU runs asynchronously)."""
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def busy(seconds: float, work: Any, device: Any) -> None:
+    """Compute (`work @ work`, again and again) for `seconds` of wall time, each product
+    finished before the clock is read, so that the time is spent and not queued."""
+    end = time.perf_counter() + seconds
+    while now(device) < end:
+        work @ work

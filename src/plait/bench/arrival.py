@@ -35,7 +35,6 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from plait.bench import _common as common
-from plait.bench.moe_share import now
 
 if TYPE_CHECKING:
     import torch
@@ -138,9 +137,9 @@ def _worker(config: ArrivalConfig) -> dict[str, dict[str, list[float]]]:
                     dist.all_to_all_single(torch.empty_like(line_up), line_up)
                     _spend(delay, pattern == "idle-together", work, device)
                     out = torch.empty_like(buf)
-                    t0 = now(device)
+                    t0 = common.now(device)
                     dist.all_to_all_single(out, buf)
-                    times[pattern][str(kib)].append(now(device) - t0)
+                    times[pattern][str(kib)].append(common.now(device) - t0)
         return times
     finally:
         dist.destroy_process_group()
@@ -160,12 +159,8 @@ def _delay(pattern: str, c: ArrivalConfig, rank: int, world: int, rng: random.Ra
 def _spend(seconds: float, idle: bool, work: torch.Tensor, device: torch.device) -> None:
     if idle:
         time.sleep(seconds)
-        return
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        work @ work
-        if device.type == "cuda":
-            now(device)
+    else:
+        common.busy(seconds, work, device)
 
 
 # ------------------------------------------------------------------ command line

@@ -46,7 +46,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from plait.bench import _common as common
-from plait.bench.moe_share import Probe, all_to_all_share, now, predict_share
+from plait.bench.moe_share import Probe, all_to_all_share, predict_share
 
 if TYPE_CHECKING:
     import torch
@@ -264,9 +264,9 @@ class _Turn:
     def step(self, x: torch.Tensor, device: torch.device) -> tuple[float, torch.Tensor]:
         for p in self.layer.parameters():
             p.grad = None
-        t0 = now(device)
+        t0 = common.now(device)
         y = self.loss(self.layer, x)
-        t1 = now(device)
+        t1 = common.now(device)
         if self.timings is not None:
             steps, calls = self.timings
             steps.append(list(calls))

@@ -17,7 +17,6 @@ tokens' top-k copies); `share_error` is the relative difference of the two share
 from __future__ import annotations
 
 import statistics
-import time
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -28,7 +27,7 @@ if TYPE_CHECKING:
 
     from plait.bench.moe import MoEBenchConfig
 
-__all__ = ["Probe", "all_to_all_share", "now", "predict_share"]
+__all__ = ["Probe", "all_to_all_share", "predict_share"]
 
 
 def all_to_all_share(reports: list[dict[str, Any]], step_s: float, ep: int) -> dict[str, Any]:
@@ -179,19 +178,10 @@ class Probe:
             buf = torch.zeros(size // 4, device=device)
             out = torch.empty_like(buf)
             dist.all_to_all_single(torch.empty_like(tiny), tiny, group=self.group)  # together
-            end = time.perf_counter() + self.LATE_S
-            while late and time.perf_counter() < end:
-                a @ a
-            t0 = now(device)
+            if late:
+                common.busy(self.LATE_S, a, device)
+            t0 = common.now(device)
             dist.all_to_all_single(out, buf, group=self.group)
-            times.append(now(device) - t0)
+            times.append(common.now(device) - t0)
         self.samples.append(times)
         return sum(times), x.detach()
-
-
-def now(device: torch.device) -> float:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
