@@ -45,26 +45,22 @@ def test_measured_share_and_per_call_figures_from_the_ranks_timings() -> None:
     """Two ranks, two timed steps of two collectives each (after one warm-up step): each
     collective charged the least time over the ranks, the share their sum over the
     slowest ranks' steps; skew is the most minus the least time of a collective."""
-    from dataclasses import asdict
-
     from plait.bench.moe_share import Probe, all_to_all_share
 
-    config = asdict(MoEBenchConfig(workers=(2,), tokens=8, hidden=16, ffn=24, num_experts=4,
-                                   num_warmup=1, num_steps=2, peer=False))  # fmt: skip
+    bench = MoEBenchConfig(workers=(2,), tokens=8, hidden=16, ffn=24, num_experts=4,
+                           num_warmup=1, num_steps=2, peer=False)  # fmt: skip
     probes = [[1e-4 * (i + 1) for i in range(len(Probe.SIZES))]] * 2
     rank0 = {
-        "config": config,
         "all_to_all": [[9.0, 9.0], [1.0, 4.0], [2.0, 1.0]],
         "times": {"plait": [10.0, 20.0], "local": [5.0, 6.0]},
         "probes": probes,
     }
     rank1 = {
-        "config": config,
         "all_to_all": [[9.0, 9.0], [3.0, 2.0], [2.0, 5.0]],
         "times": {"plait": [12.0, 18.0], "local": [4.0, 7.0]},
         "probes": probes,
     }
-    got = all_to_all_share([rank0, rank1], step_s=15.0, ep=2)
+    got = all_to_all_share([rank0, rank1], bench, ep=2)
     # least over ranks: step 1 (1, 2), step 2 (2, 1); slowest steps 12 and 20
     assert got["all_to_all_share_measured"] == pytest.approx((3 + 3) / (12 + 20))
     assert got["all_to_all_call_s"] == [1.5, 1.5]

@@ -140,11 +140,11 @@ def run_bench(config: MoEBenchConfig) -> dict[str, Any]:
         out["peer"]["missing"] = missing
     for w in config.workers:
         per_rank = launch(_worker, w, config, version is not None)
-        out["workers"][str(w)] = _summarise([per_rank[r] for r in sorted(per_rank)])
+        out["workers"][str(w)] = _summarise([per_rank[r] for r in sorted(per_rank)], config)
     return out
 
 
-def _summarise(reports: list[dict[str, Any]]) -> dict[str, Any]:
+def _summarise(reports: list[dict[str, Any]], config: MoEBenchConfig) -> dict[str, Any]:
     def step(name: str) -> float:
         # a step lasts as long as its slowest rank
         slowest = [max(t) for t in zip(*(r["times"][name] for r in reports), strict=True)]
@@ -158,7 +158,7 @@ def _summarise(reports: list[dict[str, Any]]) -> dict[str, Any]:
         "ratio": None,
     }
     if "all_to_all" in reports[0]:
-        row.update(all_to_all_share(reports, row["plait_step_s"], row["ep"]))
+        row.update(all_to_all_share(reports, config, row["ep"]))
     if "peer" in reports[0]["times"]:
         row.update(
             peer_step_s=step("peer"),
@@ -179,9 +179,7 @@ def _worker(config: MoEBenchConfig, with_peer: bool) -> dict[str, Any]:
 
     env, device = init_worker(timeout_s=300.0)
     try:
-        out = _measure(config, with_peer, env.rank, env.world_size, device)
-        out["config"] = asdict(config)
-        return out
+        return _measure(config, with_peer, env.rank, env.world_size, device)
     finally:
         dist.destroy_process_group()
 

@@ -26,11 +26,14 @@ if TYPE_CHECKING:
     import torch
 
     from plait.bench.moe import MoEBenchConfig
+    from plait.sim import SimResult
 
 __all__ = ["Probe", "all_to_all_share", "predict_share"]
 
 
-def all_to_all_share(reports: list[dict[str, Any]], step_s: float, ep: int) -> dict[str, Any]:
+def all_to_all_share(
+    reports: list[dict[str, Any]], config: MoEBenchConfig, ep: int
+) -> dict[str, Any]:
     """The exchange's share of plait's step, measured and predicted (see `predict_share`).
 
     Measured: each collective of a step is charged the least time any rank spent in it
@@ -38,9 +41,7 @@ def all_to_all_share(reports: list[dict[str, Any]], step_s: float, ep: int) -> d
     rank's lateness); their sum over all steps over the steps' time (each its slowest
     rank's). The link and the compute profile are means too, so that the prediction is
     of the same quantity."""
-    config = reports[0]["config"]
-    warmup = config["num_warmup"]
-    steps = [r["all_to_all"][warmup:] for r in reports]
+    steps = [r["all_to_all"][config.num_warmup :] for r in reports]
     slowest = [max(t) for t in zip(*(r["times"]["plait"] for r in reports), strict=True)]
     # per step, per collective: the least time over the ranks
     calls = [
@@ -51,13 +52,9 @@ def all_to_all_share(reports: list[dict[str, Any]], step_s: float, ep: int) -> d
         [max(t) for t in zip(*(r["times"]["local"] for r in reports), strict=True)]
     )
     link = _fit_all_to_all(reports, ep)
-    from plait.bench.moe import MoEBenchConfig
-
-    bench = MoEBenchConfig(**{**config, "workers": tuple(config["workers"])})
-    predicted = predict_share(bench, ep=ep, compute_s=compute_s, **link)
-    # the exchange alone: with 1 s of compute the share is a / (1 + a), a its seconds
-    unit = predict_share(bench, ep=ep, compute_s=1.0, **link)
-    predicted_s = unit / (1 - unit)
+    result = _simulate_layer(config, ep=ep, compute_s=compute_s, **link)
+    predicted = result.all_to_all_share
+    predicted_s = statistics.fmean(r.ep_comm_s for r in result.ranks)
     # the share of the run's time: all steps' exchange seconds over all steps' seconds
     measured = sum(seconds) / sum(slowest)
     return {
@@ -116,7 +113,17 @@ def _fit_all_to_all(reports: list[dict[str, Any]], ep: int) -> dict[str, float]:
 def predict_share(
     config: MoEBenchConfig, *, ep: int, compute_s: float, latency_s: float, bandwidth_Bps: float
 ) -> float:
-    """The simulator's all-to-all share of one step of the bench's layer over `ep` ranks.
+    """The simulator's all-to-all share of one step of the bench's layer over `ep` ranks
+    (`_simulate_layer`)."""
+    return _simulate_layer(
+        config, ep=ep, compute_s=compute_s, latency_s=latency_s, bandwidth_Bps=bandwidth_Bps
+    ).all_to_all_share
+
+
+def _simulate_layer(
+    config: MoEBenchConfig, *, ep: int, compute_s: float, latency_s: float, bandwidth_Bps: float
+) -> SimResult:
+    """The simulator's step of the bench's layer over `ep` ranks.
 
     The layer is the cost model's MoE layer (`plait.cost.moe_block_costs`, one layer, all
     of it MoE) with its compute replaced by `compute_s`, the measured forward+backward of
@@ -147,8 +154,7 @@ def predict_share(
     link = Link(latency_s=latency_s, bandwidth_Bps=bandwidth_Bps)
     group = NodeGroup(device=device, devices_per_node=ep, intra_node=link)
     cluster = Cluster(name=f"local-cpu ({ep} workers)", groups=(group,), inter_node=link)
-    result = simulate(build_schedule(plan), [layer], cluster, plan)
-    return result.all_to_all_share
+    return simulate(build_schedule(plan), [layer], cluster, plan)
 
 
 class Probe:
