@@ -114,7 +114,9 @@ def predict_cell(cluster: Cluster, setup: PaperSetup, model: str, gpus: int,
     """I and M shares (percent) of nn.DataParallel's step of `model` on `gpus` GPUs."""
     from plait.models.imagenet import build_imagenet_model
 
-    work = work or count_work(build_imagenet_model(model), (3, setup.image_size, setup.image_size))
+    if work is None:
+        with torch.device("meta"):  # counted only: no weights for VGG-19's 143M parameters
+            work = count_work(build_imagenet_model(model), (3, setup.image_size, setup.image_size))
     dev = cluster.device(0)
     share = setup.batch_size // gpus
     batch_bytes = setup.batch_size * 3 * setup.image_size**2 * 4
@@ -147,7 +149,9 @@ def predict(setup: PaperSetup, models: tuple[str, ...] = MODELS,
     cluster = cluster or load_cluster(setup.cluster)
     rows, errors = [], []
     for model in models:
-        work = count_work(build_imagenet_model(model), (3, setup.image_size, setup.image_size))
+        with torch.device("meta"):  # counted only: no weights for VGG-19's 143M parameters
+            net = build_imagenet_model(model)
+        work = count_work(net, (3, setup.image_size, setup.image_size))
         for g in setup.gpus:
             cell = predict_cell(cluster, setup, model, g, work)
             pub = PUBLISHED[model].get(g)
