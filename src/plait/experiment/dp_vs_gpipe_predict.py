@@ -102,10 +102,7 @@ def _balanced(cluster: Cluster, blocks: Sequence[Any], pp: int, dtype: str) -> l
 
     devices = [cluster.device(r) for r in range(pp)]
     part = partition_blocks(list(blocks), devices, dtype=dtype, optimizer="sgd")
-    cuts = [0]
-    for size in part.sizes:
-        cuts.append(cuts[-1] + size)
-    return stage_costs(list(blocks), cuts)
+    return stage_costs(list(blocks), part.boundaries)
 
 
 def predict_cell(
