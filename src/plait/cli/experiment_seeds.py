@@ -31,7 +31,7 @@ def add_seed_experiments(experiments: argparse._SubParsersAction) -> None:  # ty
     p.set_defaults(func=_run_dm)
     p = experiments.add_parser("all", help="every experiment: one Markdown report, PNGs, JSON")
     p.add_argument("--out", required=True, help="folder of report.md, results.json and PNGs")
-    _dp_arguments(p, prefix="")
+    _dp_arguments(p)
     _dm_arguments(p, prefix="movement-")
     a = p.add_argument
     a("--staleness-stages", default="1,2,4", help="staleness: pipeline depths (1,2,4)")
@@ -56,7 +56,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress lines")
 
 
-def _dp_arguments(p: argparse.ArgumentParser, prefix: str = "") -> None:
+def _dp_arguments(p: argparse.ArgumentParser) -> None:
     from plait.experiment.dp_vs_gpipe import DpGpipeConfig, PaperSetup
 
     d, s, a = DpGpipeConfig(), PaperSetup(), p.add_argument
@@ -78,10 +78,7 @@ def _dm_arguments(p: argparse.ArgumentParser, prefix: str = "") -> None:
     d, s, a = DataMovementConfig(), PaperSetup(), p.add_argument
     a(f"--{prefix}models", default=",".join(d.models), help="models (resnet34, resnet50, "
       "vgg19, mobilenet_v2)")  # fmt: skip
-    if prefix:
-        a(f"--{prefix}workers", default=",".join(map(str, d.workers)), help="worker counts")
-    else:
-        a("--workers", default=",".join(map(str, d.workers)), help="worker counts measured here")
+    a(f"--{prefix}workers", default=",".join(map(str, d.workers)), help="worker counts here")
     a(f"--{prefix}batch-size", default=str(d.batch_size), help=f"batch here ({d.batch_size})")
     a(f"--{prefix}image-size", default=str(d.image_size), help=f"image side ({d.image_size})")
     a(f"--{prefix}steps", default=str(d.steps), help=f"timed steps per cell ({d.steps})")

@@ -69,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
     from plait.plan import SearchSpace, describe, gpt_spec, moe_spec, search
     from plait.plan.explain import explain
     from plait.plan.io import plan_to_dict, write_plan
+    from plait.plan.loader import check_rate
     from plait.profile import MoESpec
 
     if args.global_batch < 1 or args.top < 1:
@@ -77,12 +78,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--devices {args.devices} must be at least 1 (or unset: all)")
     if args.wsp_allowance is not None and args.wsp_allowance < 0:
         raise ValueError(f"--wsp-staleness {args.wsp_allowance} must be >= 0 waves")
-    rate = args.loader_rate
-    if rate is not None and not (rate >= 0 and math.isfinite(rate)):
-        raise ValueError(
-            f"--loader-rate {rate} must be a finite number of samples per second >= 0 "
-            "(0 or unset: the input pipeline is not modelled)"
-        )
+    rate = check_rate(args.loader_rate, "--loader-rate")
     if args.out:  # checked now, not after the whole search ran
         check_out(args.out)
     if args.micro_batch_size != 1:  # the search chooses micro-batch sizes itself

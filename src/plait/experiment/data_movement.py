@@ -35,7 +35,7 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -43,7 +43,13 @@ import torch
 
 from plait.cluster import Cluster, Link, load_cluster
 from plait.cost import StageCost, all_reduce_time
-from plait.experiment.work import block_costs, count_work, median_abs_error, relative_error
+from plait.experiment.work import (
+    BlockWork,
+    block_costs,
+    count_work,
+    median_abs_error,
+    relative_error,
+)
 from plait.sim import SimPlan, build_schedule, simulate
 
 __all__ = ["MODELS", "PUBLISHED", "DataMovementConfig", "PaperSetup", "measure", "predict",
@@ -110,11 +116,9 @@ class DataMovementConfig:
 
 # ------------------------------------------------------------------ prediction
 def predict_cell(cluster: Cluster, setup: PaperSetup, model: str, gpus: int,
-                 work: Any = None) -> dict[str, Any]:  # fmt: skip
-    """I and M shares (percent) of nn.DataParallel's step of `model` on `gpus` GPUs."""
-    from plait.models.imagenet import build_imagenet_model
-
-    work = work or count_work(build_imagenet_model(model), (3, setup.image_size, setup.image_size))
+                 work: Sequence[BlockWork]) -> dict[str, Any]:  # fmt: skip
+    """I and M shares (percent) of nn.DataParallel's step of `model` on `gpus` GPUs, from
+    `work`, its per-sample work (`count_work`)."""
     dev = cluster.device(0)
     share = setup.batch_size // gpus
     batch_bytes = setup.batch_size * 3 * setup.image_size**2 * 4
@@ -147,7 +151,9 @@ def predict(setup: PaperSetup, models: tuple[str, ...] = MODELS,
     cluster = cluster or load_cluster(setup.cluster)
     rows, errors = [], []
     for model in models:
-        work = count_work(build_imagenet_model(model), (3, setup.image_size, setup.image_size))
+        with torch.device("meta"):  # counted only: no weights for VGG-19's 143M parameters
+            net = build_imagenet_model(model)
+        work = count_work(net, (3, setup.image_size, setup.image_size))
         for g in setup.gpus:
             cell = predict_cell(cluster, setup, model, g, work)
             pub = PUBLISHED[model].get(g)

@@ -66,7 +66,7 @@ class DpGpipeConfig:
         if self.data != "synthetic" and not self.data.startswith("cifar100:"):
             raise ValueError(f"data={self.data!r}: use 'synthetic' or 'cifar100:PATH'")
         for w in self.workers:
-            if self.batch_size % (w * self.microbatches) and self.batch_size % w:
+            if self.batch_size % w:
                 raise ValueError(f"batch_size={self.batch_size} is not divisible by workers={w}")
         if self.batch_size % self.microbatches:
             raise ValueError(f"batch_size={self.batch_size} is not divisible by "

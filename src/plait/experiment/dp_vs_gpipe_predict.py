@@ -84,9 +84,13 @@ class PaperSetup:
 
 
 def _setup_work(width: int = 64) -> list[BlockWork]:
+    import torch
+
     from plait.models.resnet import ResNet18
 
-    return count_work(ResNet18(width=width, num_classes=100), (3, 32, 32))
+    with torch.device("meta"):  # counted only: no weights needed
+        model = ResNet18(width=width, num_classes=100)
+    return count_work(model, (3, 32, 32))
 
 
 def _gpu_step(cluster: Cluster, plan: SimPlan, stages: Sequence[StageCost]) -> float:
@@ -98,10 +102,7 @@ def _balanced(cluster: Cluster, blocks: Sequence[Any], pp: int, dtype: str) -> l
 
     devices = [cluster.device(r) for r in range(pp)]
     part = partition_blocks(list(blocks), devices, dtype=dtype, optimizer="sgd")
-    cuts = [0]
-    for size in part.sizes:
-        cuts.append(cuts[-1] + size)
-    return stage_costs(list(blocks), cuts)
+    return stage_costs(list(blocks), part.boundaries)
 
 
 def predict_cell(

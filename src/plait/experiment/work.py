@@ -137,7 +137,8 @@ class _Ops(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
 def count_work(model: nn.Module, sample_shape: Sequence[int]) -> list[BlockWork]:
     """Per-sample work of every block of `model` (which has `blocks()`), fed one input of
-    `sample_shape` (without the batch dimension). The model is copied to the meta device."""
+    `sample_shape` (without the batch dimension). The model is moved, in place, to the meta
+    device; build a full-size model under `with torch.device("meta"):` to skip its weights."""
     blocks = list(model.to("meta").blocks())  # type: ignore[operator]
     n = 2  # batch norm in training mode refuses one sample of 1×1 features
     x = torch.zeros((n, *sample_shape), device="meta")

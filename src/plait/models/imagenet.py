@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from plait.blocks import BlockChain
-from plait.models.resnet import ResNetHead
+from plait.models.resnet import BasicBlock, ResNetHead
 
 __all__ = ["IMAGENET_MODELS", "VGG19", "MobileNetV2", "ResNetImageNet", "build_imagenet_model"]
 
@@ -36,22 +36,6 @@ def _ch(channels: int, width_mult: float, divisor: int = 1) -> int:
 
 def _bn_relu(conv: nn.Conv2d) -> nn.Sequential:
     return nn.Sequential(conv, nn.BatchNorm2d(conv.out_channels), nn.ReLU(inplace=True))
-
-
-class _Basic(nn.Module):
-    expansion = 1
-
-    def __init__(self, cin: int, width: int, stride: int) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(cin, width, 3, stride, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(width)
-        self.conv2 = nn.Conv2d(width, width, 3, 1, 1, bias=False)
-        self.bn2 = nn.BatchNorm2d(width)
-        self.shortcut = _shortcut(cin, width, stride)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.relu(self.bn1(self.conv1(x)))
-        return F.relu(self.bn2(self.conv2(y)) + self.shortcut(x))
 
 
 class _Bottleneck(nn.Module):
@@ -87,15 +71,19 @@ class ResNetImageNet(BlockChain):
     def __init__(self, depth: int = 50, *, num_classes: int = 1000, width_mult: float = 1.0):
         if depth not in (34, 50):
             raise ValueError(f"depth={depth}: use 34 (BasicBlock) or 50 (Bottleneck)")
-        kind: type[_Basic] | type[_Bottleneck] = _Basic if depth == 34 else _Bottleneck
+        expansion = 1 if depth == 34 else _Bottleneck.expansion
         cin = _ch(64, width_mult)
         stem = _bn_relu(nn.Conv2d(3, cin, 7, 2, 3, bias=False))
         layers: list[nn.Module] = [nn.Sequential(stem, nn.MaxPool2d(3, 2, 1))]
         for stage, count in enumerate((3, 4, 6, 3)):
             width = _ch(64 * 2**stage, width_mult)
             for index in range(count):
-                layers.append(kind(cin, width, 2 if stage > 0 and index == 0 else 1))
-                cin = width * kind.expansion
+                stride = 2 if stage > 0 and index == 0 else 1
+                if depth == 34:
+                    layers.append(BasicBlock(cin, width, stride, norm="batch"))
+                else:
+                    layers.append(_Bottleneck(cin, width, stride))
+                cin = width * expansion
         layers.append(ResNetHead(cin, num_classes))
         super().__init__(layers)
 
