@@ -25,6 +25,7 @@ from plait.parallel.experts import (
     bench_expert_parallel,
     expert_grad_scale,
     expert_params,
+    TokenSplit,
     reduce_expert_grads,
     shard_experts,
 )
@@ -256,6 +257,25 @@ def _world_four(rank: int, world: int) -> None:
     ]:
         _layer_case(rank, world, case)
     _model_case(rank, world, ep=2)
+    _token_split_case(rank, world)
+
+
+def _token_split_case(rank: int, world: int) -> None:
+    """The tp ranks' token split, on an even and an uneven number of rows: each rank
+    scatters its `torch.tensor_split` block, the gather gives every rank all rows in
+    order, and the gradients come back whole to every rank."""
+    split = TokenSplit(dist.group.WORLD)  # type: ignore[arg-type]
+    for num_tokens in (8, 5):  # 4 ranks: 2 rows each; 2, 1, 1 and 1
+        x = torch.arange(num_tokens * 3, dtype=torch.float32).view(num_tokens, 3)
+        x.requires_grad_(True)
+        weight = torch.linspace(-1.0, 1.0, num_tokens * 3).view(num_tokens, 3)
+        part = split.scatter(x)
+        torch.testing.assert_close(part, torch.tensor_split(x, world)[rank])
+        full = split.gather(2 * part, num_tokens)
+        torch.testing.assert_close(full, 2 * x)
+        (full * weight).sum().backward()
+        assert x.grad is not None
+        torch.testing.assert_close(x.grad, 2 * weight)
 
 
 def test_expert_parallel_over_two_ranks(tmp_path: Path) -> None:

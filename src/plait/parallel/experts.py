@@ -214,9 +214,14 @@ class TokenSplit:
 
     def rows(self, num_tokens: int) -> tuple[int, int]:
         """This rank's rows [start, stop) of `num_tokens`, as `torch.tensor_split` cuts them."""
+        lengths = self._lengths(num_tokens)
+        start = sum(lengths[: self.rank])
+        return start, start + lengths[self.rank]
+
+    def _lengths(self, num_tokens: int) -> list[int]:
+        """Every rank's row count: the first num_tokens mod tp ranks take one more."""
         base, extra = divmod(num_tokens, self.tp)
-        start = self.rank * base + min(self.rank, extra)
-        return start, start + base + (self.rank < extra)
+        return [base + (r < extra) for r in range(self.tp)]
 
     def scatter(self, x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = _Scatter.apply(x, self)  # type: ignore[no-untyped-call]
@@ -228,21 +233,17 @@ class TokenSplit:
 
     def all_rows(self, part: torch.Tensor, num_tokens: int) -> torch.Tensor:
         """Every rank's rows `part` [its rows, ...] in rank order: [num_tokens, ...]. The
-        blocks differ by at most one row: padded to the largest for one all-gather."""
-        size = -(-num_tokens // self.tp)
-        padded = part.new_zeros(size, *part.shape[1:])
-        padded[: part.shape[0]] = part
+        blocks differ by at most one row: the shorter ones padded by a row for one
+        all-gather, which then drops the pads."""
+        lengths = self._lengths(num_tokens)
+        size = lengths[0]  # the largest
+        if part.shape[0] < size:
+            part = torch.cat([part, part.new_zeros(1, *part.shape[1:])])
         out = part.new_empty(self.tp * size, *part.shape[1:])
-        dist.all_gather_into_tensor(out, padded, group=self.group)
-        if num_tokens == self.tp * size:
+        dist.all_gather_into_tensor(out, part, group=self.group)
+        if lengths[-1] == size:
             return out
-        keep = [torch.arange(r * size, r * size + stop - start)
-                for r, (start, stop) in enumerate(self._all(num_tokens))]  # fmt: skip
-        return out[torch.cat(keep).to(out.device)]
-
-    def _all(self, num_tokens: int) -> list[tuple[int, int]]:
-        base, extra = divmod(num_tokens, self.tp)
-        return [(0, base + (r < extra)) for r in range(self.tp)]
+        return torch.cat([out[r * size : r * size + n] for r, n in enumerate(lengths)])
 
 
 class _Scatter(torch.autograd.Function):
