@@ -31,19 +31,31 @@ def check_sizes(num_stages: int, num_microbatches: int, num_chunks: int = 1) -> 
         raise ValueError(f"num_chunks={num_chunks}: use at least 1 chunk per rank")
 
 
-def _schedule(kind: str, p: int, m: int, programs: list[list[Action]], v: int = 1) -> Schedule:
-    """The step of `programs`, each rank then updating its stages (in stage order)."""
+def step_schedule(
+    kind: str,
+    p: int,
+    m: int,
+    programs: list[list[Action]],
+    v: int = 1,
+    *,
+    stage_to_rank: tuple[int, ...] | None = None,
+    pipelines: tuple[tuple[int, ...], ...] = (),
+) -> Schedule:
+    """The step of `programs`, each rank then updating its stages (in stage order); the
+    `v` stages per rank placed round-robin unless `stage_to_rank` says otherwise."""
+    place = stage_to_rank or tuple(s % p for s in range(p * v))
     updated = [
-        [*prog, *(Action(Op.UPDATE, c * p + r, m - 1, 1) for c in range(v))]
+        [*prog, *(Action(Op.UPDATE, s, m - 1, 1) for s, q in enumerate(place) if q == r)]
         for r, prog in enumerate(programs)
     ]
     return Schedule(
         kind=kind,
         num_ranks=p,
         num_microbatches=m,
-        stage_to_rank=tuple(s % p for s in range(p * v)),
+        stage_to_rank=place,
         ranks=tuple(tuple(prog) for prog in updated),
         num_chunks=v,
+        pipelines=pipelines,
     )
 
 
@@ -60,7 +72,7 @@ def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
         [Action(Op.F, r, i) for i in range(m)] + [Action(Op.B, r, i) for i in range(m)]
         for r in range(p)
     ]
-    return _schedule("gpipe", p, m, programs)
+    return step_schedule("gpipe", p, m, programs)
 
 
 def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
@@ -79,7 +91,7 @@ def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
             prog += [Action(Op.F, r, warmup + i), Action(Op.B, r, i)]
         prog += [Action(Op.B, r, i) for i in range(m - warmup, m)]
         programs.append(prog)
-    return _schedule("1f1b", p, m, programs)
+    return step_schedule("1f1b", p, m, programs)
 
 
 def _rounds(p: int, m: int) -> list[list[int]]:
@@ -127,7 +139,7 @@ def interleaved_1f1b(num_stages: int, num_microbatches: int, num_chunks: int) ->
         raise ValueError(f"num_chunks={num_chunks}: interleaving needs >= 2 chunks; use 1f1b")
     p, m, v = num_stages, num_microbatches, num_chunks
     for extra in range(m * v + 1):
-        schedule = _schedule("interleaved", p, m, _interleaved_programs(p, m, v, extra), v)
+        schedule = step_schedule("interleaved", p, m, _interleaved_programs(p, m, v, extra), v)
         # The programs cover every action in a legal local order by construction, so only
         # deadlock can go wrong: replay alone decides, without the validator's other checks.
         if replay(schedule).completed:
@@ -190,7 +202,7 @@ def _zero_bubble(kind: str, p: int, m: int, to_bi: list[int], to_bw: int) -> Sch
             if op is not None:
                 state.run(r, op, t)
         t += 1
-    return _schedule(kind, p, m, state.programs)
+    return step_schedule(kind, p, m, state.programs)
 
 
 # Enum members looked up once: `Op.F` costs a class attribute look-up each time.

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 
-from plait.schedule.generators import check_sizes
+from plait.schedule.generators import check_sizes, step_schedule
 from plait.schedule.ir import Action, Op, Schedule
 
 __all__ = ["chimera", "v_placement", "zero_bubble_v"]
@@ -24,20 +24,8 @@ def v_placement(p: int) -> tuple[int, ...]:
 def _schedule(
     kind: str, p: int, m: int, programs: list[list[Action]], pipelines: tuple[tuple[int, ...], ...]
 ) -> Schedule:
-    """The step of `programs`, each rank then updating its two stages."""
-    updated = [
-        [*program, Action(Op.UPDATE, r, m - 1, 1), Action(Op.UPDATE, 2 * p - 1 - r, m - 1, 1)]
-        for r, program in enumerate(programs)
-    ]
-    return Schedule(
-        kind=kind,
-        num_ranks=p,
-        num_microbatches=m,
-        stage_to_rank=v_placement(p),
-        ranks=tuple(tuple(program) for program in updated),
-        num_chunks=2,
-        pipelines=pipelines,
-    )
+    """The step of `programs` on stages placed in a V, each rank then updating its two."""
+    return step_schedule(kind, p, m, programs, 2, stage_to_rank=v_placement(p), pipelines=pipelines)
 
 
 def zero_bubble_v(num_stages: int, num_microbatches: int, num_chunks: int = 2) -> Schedule:
