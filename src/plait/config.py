@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from plait.compression import check_zero, parse_compression
-from plait.layout import RANK_ORDERS, check_ep, check_rank_order, global_rank
+from plait.layout import RANK_ORDERS, check_ep, check_rank_order, expert_replicas, global_rank
 from plait.offload import check_offload_blocks, normalize_offload
 from plait.pipelines import check_hetero_plan
 from plait.schedule.registry import KINDS, schedule_kind
@@ -477,8 +477,8 @@ class ParallelPlan:
 
     @property
     def edp(self) -> int:
-        """The replicas of each expert: dp × tp / ep (`plait.layout`)."""
-        return self.dp * self.tp // self.ep
+        """The replicas of each expert: dp × tp / ep (`plait.layout.expert_replicas`)."""
+        return expert_replicas(self.dp, self.tp, self.ep)
 
     def ep_group(self, pp_rank: int, dp_rank: int = 0, tp_rank: int = 0) -> list[int]:
         """The ranks exchanging tokens with (pp_rank, dp_rank, tp_rank): ep neighbouring

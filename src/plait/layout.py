@@ -32,6 +32,7 @@ __all__ = [
     "check_ep",
     "check_rank_order",
     "expert_index",
+    "expert_replicas",
     "global_rank",
     "rank_grid",
 ]
@@ -46,6 +47,13 @@ def check_rank_order(rank_order: str) -> None:
             f"rank_order={rank_order!r} is unknown: use one of {list(RANK_ORDERS)} "
             "(axes innermost first)"
         )
+
+
+def expert_replicas(dp: int, tp: int, ep: int) -> int:
+    """The ranks holding each expert (the expert-data-parallel degree): dp·tp / ep, since
+    ep borrows its ranks from the dp × tp ranks of a stage and experts are not sharded by
+    tp (its ranks split the tokens instead)."""
+    return dp * tp // ep
 
 
 def check_ep(ep: int, dp: int, tp: int = 1) -> None:

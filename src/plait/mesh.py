@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from plait.layout import check_ep, check_rank_order, rank_grid
+from plait.layout import check_ep, check_rank_order, expert_replicas, rank_grid
 
 __all__ = [
     "Meshes",
@@ -58,7 +58,7 @@ class ParallelDims:
     @property
     def edp(self) -> int:
         """Expert-data-parallel degree: the replicas of each expert (dp × tp / ep)."""
-        return self.dp * self.tp // self.ep
+        return expert_replicas(self.dp, self.tp, self.ep)
 
     def check(self, world_size: int, *, local_world_size: int | None = None) -> None:
         """Raise ValueError unless the degrees fit `world_size` workers (and nodes)."""

@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from plait.layout import expert_replicas
+
 __all__ = ["DataDegrees", "DataLayout", "expert_dp_degree", "sync_degrees"]
 
 
@@ -64,11 +66,10 @@ class DataDegrees:
 
 
 def expert_dp_degree(layout: DataLayout) -> int:
-    """Ranks holding the same experts (the degree of axis "edp"): dp·tp / ep, since the
-    ep ranks of an expert group are taken from the dp × tp ranks of a stage (the experts
-    are not sharded by tp; its ranks split the tokens instead). ep = dp·tp: one copy of
-    each expert per stage, nothing to reduce."""
-    return layout.dp * layout.tp // layout.ep
+    """Ranks holding the same experts (the degree of axis "edp"):
+    `plait.layout.expert_replicas` of the layout. ep = dp·tp: one copy of each expert per
+    stage, nothing to reduce."""
+    return expert_replicas(layout.dp, layout.tp, layout.ep)
 
 
 def sync_degrees(layout: DataLayout) -> dict[str, int]:
