@@ -163,9 +163,7 @@ def _done(args: argparse.Namespace, section: str, config: Any) -> tuple[dict[str
         return {}, None
     from plait.experiment.report import Store
 
-    store = Store(Path(args.out) / "results.json")
-    store.begin(section, config)
-    return store.cells(section), store.saver(section)
+    return Store(Path(args.out) / "results.json").resume(section, config)
 
 
 def _run_dp(args: argparse.Namespace) -> int:

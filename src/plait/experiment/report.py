@@ -50,6 +50,13 @@ class Store:
 
         return save
 
+    def resume(
+        self, section: str, config: Any
+    ) -> tuple[dict[str, Any], Callable[[str, Any], None]]:
+        """`begin` the section under `config`; its cells kept so far, and their saver."""
+        self.begin(section, config)
+        return self.cells(section), self.saver(section)
+
     def put(self, section: str, value: dict[str, Any]) -> None:
         self.data[section] = value
         self.write()
@@ -68,14 +75,12 @@ def run_all(out: Path, *, dp: dg.DpGpipeConfig, movement: dm.DataMovementConfig,
     """Run (or resume) every experiment into `out`; returns the results dict. A section
     measured under another configuration starts afresh."""
     store = Store(out / "results.json")
-    store.begin("dp_vs_gpipe", dp)
-    result = dg.run_experiment(dp, dp_setup, run_root=out / "runs", done=store.cells("dp_vs_gpipe"),
-                               save=store.saver("dp_vs_gpipe"), quiet=quiet,
-                               train=measure)  # fmt: skip
+    done, save = store.resume("dp_vs_gpipe", dp)
+    result = dg.run_experiment(dp, dp_setup, run_root=out / "runs", done=done, save=save,
+                               quiet=quiet, train=measure)  # fmt: skip
     store.put("dp_vs_gpipe", result)
-    store.begin("data_movement", movement)
-    result = dm.run_experiment(movement, movement_setup, done=store.cells("data_movement"),
-                               save=store.saver("data_movement"), quiet=quiet,
+    done, save = store.resume("data_movement", movement)
+    result = dm.run_experiment(movement, movement_setup, done=done, save=save, quiet=quiet,
                                train=measure)  # fmt: skip
     store.put("data_movement", result)
     saved = store.data.get("staleness", {}).get("config", {})
