@@ -45,6 +45,8 @@ DATA = {
     "digits": "scikit-learn's 8×8 handwritten digits, needs plait[data]",
     "cifar100:PATH": "CIFAR-100's python release extracted under PATH",
 }
+#: `--device` values (`plait.device.DEVICE_KINDS`, which checks them against the host)
+DEVICES = ("auto", "cpu", "cuda")
 _LANGUAGE_DATA = ("stdlib", "synthetic")
 _IMAGE_DATA = ("digits", "cifar100", "synthetic")
 
@@ -514,6 +516,21 @@ class TrainConfig:
         default=None,
         metadata={"help": "local worker processes", "default_text": "dp × tp × pp"},
     )
+    device: str = field(
+        default="auto",
+        metadata={
+            "help": "where workers compute: auto (one GPU each when the host has GPUs, else "
+            "CPU workers), cpu, or cuda",
+            "choices": DEVICES,
+        },
+    )
+    deterministic: bool = field(
+        default=False,
+        metadata={
+            "help": "repeatable kernels, bit for bit from run to run "
+            "(torch.use_deterministic_algorithms; slower on GPUs)"
+        },
+    )
     cluster: str | None = field(
         default=None,
         metadata={
@@ -664,6 +681,8 @@ class TrainConfig:
         if self.nproc is None:
             object.__setattr__(self, "nproc", par.world_size)
         _positive(self, "nproc", "max_steps", "batch_size", "log_every", "trace_steps")
+        if self.device not in DEVICES:
+            raise ValueError(f"device={self.device!r} is unknown: use one of {list(DEVICES)}")
         self._check_fault_tolerance()
         self._check_logging()
         self._check_data()

@@ -73,6 +73,9 @@ def _resolve(args: argparse.Namespace) -> dict[str, Any]:
     layout_given = any(f"parallel.{k}" in given for k in _LAYOUT_FLAGS)
     plan = overrides.pop("plan", None) or from_file.get("plan")
     plan = plan or (None if layout_given else "auto")
+    device = str(overrides.get("device") or from_file.get("device") or "auto")
+    if nproc is None and plan == "auto":  # a GPU host: one worker per GPU, unless told
+        nproc = _gpu_workers(device)
     if plan not in (None, "auto"):
         adopted = _from_plan_file(str(plan), overrides, from_file)
         overrides.update(adopted)
@@ -99,7 +102,24 @@ def _resolve(args: argparse.Namespace) -> dict[str, Any]:
             )
         overrides["parallel.pp"] = pp
         cfg = _load(args.config, overrides, given | {"parallel.pp"})
+    _check_devices(cfg.nproc, cfg.device, env is not None)
     return cfg.to_dict()
+
+
+def _gpu_workers(device: str) -> int | None:
+    """The worker count on a host with GPUs when none is given: one per GPU (None on CPU
+    workers, where the layout decides)."""
+    from plait.device import default_workers
+
+    return default_workers(device)
+
+
+def _check_devices(nproc: int, device: str, torchrun: bool) -> None:
+    """Each worker on this host gets a GPU of its own (checked before any worker starts)."""
+    from plait.device import check_workers
+
+    local = os.environ.get("LOCAL_WORLD_SIZE") if torchrun else None
+    check_workers(nproc, device, local=int(local) if local else None)
 
 
 def _given(from_file: dict[str, Any], overrides: dict[str, Any]) -> set[str]:

@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.autograd.profiler import record_function
-from torch.utils import _pytree as pytree
 
+from plait.compat import profiler_enabled, pytree
 from plait.runtime.boundary import flatten, unflatten
 from plait.runtime.transport import Transport
 from plait.schedule import Action, Op, Schedule
@@ -82,7 +82,7 @@ def evaluate(
     sums = torch.zeros(2 + len(names), device=executor.device, dtype=torch.float64)
     local: dict[tuple[int, int], Any] = {}
     modes = {s: module.training for s, module in executor.stages.items()}
-    labelled = torch.autograd.profiler._is_profiler_enabled
+    labelled = profiler_enabled()
     try:
         for module in executor.stages.values():
             module.eval()

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd.profiler import record_function
 
+from plait.compat import profiler_enabled
 from plait.parallel.sync import GradSync
 from plait.runtime.backward import (
     Saved,
@@ -243,7 +244,7 @@ class PipelineExecutor:
         )
         # labels cost ~15 µs an action even with no profiler listening: add them only
         # when one is (torch.profiler sets this flag)
-        labelled = torch.autograd.profiler._is_profiler_enabled
+        labelled = profiler_enabled()
         for index, action in enumerate(program):
             if labelled:
                 with record_function(f"PP:{action}"):
@@ -267,9 +268,9 @@ class PipelineExecutor:
         self._negotiated, self._meta_key, self._agreed = True, key, agreed
         sample = inputs[0] if inputs is not None else None
         try:
-            self._meta = negotiate(
-                self.schedule, self.stages, self.rank, sample, group=self.group, device=self.device
-            )
+            self._meta = negotiate(self.schedule, self.stages, self.rank, sample,
+                                   group=self.group, device=self.device,
+                                   forward_context=self.forward_context)  # fmt: skip
         except NegotiationTimeout as err:  # bounded by the process group's timeout
             raise PipelineTimeout(f"pipeline rank {self.rank}: {err}; the peer may have "
                                   "failed or stalled: check its log") from err  # fmt: skip

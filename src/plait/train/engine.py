@@ -31,10 +31,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.utils import _pytree as pytree
 
 from plait.checkpoint.state import block_names
+from plait.compat import pytree
 from plait.config import ParallelPlan
+from plait.device import autocast_context
+from plait.device import current as current_device
 from plait.mesh import Meshes, ParallelDims
 from plait.parallel import (
     FSDPGradSync,
@@ -55,7 +57,7 @@ from plait.runtime.predict import optimizer_predictor
 from plait.runtime.transport import DEFAULT_TIMEOUT_S, timed_wait, timeout_message
 from plait.schedule import Schedule, build
 from plait.train.offload import apply_offload
-from plait.train.precision import LossScaler, autocast_context
+from plait.train.precision import LossScaler
 from plait.train.recompute import apply_recompute
 
 __all__ = ["Engine", "EvalReport", "StepReport", "parallelize"]
@@ -431,7 +433,7 @@ def parallelize(
         return parallelize_hetero(model, plan, optimizer_factory, loss_fn, device=device,
                                   grad_clip=grad_clip, timeout_s=timeout_s,
                                   scheduler_factory=scheduler_factory)  # fmt: skip
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = torch.device(device) if device is not None else current_device()
     if mesh is not None and plan.ep > 1:
         raise ValueError(
             f"ep={plan.ep} with a mesh given: the expert view of the ranks is built with it; "

@@ -35,6 +35,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from plait.checkpoint.state import block_names
 from plait.config import ParallelPlan
+from plait.device import current as current_device
 from plait.parallel.hetero import BlockBuckets, PipelineGroups, ShareReducer, pipeline_groups
 from plait.pipelines import PipelineLayout, pipeline_layout
 from plait.runtime import StepResult, local_stages
@@ -177,7 +178,7 @@ def parallelize_hetero(
 ) -> HeteroEngine:
     """A `HeteroEngine` for this rank's pipeline of `plan` (see the module docstring).
     Every rank passes the same model, initialised identically."""
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = torch.device(device) if device is not None else current_device()
     names = block_names(model)
     layout = layout_of(plan, len(names))
     groups = pipeline_groups(layout)

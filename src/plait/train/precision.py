@@ -1,4 +1,4 @@
-"""Mixed precision: bf16 autocast, and fp16 autocast with dynamic loss scaling.
+"""Mixed precision: dynamic loss scaling for fp16 autocast (`plait.device.autocast_context`).
 
 fp16 follows Micikevicius et al. 2018: the loss is multiplied by a scale before backward;
 gradients are divided by it afterwards; a step whose gradients hold an inf or NaN on any
@@ -10,25 +10,11 @@ plait keeps the few lines it needs.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable
-from contextlib import AbstractContextManager
-from typing import Any
-
 import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["LossScaler", "autocast_context"]
-
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def autocast_context(dtype: str, device: torch.device) -> Callable[[], AbstractContextManager[Any]]:
-    """A factory of the forward's autocast context for `dtype` ("fp32" means none)."""
-    if dtype == "fp32":
-        return contextlib.nullcontext
-    return lambda: torch.autocast(device_type=device.type, dtype=_DTYPES[dtype])
+__all__ = ["LossScaler"]
 
 
 class LossScaler:

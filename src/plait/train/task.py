@@ -168,15 +168,17 @@ def _text_sample(cfg: TrainConfig, corpus: Any) -> Callable[[nn.Module], str]:
     def sample(model: nn.Module) -> str:
         from plait.models.gpt import generate
 
-        g = torch.Generator().manual_seed(cfg.seed)
+        device = next(model.parameters()).device
+        g = torch.Generator(device=device).manual_seed(cfg.seed)
         if cfg.model.name == "moe-gpt":  # `generate` wants logits, not (logits, aux)
             from plait.models.moe import LogitsOnly
 
             model = LogitsOnly(model)  # type: ignore[arg-type]
         if not hasattr(model, "cfg"):  # `generate` reads the window from a GPT's config
             model.cfg = dataclasses.make_dataclass("Window", [("seq_len", int)])(cfg.model.seq_len)
-        ids = generate(model, corpus.encode("def "), cfg.sample_chars, generator=g)  # type: ignore[arg-type]
-        return str(corpus.decode(ids))
+        prompt = corpus.encode("def ").to(device)
+        ids = generate(model, prompt, cfg.sample_chars, generator=g)  # type: ignore[arg-type]
+        return str(corpus.decode(ids.cpu()))
 
     return sample
 
@@ -283,9 +285,12 @@ def _in_order(dataset: Any, batch_size: int) -> Iterator[Batch]:
         yield inputs, targets
 
 
-def gathered_model(engine: Any, task: Task, partition: Any, rank: int) -> nn.Module | None:
-    """The whole trained model on rank 0 (None elsewhere): every rank's stages gathered
-    (whole tensors of tp- or FSDP-sharded ones) into a freshly built model. A collective.
+def gathered_model(
+    engine: Any, task: Task, partition: Any, rank: int, *, device: torch.device | None = None
+) -> nn.Module | None:
+    """The whole trained model on rank 0, on `device` (default the CPU); None elsewhere:
+    every rank's stages (whole tensors of tp- or FSDP-sharded ones) gathered to rank 0 and
+    loaded into a model built there. A collective.
 
     Under expert parallelism each rank of an ep group holds a slice of every expert
     tensor, under the same name: the whole tensor is their slices in ep-rank order, so
@@ -299,11 +304,13 @@ def gathered_model(engine: Any, task: Task, partition: Any, rank: int) -> nn.Mod
     expert = getattr(getattr(engine, "meshes", None), "expert", None)
     ep_index = expert.get_local_rank("ep") if expert is not None else 0
     sliced = {parts[s]: expert_param_names(m) for s, m in engine.stages.items()} if expert else {}
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (ep_index, states, sliced))
-    if rank != 0:
+    gathered: list[Any] | None = [None] * dist.get_world_size() if rank == 0 else None
+    dist.gather_object((ep_index, states, sliced), gathered, dst=0)
+    if gathered is None:
         return None
-    full = task.model()
+    torch.manual_seed(task.seed)
+    with torch.device(device or "cpu"):  # initialised where it runs: the weights follow
+        full = task.build()
     blocks = as_blocks(full)
     sizes = partition or equal_split(len(blocks), _num_stages([g[1] for g in gathered]))
     stages = stage_modules(blocks, sizes)
@@ -314,10 +321,10 @@ def gathered_model(engine: Any, task: Task, partition: Any, rank: int) -> nn.Mod
         for s, state in per_rank.items():
             by_stage.setdefault(s, {}).setdefault(index, state)
             names.setdefault(s, set()).update(experts.get(s, ()))
-    for s, parts in by_stage.items():
-        state = dict(parts[0])
+    for s, held in by_stage.items():
+        state = dict(held[0])
         for name in names.get(s, ()):
-            state[name] = torch.cat([parts[i][name] for i in sorted(parts)])
+            state[name] = torch.cat([held[i][name] for i in sorted(held)])
         stages[s].load_state_dict(state)
     return full
 
