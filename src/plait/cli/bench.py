@@ -20,6 +20,7 @@ _BENCHES = {
     "repartition": "plait.bench.repartition",
     "hetpipe": "plait.bench.hetpipe",
     "arrival": "plait.bench.arrival",
+    "scale": "plait.bench.scale",
 }
 
 
