@@ -26,6 +26,7 @@ import torch
 
 __all__ = [
     "DEVICE_KINDS",
+    "ActionClock",
     "accelerator",
     "accelerator_count",
     "autocast_context",
@@ -182,6 +183,43 @@ def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return str(torch.cuda.get_device_name(device))
     return device.type
+
+
+class ActionClock:
+    """Per-action times of a window without a host sync per action.
+
+    `mark()` takes an instant: on the CPU the wall clock (`perf_counter`); on a GPU a CUDA
+    event recorded on the current stream, whose time is when the GPU reaches it, i.e.
+    when the kernels queued before it have run (so marks around an action's launches time
+    its kernels, not the launches). `seconds(marks)` turns the window's marks into seconds
+    since `start()`'s mark; on a GPU it waits for the last mark first, so call it after the
+    step's one synchronisation (then it costs nothing). Marks are plain objects the caller
+    keeps; the clock keeps only the window's start."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.events = device.type == "cuda"
+        self._start: Any = None
+
+    def mark(self) -> Any:
+        if not self.events:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        event.record()
+        return event
+
+    def start(self) -> Any:
+        """Begin a window: its marks count from here."""
+        self._start = self.mark()
+        return self._start
+
+    def seconds(self, marks: list[Any], start: Any = None) -> list[float]:
+        """Seconds from `start` (default: the window's) to each of `marks`."""
+        origin = self._start if start is None else start
+        if not self.events:
+            return [m - origin for m in marks]
+        if marks:
+            marks[-1].synchronize()
+        return [origin.elapsed_time(m) / 1e3 for m in marks]
 
 
 def total_memory_bytes(device: torch.device) -> int | None:
