@@ -171,3 +171,36 @@ def test_more_workers_than_gpus_is_one_line_before_any_worker_starts() -> None:
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and f"{count + 1} workers on this host" in lines[0], out.stderr
     assert f"--nproc {count}" in lines[0] and "--device cpu" in lines[0]
+
+
+def _event_times_against_the_profiler() -> None:
+    from plait.config import ParallelPlan
+    from plait.models import GPT, GPTConfig
+    from plait.train.engine import parallelize
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=VOCAB, seq_len=256, num_layers=4, hidden=512, num_heads=8)
+    engine = parallelize(GPT(cfg), ParallelPlan(pp=1, microbatches=2), lambda ps:
+                         torch.optim.AdamW(ps, lr=1e-3), GPT.loss, device="cuda:0")  # fmt: skip
+    ids = torch.randint(0, VOCAB, (8, 257), device="cuda")
+    batch = (ids[:, :-1], ids[:, 1:])
+    engine.step(batch)  # warm-up: kernels chosen, memory cached
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        report = engine.step(batch)
+        torch.cuda.synchronize()
+    kernels: dict[str, float] = {}
+    for e in prof.key_averages():
+        if e.key.startswith("PP:"):
+            kernels[e.key[3:]] = e.device_time_total / 1e6  # µs -> s
+    for record in report.result.records:
+        if record.label not in kernels or ("F" not in record.label and "B" not in record.label):
+            continue
+        measured, busy = record.end - record.start, kernels[record.label]
+        # the action's events span its kernels: at least their time, and not far beyond
+        assert measured >= 0.9 * busy, (record.label, measured, busy)
+        assert measured <= 1.5 * busy + 2e-4, (record.label, measured, busy)
+
+
+def test_action_event_times_span_the_kernels_the_profiler_labels(tmp_path: Path) -> None:
+    _one_gpu(tmp_path, _event_times_against_the_profiler)

@@ -52,7 +52,8 @@ from plait.parallel.compress import hook_for
 from plait.parallel.replicas import uncounted_params, with_replicas
 from plait.parallel.sync import GradSync
 from plait.runtime import PipelineExecutor, StepResult, local_stages, split_microbatches
-from plait.runtime.evaluate import MetricFn
+from plait.runtime.backend import MetricFn
+from plait.runtime.channels import Channels, build_channels
 from plait.runtime.predict import optimizer_predictor
 from plait.runtime.transport import DEFAULT_TIMEOUT_S, timed_wait, timeout_message
 from plait.schedule import Schedule, build
@@ -116,6 +117,7 @@ class Engine:
         timeout_s: float | None = DEFAULT_TIMEOUT_S,
         schedulers: dict[int, torch.optim.lr_scheduler.LRScheduler] | None = None,
         meshes: Meshes | None = None,
+        channels: Channels | None = None,
     ) -> None:
         self.plan, self.mesh, self.schedule = plan, mesh, schedule
         # with the expert view (ep > 1): the ep group exchanges tokens, and its ranks hold
@@ -141,6 +143,7 @@ class Engine:
             rank=mesh.get_local_rank("pp"),
             loss_fn=loss_fn,
             group=mesh.get_group("pp"),
+            channels=channels,
             device=device,
             grad_sync=grad_sync,
             forward_context=autocast_context(plan.dtype, device),
@@ -449,6 +452,7 @@ def parallelize(
     mesh = meshes.main
     names = block_names(model)
     schedule = build(plan.schedule, plan.pp, plan.microbatches, plan.chunks)
+    channels = _channels(schedule, mesh)
     pp_rank = mesh.get_local_rank("pp")
     stages: dict[int, nn.Module] = dict(
         local_stages(model, schedule, pp_rank, sizes=plan.partition, device=device)
@@ -524,7 +528,19 @@ def parallelize(
         block_names=names,
         timeout_s=timeout_s,
         meshes=meshes,
+        channels=channels,
     )
+
+
+def _channels(schedule: Schedule, mesh: DeviceMesh) -> Channels | None:
+    """Every pipeline's message channels (`plait.runtime.channels`), made on every rank
+    in one order; this rank's. Each pipeline is the pp column of one (dp, tp) place."""
+    if schedule.num_ranks == 1:
+        return None
+    names = mesh.mesh_dim_names or ()
+    grid = mesh.mesh.movedim(names.index("pp"), 0).reshape(mesh["pp"].size(), -1)
+    pipelines = [(schedule, [int(r) for r in grid[:, j]]) for j in range(grid.shape[1])]
+    return build_channels(pipelines)
 
 
 def _optimizer(

@@ -39,6 +39,7 @@ from plait.device import current as current_device
 from plait.parallel.hetero import BlockBuckets, PipelineGroups, ShareReducer, pipeline_groups
 from plait.pipelines import PipelineLayout, pipeline_layout
 from plait.runtime import StepResult, local_stages
+from plait.runtime.channels import build_channels
 from plait.runtime.transport import DEFAULT_TIMEOUT_S
 from plait.schedule import build
 from plait.train.engine import (
@@ -189,6 +190,10 @@ def parallelize_hetero(
         pipelines=None, wsp_staleness=None, wsp_at_most=False,
     )  # fmt: skip
     schedule = build(plan.schedule, pp, mine.microbatches, plan.chunks)
+    channels = build_channels([
+        (build(plan.schedule, len(ranks), count, plan.chunks), ranks)
+        for ranks, count in zip(layout.ranks, layout.microbatches, strict=True)
+    ])  # fmt: skip
     stages: dict[int, nn.Module] = dict(
         local_stages(model, schedule, groups.pp_rank, sizes=layout.sizes[i], device=device)
     )
@@ -212,7 +217,7 @@ def parallelize_hetero(
         stages=stages, optimizers=optimizers,
         grad_sync=ShareReducer(buckets, share) if synchronous else None, loss_fn=loss_fn,
         device=device, grad_clip=grad_clip, block_names=names, timeout_s=timeout_s,
-        schedulers=schedulers,
+        schedulers=schedulers, channels=channels,
     )  # fmt: skip
     engine.groups = groups
     staleness, at_most = int(plan.wsp_staleness or 0), plan.wsp_at_most
