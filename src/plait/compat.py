@@ -16,6 +16,10 @@ naming the attribute, when a torch release moves one:
   microseconds even when nothing records.
 - the checkpoint wrapper of full recomputation (`checkpoint_wrapper`, `CheckpointImpl`).
 - pytree (`pytree`), torch's structure flattening, stable across these releases.
+- the device types with fused optimizer kernels (`fused_optimizer_devices`), which torch
+  checks itself only when an optimizer is built.
+- fp16's unscale-and-inf-check kernel (`amp_unscale_`), the one `torch.amp.GradScaler`
+  and FSDP's `ShardedGradScaler` call; plait calls it on all of a rank's gradients at once.
 """
 
 from __future__ import annotations
@@ -35,14 +39,17 @@ from torch.distributed.pipelining._backward import (
     stage_backward_weight,
 )
 from torch.utils import _pytree as pytree
+from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 __all__ = [
     "PRIVATE_NAMES",
     "CheckpointImpl",
+    "amp_unscale_",
     "checkpoint_wrapper",
     "construct_reverse_graph",
     "fsdp_param_groups",
     "fsdp_post_backward",
+    "fused_optimizer_devices",
     "get_grad_fn_or_grad_acc",
     "get_param_groups",
     "profiler_enabled",
@@ -52,6 +59,8 @@ __all__ = [
 ]
 
 get_grad_fn_or_grad_acc = _get_grad_fn_or_grad_acc
+# (gradients, found_inf, inv_scale): gradients *= inv_scale; found_inf = 1 if any is not finite
+amp_unscale_ = torch._amp_foreach_non_finite_check_and_unscale_
 
 #: (module, attribute) of every private name above, for the test that checks them
 PRIVATE_NAMES = (
@@ -66,7 +75,14 @@ PRIVATE_NAMES = (
     ("torch.utils._pytree", "tree_flatten"),
     ("torch.utils._pytree", "treespec_dumps"),
     ("torch.distributed.fsdp._fully_shard._fsdp_state", "FSDPState"),
+    ("torch.utils._foreach_utils", "_get_fused_kernels_supported_devices"),
+    ("torch", "_amp_foreach_non_finite_check_and_unscale_"),
 )
+
+
+def fused_optimizer_devices() -> list[str]:
+    """The device types torch's fused optimizer kernels run on."""
+    return list(_get_fused_kernels_supported_devices())
 
 
 def profiler_enabled() -> bool:

@@ -141,17 +141,18 @@ class HeteroEngine(Engine):
     def _report(self, result: StepResult, *, last: bool = False) -> StepReport:
         if last:  # a drain: a synchronous pipeline has nothing left to report
             return StepReport(float("nan"), False, None, result, (), (), result.updates)
-        loss = self._loss(result)
+        loss, *flags = self._loss(result)
+        skipped, norm = self._settle(flags)
         # one loss per micro-batch of this pipeline's step (ids as the logs count them)
         m = self.schedule.num_microbatches
         ids = tuple(range((self.executor.windows - 1) * m, self.executor.windows * m))
-        norm = self._norm if self.synchronous else None
-        return StepReport(loss, self._skipped, norm, result, (loss,) * m, ids, result.updates)
+        return StepReport(loss, skipped, norm, result, (loss,) * m, ids, result.updates)
 
-    def _loss(self, result: StepResult) -> float:
+    def _loss(self, result: StepResult) -> list[float]:
         """Synchronous: the batch's mean loss, Σ_i share_i · mean_i, from every pipeline's
         last stage. WSP: the pipeline's own (pipelines train on different weights), from
-        its last stage, without waiting for the other pipelines."""
+        its last stage, without waiting for the other pipelines. Then the values of the
+        engine's `_flags`, read in the same copy."""
         value = torch.zeros(1, device=self.device)
         if result.losses:
             value += torch.stack([x.detach().float() for x in result.losses]).mean()
@@ -162,7 +163,8 @@ class HeteroEngine(Engine):
             owner = (self.schedule.num_stages - 1) % len(layout.ranks[i])
             src = dist.get_global_rank(self.groups.pp_group, owner)
             dist.broadcast(value, src=src, group=self.groups.pp_group)
-        return float(value)
+        flags = [t.reshape(1).to(value.device, torch.float32) for t in self._flags()]
+        return torch.cat([value, *flags]).tolist()
 
 
 def parallelize_hetero(
