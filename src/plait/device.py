@@ -37,6 +37,7 @@ __all__ = [
     "device_ids",
     "device_name",
     "fork_rng",
+    "fused_optimizers",
     "peak_memory_bytes",
     "profiler_activities",
     "reset_peak_memory",
@@ -44,6 +45,7 @@ __all__ = [
     "rng_state",
     "set_rng_state",
     "synchronize",
+    "tf32",
     "timer",
     "total_memory_bytes",
     "worker_device",
@@ -144,6 +146,22 @@ def deterministic(enabled: bool) -> None:
     if enabled:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(enabled, warn_only=True)
+
+
+def tf32(enabled: bool, device: torch.device) -> None:
+    """Let fp32 matmuls and convolutions on a CUDA `device` run in TF32 (10-bit mantissa
+    inputs, fp32 accumulation), or keep them in full fp32; nothing on other devices."""
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = enabled
+        torch.backends.cudnn.allow_tf32 = enabled
+
+
+def fused_optimizers(device: torch.device) -> bool:
+    """Whether torch has fused optimizer kernels (AdamW, Adam, SGD `fused=True`) for
+    `device`'s type: CUDA and CPU here."""
+    from plait.compat import fused_optimizer_devices
+
+    return device.type in fused_optimizer_devices()
 
 
 def synchronize(device: torch.device) -> None:
