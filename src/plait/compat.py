@@ -18,6 +18,9 @@ naming the attribute, when a torch release moves one:
 - pytree (`pytree`), torch's structure flattening, stable across these releases.
 - the device types with fused optimizer kernels (`fused_optimizer_devices`), which torch
   checks itself only when an optimizer is built.
+- AOTAutograd's donated buffers (`keep_compiled_backward_graphs`): a compiled block's
+  backward frees its saved buffers as it runs, which a split backward (zero-bubble BI,
+  then BW on the same graph) cannot allow.
 - fp16's unscale-and-inf-check kernel (`amp_unscale_`), the one `torch.amp.GradScaler`
   and FSDP's `ShardedGradScaler` call; plait calls it on all of a rank's gradients at once.
 """
@@ -52,6 +55,7 @@ __all__ = [
     "fused_optimizer_devices",
     "get_grad_fn_or_grad_acc",
     "get_param_groups",
+    "keep_compiled_backward_graphs",
     "profiler_enabled",
     "pytree",
     "stage_backward_input",
@@ -77,7 +81,16 @@ PRIVATE_NAMES = (
     ("torch.distributed.fsdp._fully_shard._fsdp_state", "FSDPState"),
     ("torch.utils._foreach_utils", "_get_fused_kernels_supported_devices"),
     ("torch", "_amp_foreach_non_finite_check_and_unscale_"),
+    ("torch._functorch.config", "donated_buffer"),
 )
+
+
+def keep_compiled_backward_graphs() -> None:
+    """Let compiled backwards run with `retain_graph=True` (no donated buffers) in this
+    process, for blocks compiled from now on."""
+    import torch._functorch.config as functorch_config
+
+    functorch_config.donated_buffer = False
 
 
 def fused_optimizer_devices() -> list[str]:

@@ -564,6 +564,10 @@ class TrainConfig:
     tf32: bool = field(
         default=False, metadata={"help": "fp32 matmuls and convolutions in TF32 on CUDA GPUs"}
     )
+    compile: bool = field(
+        default=False,
+        metadata={"help": "torch.compile each block of each stage (plait.train.compile)"},
+    )
     lr_schedule: str = field(
         default="constant",
         metadata={"help": "after warm-up: constant, cosine or linear decay to min_lr"},

@@ -68,6 +68,7 @@ from plait.runtime.evaluate import MetricFn
 from plait.runtime.predict import optimizer_predictor
 from plait.runtime.transport import DEFAULT_TIMEOUT_S, timed_wait, timeout_message
 from plait.schedule import Schedule, build
+from plait.train.compile import apply_compile, check_compile
 from plait.train.offload import apply_offload
 from plait.train.precision import LossScaler, skips_on_device, step_unless_found
 from plait.train.recompute import apply_recompute
@@ -463,6 +464,7 @@ def parallelize(
     grad_clip: float | None = None,
     timeout_s: float | None = DEFAULT_TIMEOUT_S,
     scheduler_factory: SchedulerFactory | None = None,
+    compile: bool = False,
 ) -> Engine:
     """An `Engine` that trains `model` under `plan` on the current process group.
 
@@ -475,14 +477,18 @@ def parallelize(
     as long as the process group's timeout; see that module). `scheduler_factory(optimizer,
     updates_per_window)` builds each stage's learning-rate schedule, stepped once per
     update of that stage (an asynchronous schedule makes several updates per window).
+    `compile` torch.compiles each block after recomputation (`plait.train.compile`).
     """
     if plan.pipelines is not None or plan.wsp_staleness is not None:  # pipelines of their own
         from plait.train.hetero import parallelize_hetero
 
         return parallelize_hetero(model, plan, optimizer_factory, loss_fn, device=device,
                                   grad_clip=grad_clip, timeout_s=timeout_s,
-                                  scheduler_factory=scheduler_factory)  # fmt: skip
+                                  scheduler_factory=scheduler_factory,
+                                  compile=compile)  # fmt: skip
     device = torch.device(device) if device is not None else current_device()
+    if compile:
+        check_compile(ep=plan.ep)
     if mesh is not None and plan.ep > 1:
         raise ValueError(
             f"ep={plan.ep} with a mesh given: the expert view of the ranks is built with it; "
@@ -510,6 +516,8 @@ def parallelize(
         if plan.tp > 1:
             apply_tensor_parallel(stage, mesh["tp"], sequence_parallel=plan.sequence_parallel)
         apply_recompute(stage, plan.recompute)
+        if compile:  # after recomputation, before ZeRO-2/3 (torchtitan's order)
+            apply_compile(stage)
     _sync_replicas(stages, meshes)
     grad_sync: GradSync | None = None
     if plan.zero >= 2:

@@ -41,6 +41,7 @@ from plait.pipelines import PipelineLayout, pipeline_layout
 from plait.runtime import StepResult, local_stages
 from plait.runtime.transport import DEFAULT_TIMEOUT_S
 from plait.schedule import build
+from plait.train.compile import apply_compile
 from plait.train.engine import (
     Engine,
     LossFn,
@@ -177,6 +178,7 @@ def parallelize_hetero(
     grad_clip: float | None = None,
     timeout_s: float | None = DEFAULT_TIMEOUT_S,
     scheduler_factory: SchedulerFactory | None = None,
+    compile: bool = False,
 ) -> HeteroEngine:
     """A `HeteroEngine` for this rank's pipeline of `plan` (see the module docstring).
     Every rank passes the same model, initialised identically."""
@@ -196,6 +198,8 @@ def parallelize_hetero(
     )
     for stage in stages.values():
         apply_recompute(stage, plan.recompute)
+        if compile:
+            apply_compile(stage)
     buckets = BlockBuckets(groups, stages)
     _same_start(buckets)
     synchronous = plan.wsp_staleness is None

@@ -58,7 +58,8 @@ def train_worker(
     def build(plan: ParallelPlan) -> Engine:
         return parallelize(model, plan, optimizer_factory(cfg), task.loss, device=device,
                            grad_clip=cfg.grad_clip, timeout_s=cfg.timeout_s,
-                           scheduler_factory=scheduler_factory(cfg))  # fmt: skip
+                           scheduler_factory=scheduler_factory(cfg),
+                           compile=cfg.compile)  # fmt: skip
 
     engine = build(cfg.parallel)
     moving = repartitioner(cfg, model, build)
