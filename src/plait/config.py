@@ -557,7 +557,7 @@ class TrainConfig:
         default="auto",
         metadata={
             "help": "torch's optimizer kernels: fused, foreach or a loop per parameter; auto: "
-            "fused on CUDA, foreach elsewhere",
+            "fused where torch has them (CUDA, CPU), else foreach (CUDA) or a loop (CPU)",
             "choices": OPTIMIZER_IMPLS,
         },
     )

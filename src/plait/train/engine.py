@@ -22,10 +22,10 @@ Host reads. The clipped norm and fp16's found-inf flag stay tensors on the devic
 the window ends, where they are read in the same copy as the window's losses
 (`_Losses.exchange`): one host read per step for fp32 and bf16 on any device, and for
 fp16 when every stage's optimizer takes the flag itself (torch's fused AdamW/Adam/SGD,
-the default on CUDA: it skips the update on the device, as `torch.amp.GradScaler.step`
-has it do). fp16 with any other optimizer (foreach or loop, the CPU default; ZeRO-1's
-`ZeroRedundancyOptimizer`; fused SGD before its momentum exists) reads the flag once
-more, at the window's first UPDATE, before stepping. The waits of the executor's
+`optimizer_impl` auto's choice: it skips the update on the device, as
+`torch.amp.GradScaler.step` has it do). fp16 with any other optimizer (foreach or loop;
+ZeRO-1's `ZeroRedundancyOptimizer`; fused SGD before its momentum exists) reads the flag
+once more, at the window's first UPDATE, before stepping. The waits of the executor's
 transport and of the reducers, evaluation, and an asynchronous schedule's loss exchange
 (read windows later) are outside this count. The loss scale and the learning-rate
 schedules of a step whose skip is decided on the device change when the flag is read.

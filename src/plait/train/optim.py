@@ -16,13 +16,17 @@ schedule steps per window, so its warm-up and decay span the same windows.
 
 The implementation (`optimizer_impl`) is torch's: `fused` (one kernel over a parameter
 group: CUDA and CPU have them), `foreach` (one kernel per operation over a group) or
-`loop` (per parameter); `auto` takes fused on CUDA and foreach elsewhere. Groups are
+`loop` (per parameter). `auto` takes fused wherever torch has the kernels, CPU included:
+on this project's 2-core CPU host one AdamW step over a 3.5M-parameter GPT took 16 ms
+fused, 74 ms as a loop and 107 ms foreach (the CPU's foreach kernels loop inside), SGD
+with momentum 12, 15 and 17 ms. Where torch cannot run fused, auto and fused fall back to
+foreach on CUDA and to a loop on the CPU, a fused request saying why (DTensor has no
+sharding rule for fused SGD, so tensor-parallel and ZeRO-2/3 stages take it). Groups are
 split by tensor kind too (plain tensors apart from the DTensors of each mesh), since
 torch's foreach and fused kernels refuse a mix of plain tensors and DTensors in one call,
-as a tensor-parallel stage would give them (its norms and embeddings stay plain). A
-fused request that torch cannot serve falls back to foreach, saying why: DTensor has no
-sharding rule for fused SGD. ZeRO-1's `ZeroRedundancyOptimizer` builds its local
-optimizer with the same setting (`plait.parallel.expert_zero.partitioned`).
+as a tensor-parallel stage would give them (its norms and embeddings stay plain).
+ZeRO-1's `ZeroRedundancyOptimizer` builds its local optimizer with the same setting
+(`plait.parallel.expert_zero.partitioned`).
 """
 
 from __future__ import annotations
@@ -64,19 +68,18 @@ def param_groups(params: Iterable[nn.Parameter], weight_decay: float) -> list[di
 
 def implementation(requested: str, optimizer: str, params: list[nn.Parameter]) -> tuple[str, str]:
     """(the implementation to build one stage's `optimizer` over `params` with, why): `auto`
-    becomes fused on CUDA and foreach elsewhere; fused falls back to foreach where torch
-    cannot run it."""
+    is fused; fused falls back, where torch cannot run it, to foreach on CUDA and to a loop
+    on the CPU (whose foreach kernels are slower than the loop)."""
     if requested not in OPTIMIZER_IMPLS:
         raise ValueError(f"optimizer_impl={requested!r} must be one of {list(OPTIMIZER_IMPLS)}")
     device = params[0].device if params else torch.device("cpu")
-    if requested == "auto":
-        requested = "fused" if device.type == "cuda" else "foreach"
-    if requested != "fused":
+    if requested not in ("auto", "fused"):
         return requested, "as asked"
+    fallback = "loop" if device.type == "cpu" else "foreach"
     if not fused_optimizers(device):
-        return "foreach", f"torch has no fused optimizer kernels for {device.type}"
+        return fallback, f"torch has no fused optimizer kernels for {device.type}"
     if optimizer == "sgd" and any(hasattr(p, "device_mesh") for p in params):
-        return "foreach", "torch's DTensor has no sharding rule for fused SGD (tp or ZeRO-2/3)"
+        return fallback, "torch's DTensor has no sharding rule for fused SGD (tp or ZeRO-2/3)"
     return "fused", "as asked"
 
 
