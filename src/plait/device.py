@@ -40,6 +40,7 @@ __all__ = [
     "fused_optimizers",
     "peak_memory_bytes",
     "profiler_activities",
+    "release_memory",
     "reset_peak_memory",
     "resolve",
     "rng_state",
@@ -215,6 +216,12 @@ def peak_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def release_memory(device: torch.device) -> None:
+    """Hand the allocator's cached, unused blocks of a GPU `device` back (nothing on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def reset_peak_memory(device: torch.device) -> None:
