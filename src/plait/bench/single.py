@@ -18,7 +18,9 @@ freed after it, so no two hold memory at once (five copies of a 24-layer GPT wit
 optimizer state would not fit one GPU). A variant's time in a repeat is the median of its
 block; the result gives each variant's median over the repeats and its spread ((max -
 min) / median), and `ratio_vs_best_plain`: plait's best configuration over the best plain
-loop (each chosen by its median), the median of their per-repeat ratios. The first step
+loop (each chosen by its median), the median of their per-repeat ratios; the same in CPU
+seconds of the worker (`*_cpu_s`, `cpu_ratio_vs_best_plain`), which other work sharing
+a CPU host disturbs less. The first step
 of every variant starts from the same weights on the same batch: the losses must agree.
 `mfu` is the model's FLOPs per step (`plait.cost.transformer_block_costs`, as the
 simulator counts them) per second over the device's peak for the dtype, from a small
@@ -31,12 +33,14 @@ low); compilation is not timed (it happens in the first warm-up step).
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from plait.bench import _common as common
 from plait.bench import _single_runners as runners
+from plait.device import synchronize
 
 if TYPE_CHECKING:
     import torch
@@ -109,7 +113,9 @@ class SingleBenchResult:
     times_s: dict[str, list[float]]
     losses: dict[str, float]
     peak_flops: float | None = None
-    step_times_s: dict[str, list[list[float]]] = field(default_factory=dict)
+    # the same per CPU seconds of this process: less moved than wall time by other work
+    # sharing a CPU host (a GPU's steps are mostly waits for the device)
+    cpu_s: dict[str, list[float]] = field(default_factory=dict)
 
     def step_s(self, variant: str) -> float | None:
         times = self.times_s.get(variant)
@@ -122,10 +128,9 @@ class SingleBenchResult:
     def best(self, variants: tuple[str, ...]) -> str:
         return min((v for v in variants if v in self.times_s), key=self.step_s)  # type: ignore[arg-type]
 
-    @property
-    def ratios(self) -> list[float]:
-        """plait's best over the best plain loop, repeat by repeat."""
-        ours, theirs = self.times_s[self.best(PLAIT)], self.times_s[self.best(PLAIN)]
+    def ratios(self, times: dict[str, list[float]]) -> list[float]:
+        """plait's best over the best plain loop (chosen by wall time), repeat by repeat."""
+        ours, theirs = times[self.best(PLAIT)], times[self.best(PLAIN)]
         return [a / b for a, b in zip(ours, theirs, strict=True)]
 
     @property
@@ -143,10 +148,12 @@ class SingleBenchResult:
         c = self.config
         out: dict[str, Any] = {f"{v}_step_s": self.step_s(v) for v in (*PLAIT, *PLAIN)}
         out |= {f"{v}_spread": self.spread(v) for v in (*PLAIT, *PLAIN)}
-        ratios = self.ratios
+        ratios, cpu = self.ratios(self.times_s), self.ratios(self.cpu_s)
+        out |= {f"{v}_cpu_s": common.median(t) for v, t in self.cpu_s.items()}
         out |= {
             "ratio_vs_best_plain": common.median(ratios),
             "ratio_spread": [min(ratios), max(ratios)],
+            "cpu_ratio_vs_best_plain": common.median(cpu),
             "best_plait": self.best(PLAIT),
             "best_plain": self.best(PLAIN),
             "mfu": self.mfu(self.best(PLAIT)),
@@ -204,26 +211,26 @@ def _measure(config: SingleBenchConfig, device: torch.device) -> SingleBenchResu
     context = runners.Context.build(config, device)
     variants = config.variants
     times: dict[str, list[float]] = {v: [] for v in variants}
-    steps: dict[str, list[list[float]]] = {v: [] for v in variants}
+    cpu: dict[str, list[float]] = {v: [] for v in variants}
     losses: dict[str, float] = {}
     for repeat in range(config.num_repeats):
         shift = repeat % len(variants)
         for variant in variants[shift:] + variants[:shift]:
             block, first = _block(context, variant)
             losses.setdefault(variant, first)
-            steps[variant].append(block)
-            times[variant].append(common.median(block))
+            times[variant].append(common.median([t.wall_s for t in block]))
+            cpu[variant].append(common.median([t.cpu_s for t in block]))
     name = device_name(device)
     return SingleBenchResult(
         config=config, device_name=name, num_params=context.num_params,
         flops_per_step=context.flops_per_step, times_s=times, losses=losses,
         peak_flops=peak_flops(name, config.dtype) if device.type != "cpu" else None,
-        step_times_s=steps,
+        cpu_s=cpu,
     )  # fmt: skip
 
 
-def _block(context: runners.Context, variant: str) -> tuple[list[float], float]:
-    """Build `variant`, warm it up, time its steps, free it: (step times, first loss)."""
+def _block(context: runners.Context, variant: str) -> tuple[list[common.Timing[None]], float]:
+    """Build `variant`, warm it up, time its steps, free it: (their timings, first loss)."""
     from plait.device import release_memory
 
     config, device = context.config, context.device
@@ -234,13 +241,17 @@ def _block(context: runners.Context, variant: str) -> tuple[list[float], float]:
     times = []
     for i in range(config.num_steps):
         x, y = common.token_batch(config, config.num_warmup + i, device)
-        start = common.now(device)
-        runner.step(x, y)
-        times.append(common.now(device) - start)
+        synchronize(device)
+        times.append(common.timed(functools.partial(_step, runner, x, y, device)))
     del runner
     gc.collect()
     release_memory(device)
     return times, first
+
+
+def _step(runner: runners.Runner, x: torch.Tensor, y: torch.Tensor, device: torch.device) -> None:
+    runner.step(x, y)
+    synchronize(device)
 
 
 # ------------------------------------------------------------------ command line
@@ -290,6 +301,7 @@ def _print_table(result: SingleBenchResult) -> None:
         ["variant", "median step (s)", "min (s)", "max (s)", "first loss"],
         rows,
         footer=f"{d['best_plait']} / {d['best_plain']}: {d['ratio_vs_best_plain']:.3f} "
-        f"(per repeat {d['ratio_spread'][0]:.3f} to {d['ratio_spread'][1]:.3f}){mfu}; "
+        f"(per repeat {d['ratio_spread'][0]:.3f} to {d['ratio_spread'][1]:.3f}; CPU time "
+        f"{d['cpu_ratio_vs_best_plain']:.3f}){mfu}; "
         f"first-step losses {'match' if result.loss_match else 'DIFFER'}",
     )

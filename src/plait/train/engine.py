@@ -392,6 +392,7 @@ class _Losses:
         self.timeout_s = engine.timeout_s
         self.lag = 0 if engine.synchronous else schedule.reach + 1
         self.pending: deque[tuple[int, Any, torch.Tensor, int]] = deque()
+        self.reduced = dist.get_world_size() > 1
 
     def exchange(
         self, windows: int, result: StepResult, *, last: bool, extra: Sequence[torch.Tensor] = ()
@@ -405,12 +406,14 @@ class _Losses:
         for x, loss in zip(result.microbatches, result.losses, strict=True):
             values[x - first] = loss.to(self.device) * self.weight
             values[span + x - first] = self.weight
-        work = dist.all_reduce(values, async_op=True)
+        # one worker holds every loss already (a collective of one still costs milliseconds)
+        work = dist.all_reduce(values, async_op=True) if self.reduced else None
         self.pending.append((windows, work, values, first))
         due: list[tuple[torch.Tensor, int]] = []
         while self.pending and (last or self.pending[0][0] <= windows - self.lag):
             started, work, values, first = self.pending.popleft()
-            timed_wait(work, self.timeout_s, functools.partial(self._explain, started))
+            if work is not None:
+                timed_wait(work, self.timeout_s, functools.partial(self._explain, started))
             due.append((values, first))
         parts = [v for v, _ in due] + [t.reshape(1).to(self.device, torch.float32) for t in extra]
         host = torch.cat(parts).tolist() if parts else []  # the step's one host read

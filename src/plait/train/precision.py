@@ -59,7 +59,7 @@ class LossScaler:
                 amp_unscale_(grads, mine, inv)
                 if mine is not found:
                     found += mine.to(device)
-        if dist.is_initialized():
+        if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(found, op=dist.ReduceOp.MAX)
         return found
 
