@@ -87,12 +87,41 @@ def check_profile(work: Path) -> str:
     )
 
 
+# issue 26's two sizes (12 layers, hidden 1024; 24 layers, hidden 2048; seq 1024; bf16)
+BENCH_SIZES = (("12", "1024", "16", "16"), ("24", "2048", "16", "8"))
+
+
+def check_bench_single(work: Path) -> str:
+    """plait's engine against the best plain loop (fused AdamW, torch.compile) on one GPU;
+    fails above the issue's target ratio of 1.02."""
+    figures, worst = [], 0.0
+    for layers, hidden, heads, batch in BENCH_SIZES:
+        out = _run([*PLAIT, "bench", "single", "--json", "--device", "cuda", "--dtype", "bf16",
+                    "--layers", layers, "--hidden", hidden, "--heads", heads, "--seq-len",
+                    "1024", "--batch-size", batch, "--steps", "3", "--warmup", "2",
+                    "--repeats", "3"], timeout=170)  # fmt: skip
+        d = json.loads(out.stdout.strip().splitlines()[-1])
+        worst = max(worst, d["ratio_vs_best_plain"])
+        mfu = f"{d['mfu']:.1%}" if d["mfu"] is not None else "n/a"
+        figures.append(
+            f"{layers}L h{hidden} b{batch}: plait {d['plait_step_s'] * 1e3:.1f} / compiled "
+            f"{d['plait_compiled_step_s'] * 1e3:.1f} ms, plain {d['plain_step_s'] * 1e3:.1f} / "
+            f"fused {d['plain_fused_step_s'] * 1e3:.1f} / compiled "
+            f"{d['plain_compiled_step_s'] * 1e3:.1f} ms, ratio "
+            f"{d['ratio_vs_best_plain']:.3f}, MFU {mfu}"
+        )
+    if worst > 1.02:
+        raise Failed(f"ratio {worst:.3f} > 1.02: " + "; ".join(figures))
+    return "; ".join(figures)
+
+
 CHECKS: dict[str, Callable[[Path], str]] = {
     "pytest-gpu": check_pytest_gpu,
     "train-default": check_train_default,
     "train-plan-auto": check_train_plan_auto,
     "train-bf16": check_train_bf16,
     "profile": check_profile,
+    "bench-single": check_bench_single,
 }
 
 

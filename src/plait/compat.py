@@ -16,6 +16,13 @@ naming the attribute, when a torch release moves one:
   microseconds even when nothing records.
 - the checkpoint wrapper of full recomputation (`checkpoint_wrapper`, `CheckpointImpl`).
 - pytree (`pytree`), torch's structure flattening, stable across these releases.
+- the device types with fused optimizer kernels (`fused_optimizer_devices`), which torch
+  checks itself only when an optimizer is built.
+- AOTAutograd's donated buffers (`keep_compiled_backward_graphs`): a compiled block's
+  backward frees its saved buffers as it runs, which a split backward (zero-bubble BI,
+  then BW on the same graph) cannot allow.
+- fp16's unscale-and-inf-check kernel (`amp_unscale_`), the one `torch.amp.GradScaler`
+  and FSDP's `ShardedGradScaler` call; plait calls it on all of a rank's gradients at once.
 """
 
 from __future__ import annotations
@@ -35,16 +42,20 @@ from torch.distributed.pipelining._backward import (
     stage_backward_weight,
 )
 from torch.utils import _pytree as pytree
+from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 __all__ = [
     "PRIVATE_NAMES",
     "CheckpointImpl",
+    "amp_unscale_",
     "checkpoint_wrapper",
     "construct_reverse_graph",
     "fsdp_param_groups",
     "fsdp_post_backward",
+    "fused_optimizer_devices",
     "get_grad_fn_or_grad_acc",
     "get_param_groups",
+    "keep_compiled_backward_graphs",
     "profiler_enabled",
     "pytree",
     "stage_backward_input",
@@ -52,6 +63,8 @@ __all__ = [
 ]
 
 get_grad_fn_or_grad_acc = _get_grad_fn_or_grad_acc
+# (gradients, found_inf, inv_scale): gradients *= inv_scale; found_inf = 1 if any is not finite
+amp_unscale_ = torch._amp_foreach_non_finite_check_and_unscale_
 
 #: (module, attribute) of every private name above, for the test that checks them
 PRIVATE_NAMES = (
@@ -66,7 +79,23 @@ PRIVATE_NAMES = (
     ("torch.utils._pytree", "tree_flatten"),
     ("torch.utils._pytree", "treespec_dumps"),
     ("torch.distributed.fsdp._fully_shard._fsdp_state", "FSDPState"),
+    ("torch.utils._foreach_utils", "_get_fused_kernels_supported_devices"),
+    ("torch", "_amp_foreach_non_finite_check_and_unscale_"),
+    ("torch._functorch.config", "donated_buffer"),
 )
+
+
+def keep_compiled_backward_graphs() -> None:
+    """Let compiled backwards run with `retain_graph=True` (no donated buffers) in this
+    process, for blocks compiled from now on."""
+    import torch._functorch.config as functorch_config
+
+    functorch_config.donated_buffer = False
+
+
+def fused_optimizer_devices() -> list[str]:
+    """The device types torch's fused optimizer kernels run on."""
+    return list(_get_fused_kernels_supported_devices())
 
 
 def profiler_enabled() -> bool:

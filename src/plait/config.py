@@ -23,6 +23,7 @@ from plait.schedule.registry import KINDS, schedule_kind
 __all__ = [
     "DATA",
     "MODELS",
+    "OPTIMIZER_IMPLS",
     "ModelConfig",
     "ParallelPlan",
     "PipelineSpec",
@@ -47,6 +48,8 @@ DATA = {
 }
 #: `--device` values (`plait.device.DEVICE_KINDS`, which checks them against the host)
 DEVICES = ("auto", "cpu", "cuda")
+#: `--optimizer-impl` values (`plait.train.optim.implementation` chooses for `auto`)
+OPTIMIZER_IMPLS = ("auto", "fused", "foreach", "loop")
 _LANGUAGE_DATA = ("stdlib", "synthetic")
 _IMAGE_DATA = ("digits", "cifar100", "synthetic")
 
@@ -550,6 +553,21 @@ class TrainConfig:
     eps: float = field(default=1e-8, metadata={"help": "AdamW's epsilon"})
     momentum: float = field(default=0.0, metadata={"help": "SGD's momentum"})
     nesterov: bool = field(default=False, metadata={"help": "SGD with Nesterov momentum"})
+    optimizer_impl: str = field(
+        default="auto",
+        metadata={
+            "help": "torch's optimizer kernels: fused, foreach or a loop per parameter; auto: "
+            "fused where torch has them (CUDA, CPU), else foreach (CUDA) or a loop (CPU)",
+            "choices": OPTIMIZER_IMPLS,
+        },
+    )
+    tf32: bool = field(
+        default=False, metadata={"help": "fp32 matmuls and convolutions in TF32 on CUDA GPUs"}
+    )
+    compile: bool = field(
+        default=False,
+        metadata={"help": "torch.compile each block of each stage (plait.train.compile)"},
+    )
     lr_schedule: str = field(
         default="constant",
         metadata={"help": "after warm-up: constant, cosine or linear decay to min_lr"},
@@ -795,6 +813,11 @@ class TrainConfig:
             raise ValueError(f"beta1={self.beta1}, beta2={self.beta2} must lie in [0, 1)")
         if self.optimizer not in ("adamw", "sgd"):
             raise ValueError(f"optimizer={self.optimizer!r} is unknown: use 'adamw' or 'sgd'")
+        if self.optimizer_impl not in OPTIMIZER_IMPLS:
+            raise ValueError(
+                f"optimizer_impl={self.optimizer_impl!r} is unknown: use one of "
+                f"{list(OPTIMIZER_IMPLS)}"
+            )
         if self.nesterov and (self.optimizer != "sgd" or not self.momentum > 0):
             raise ValueError("nesterov=true needs optimizer='sgd' and momentum > 0")
         if self.lr_schedule not in ("constant", "cosine", "linear"):

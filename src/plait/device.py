@@ -38,13 +38,16 @@ __all__ = [
     "device_ids",
     "device_name",
     "fork_rng",
+    "fused_optimizers",
     "peak_memory_bytes",
     "profiler_activities",
+    "release_memory",
     "reset_peak_memory",
     "resolve",
     "rng_state",
     "set_rng_state",
     "synchronize",
+    "tf32",
     "timer",
     "total_memory_bytes",
     "worker_device",
@@ -147,6 +150,22 @@ def deterministic(enabled: bool) -> None:
     torch.use_deterministic_algorithms(enabled, warn_only=True)
 
 
+def tf32(enabled: bool, device: torch.device) -> None:
+    """Let fp32 matmuls and convolutions on a CUDA `device` run in TF32 (10-bit mantissa
+    inputs, fp32 accumulation), or keep them in full fp32; nothing on other devices."""
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = enabled
+        torch.backends.cudnn.allow_tf32 = enabled
+
+
+def fused_optimizers(device: torch.device) -> bool:
+    """Whether torch has fused optimizer kernels (AdamW, Adam, SGD `fused=True`) for
+    `device`'s type: CUDA and CPU here."""
+    from plait.compat import fused_optimizer_devices
+
+    return device.type in fused_optimizer_devices()
+
+
 def synchronize(device: torch.device) -> None:
     """Wait for the work queued on `device` (nothing to wait for on the CPU)."""
     if device.type != "cpu" and device.type != "meta":
@@ -235,6 +254,12 @@ def peak_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def release_memory(device: torch.device) -> None:
+    """Hand the allocator's cached, unused blocks of a GPU `device` back (nothing on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def reset_peak_memory(device: torch.device) -> None:

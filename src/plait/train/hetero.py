@@ -42,6 +42,7 @@ from plait.runtime import StepResult, local_stages
 from plait.runtime.channels import build_channels
 from plait.runtime.transport import DEFAULT_TIMEOUT_S
 from plait.schedule import build
+from plait.train.compile import apply_compile
 from plait.train.engine import (
     Engine,
     LossFn,
@@ -142,17 +143,18 @@ class HeteroEngine(Engine):
     def _report(self, result: StepResult, *, last: bool = False) -> StepReport:
         if last:  # a drain: a synchronous pipeline has nothing left to report
             return StepReport(float("nan"), False, None, result, (), (), result.updates)
-        loss = self._loss(result)
+        loss, *flags = self._loss(result)
+        skipped, norm = self._settle(flags)
         # one loss per micro-batch of this pipeline's step (ids as the logs count them)
         m = self.schedule.num_microbatches
         ids = tuple(range((self.executor.windows - 1) * m, self.executor.windows * m))
-        norm = self._norm if self.synchronous else None
-        return StepReport(loss, self._skipped, norm, result, (loss,) * m, ids, result.updates)
+        return StepReport(loss, skipped, norm, result, (loss,) * m, ids, result.updates)
 
-    def _loss(self, result: StepResult) -> float:
+    def _loss(self, result: StepResult) -> list[float]:
         """Synchronous: the batch's mean loss, Σ_i share_i · mean_i, from every pipeline's
         last stage. WSP: the pipeline's own (pipelines train on different weights), from
-        its last stage, without waiting for the other pipelines."""
+        its last stage, without waiting for the other pipelines. Then the values of the
+        engine's `_flags`, read in the same copy."""
         value = torch.zeros(1, device=self.device)
         if result.losses:
             value += torch.stack([x.detach().float() for x in result.losses]).mean()
@@ -163,7 +165,8 @@ class HeteroEngine(Engine):
             owner = (self.schedule.num_stages - 1) % len(layout.ranks[i])
             src = dist.get_global_rank(self.groups.pp_group, owner)
             dist.broadcast(value, src=src, group=self.groups.pp_group)
-        return float(value)
+        flags = [t.reshape(1).to(value.device, torch.float32) for t in self._flags()]
+        return torch.cat([value, *flags]).tolist()
 
 
 def parallelize_hetero(
@@ -176,6 +179,7 @@ def parallelize_hetero(
     grad_clip: float | None = None,
     timeout_s: float | None = DEFAULT_TIMEOUT_S,
     scheduler_factory: SchedulerFactory | None = None,
+    compile: bool = False,
 ) -> HeteroEngine:
     """A `HeteroEngine` for this rank's pipeline of `plan` (see the module docstring).
     Every rank passes the same model, initialised identically."""
@@ -199,6 +203,8 @@ def parallelize_hetero(
     )
     for stage in stages.values():
         apply_recompute(stage, plan.recompute)
+        if compile:
+            apply_compile(stage)
     buckets = BlockBuckets(groups, stages)
     _same_start(buckets)
     synchronous = plan.wsp_staleness is None

@@ -13,7 +13,7 @@ from torch import nn
 
 from plait.checkpoint import CheckpointStore
 from plait.config import ModelConfig, ParallelPlan, TrainConfig
-from plait.device import deterministic, peak_memory_bytes
+from plait.device import deterministic, peak_memory_bytes, tf32
 from plait.mesh import init_worker, restart_count
 from plait.runtime import StepResult
 from plait.train.checkpointing import resume, save
@@ -48,6 +48,7 @@ def train_worker(
     if cfg.deterministic:  # before any kernel runs (cuBLAS reads its workspace setting once)
         deterministic(True)
     env, device = init_worker(timeout_s=cfg.timeout_s, device=cfg.device)
+    tf32(cfg.tf32, device)
     setup(cfg.verbosity, env.rank, all_ranks=cfg.log_all_ranks)
     task = custom.task(cfg) if custom is not None else task_from_config(cfg)
     model = task.model()
@@ -57,7 +58,8 @@ def train_worker(
     def build(plan: ParallelPlan) -> Engine:
         return parallelize(model, plan, optimizer_factory(cfg), task.loss, device=device,
                            grad_clip=cfg.grad_clip, timeout_s=cfg.timeout_s,
-                           scheduler_factory=scheduler_factory(cfg))  # fmt: skip
+                           scheduler_factory=scheduler_factory(cfg),
+                           compile=cfg.compile)  # fmt: skip
 
     engine = build(cfg.parallel)
     moving = repartitioner(cfg, model, build)
