@@ -91,7 +91,7 @@ def _resolve(args: argparse.Namespace) -> dict[str, Any]:
             )
         pp = nproc // (par.dp * par.tp)
         blocks = cfg.model.layers + 2
-        if pp * par.chunks > blocks:
+        if cfg.model.known_blocks and pp * par.chunks > blocks:
             raise ValueError(
                 f"nproc={nproc} workers would make a {pp}-stage pipeline (dp × tp = "
                 f"{par.dp * par.tp}), but the model has {blocks} blocks: use at most "
@@ -199,6 +199,7 @@ def run(args: argparse.Namespace) -> int:
     from plait.train.loop import train_worker
 
     cfg = _resolve(args)  # validated here, before any worker starts
+    _check_user_model(cfg)
     env = launched_env()
     if env is not None:
         _check_torchrun_restarts(cfg)
@@ -216,6 +217,8 @@ def run(args: argparse.Namespace) -> int:
     cfg["run_dir"] = str(run_dir)
     if env is None or env.rank == 0:
         (run_dir / "config.json").write_text(json.dumps(cfg, indent=2))
+    if env is None:  # tokenize text once, here; torchrun's workers each find or make the cache
+        _prepare_data(cfg)
     if env is not None:  # inside torchrun: this process is one worker
         summary = train_worker(cfg, str(run_dir))
         if summary is not None:
@@ -248,6 +251,22 @@ def run(args: argparse.Namespace) -> int:
     _write_resolved(cfg, summary, run_dir)
     _report(summary, run_dir)
     return 0
+
+
+def _check_user_model(cfg: dict[str, Any]) -> None:
+    """A MODULE:FACTORY model can be found (it is built in the workers)."""
+    name = cfg["model"]["name"]
+    if ":" in name:
+        from plait.models.user import load_factory
+
+        load_factory(name)
+
+
+def _prepare_data(cfg: dict[str, Any]) -> None:
+    from plait.train.language import prepare_data
+    from plait.train.loop import config_from_dict
+
+    prepare_data(config_from_dict(cfg))
 
 
 def _check_memory(cfg: dict[str, Any], local_workers: int) -> None:
