@@ -36,8 +36,8 @@ __all__ = [
 MODELS = {
     "gpt": "plait's reference GPT",
     "resnet18": "ResNet-18 for small images",
-    "hf-gpt2": "Hugging Face GPT-2 from a config, needs plait[hf]",
-    "hf-llama": "Hugging Face Llama from a config, needs plait[hf]",
+    "hf-gpt2": "Hugging Face GPT-2 from a config or --init-from, needs plait[hf]",
+    "hf-llama": "Hugging Face Llama from a config or --init-from, needs plait[hf]",
     "moe-gpt": "plait's GPT with mixture-of-experts feed-forward layers",
     "custom": "a model given to plait.train.run (Python only)",
     "MODULE:FACTORY": "your own model: FACTORY(vocab_size=, seq_len=) in MODULE (a module "
@@ -669,7 +669,10 @@ class TrainConfig:
     )
     profile_steps: str | None = field(
         default=None,
-        metadata={"help": "A:B records a torch.profiler trace of steps A to B-1 per rank"},
+        metadata={
+            "help": "A:B records a torch.profiler trace of steps A to B-1 per rank (steps "
+            "count from 0, as in metrics.jsonl)"
+        },
     )
     data: str = field(
         default="stdlib",

@@ -69,7 +69,9 @@ def test_token_files_are_memory_mapped(tmp_path: Path, dtype: str, name: str) ->
     assert not (tmp_path / "cache").exists()  # token files need no cache
 
 
-def test_jsonl_is_tokenized_once_and_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_jsonl_is_tokenized_once_and_cached(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     tok_file = make_tokenizer(tmp_path / "tokenizer.json")
     path = tmp_path / "docs.jsonl"
     path.write_text("".join(json.dumps({"body": d, "id": i}) + "\n" for i, d in enumerate(DOCS)))
@@ -123,7 +125,7 @@ def test_a_language_task_on_token_data_feeds_the_model(tmp_path: Path) -> None:
     model = task.model()
     assert model.blocks()[0].tok.num_embeddings == vocab
     inputs, targets = task.batch(0)
-    assert inputs.shape == (4, 8) and int(inputs.max()) < vocab
+    assert inputs.shape == targets.shape == (4, 8) and int(inputs.max()) < vocab
     assert task.validation is not None and len(list(task.validation())) == cfg.eval_batches
     assert (tmp_path / "r" / "tokens").is_dir()
 

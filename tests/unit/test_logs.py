@@ -229,21 +229,35 @@ def test_counters_continue_after_a_resume_and_a_restarted_stream(tmp_path: Path)
 
 
 def _wandb_history(run_dir: Path) -> list[dict[str, Any]]:
-    """The history rows of an offline W&B run file, read with W&B's own protobuf records:
-    the file is a log of 32 KiB blocks of (crc32, length, type) framed records after a
-    7-byte header (the leveldb log format)."""
+    """The history rows of an offline W&B run file once its writer (W&B's own service
+    process, which may lag behind `finish`) has written the run's exit record."""
+    import time
+
+    for _ in range(120):
+        rows, ended = _wandb_records(run_dir)
+        if ended:
+            return rows
+        time.sleep(0.5)
+    raise AssertionError("the W&B run file never got its exit record")
+
+
+def _wandb_records(run_dir: Path) -> tuple[list[dict[str, Any]], bool]:
+    """(history rows, whether the exit record is there) of an offline W&B run file, read
+    with W&B's own protobuf records: the file is a log of 32 KiB blocks of (crc32, length,
+    type) framed records after a 7-byte header (the leveldb log format)."""
     import struct
 
     from wandb.proto import wandb_internal_pb2
 
     (path,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
     data, pos, block, pending, rows = path.read_bytes(), 7, 32768, b"", []
+    ended = False
     while pos + 7 <= len(data):
         if block - pos % block < 7:  # a block's tail too short for a header is padding
             pos += block - pos % block
             continue
         _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
-        if kind == 0 and length == 0:
+        if (kind == 0 and length == 0) or pos + 7 + length > len(data):  # end, or mid-write
             break
         pending += data[pos + 7 : pos + 7 + length]
         pos += 7 + length
@@ -251,11 +265,12 @@ def _wandb_history(run_dir: Path) -> list[dict[str, Any]]:
             record = wandb_internal_pb2.Record()
             record.ParseFromString(pending)
             pending = b""
+            ended = ended or record.WhichOneof("record_type") == "exit"
             if record.WhichOneof("record_type") == "history":
                 items = record.history.item
                 rows.append({"/".join(i.nested_key) or i.key: json.loads(i.value_json)
                              for i in items})  # fmt: skip
-    return rows
+    return rows, ended
 
 
 def test_wandb_offline_gets_the_metrics_rows(

@@ -79,6 +79,7 @@ def _resolve(args: argparse.Namespace) -> dict[str, Any]:
         given |= set(adopted)
     overrides["plan"] = plan
     cfg = _load(args.config, overrides, given)
+    _check_pretrained_shape(cfg, overrides, from_file)
     if nproc is not None and nproc != cfg.nproc:
         par = cfg.parallel
         if "parallel.pp" in given or nproc % (par.dp * par.tp):
@@ -100,6 +101,23 @@ def _resolve(args: argparse.Namespace) -> dict[str, Any]:
         overrides["parallel.pp"] = pp
         cfg = _load(args.config, overrides, given | {"parallel.pp"})
     return cfg.to_dict()
+
+
+def _check_pretrained_shape(cfg: Any, overrides: dict[str, Any], from_file: dict[str, Any]) -> None:
+    """Under --init-from, a model setting given (even equal to its default) that differs
+    from the folder's is an error (the config alone sees only non-default values)."""
+    if cfg.init_from is None:
+        return
+    flags = {k[6:]: v for k, v in overrides.items() if k.startswith("model.") and v is not None}
+    given = {**from_file.get("model", {}), **flags}
+    for name in ("name", "layers", "hidden", "heads", "ffn_hidden"):
+        if name in given and given[name] != getattr(cfg.model, name):
+            flag = "--model" if name == "name" else "--" + name.replace("_", "-")
+            raise ValueError(
+                f"{name}={given[name]!r} contradicts --init-from {cfg.init_from}, whose "
+                f"config.json gives {getattr(cfg.model, name)!r}: drop {flag} (the folder "
+                "decides the model's shape)"
+            )
 
 
 def _given(from_file: dict[str, Any], overrides: dict[str, Any]) -> set[str]:

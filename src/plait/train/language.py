@@ -10,6 +10,7 @@ workers only memory-map the file).
 
 from __future__ import annotations
 
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,11 @@ class LanguageData:
 
 
 def _cache(cfg: TrainConfig) -> Path:
-    return Path(cfg.run_dir or "runs") / "tokens"
+    """The run folder's tokens/ (a config without one, as `--dry-run` plans: a temporary
+    folder)."""
+    if cfg.run_dir is None:
+        return Path(tempfile.gettempdir()) / "plait-tokens"
+    return Path(cfg.run_dir) / "tokens"
 
 
 def _pretrained_vocab(cfg: TrainConfig) -> int | None:
@@ -68,8 +73,9 @@ def language_data(cfg: TrainConfig) -> LanguageData:
             f"data={cfg.data!r} has a vocabulary of {found.vocab_size}, more than the "
             f"{vocab} of init_from={cfg.init_from!r}: use its tokenizer (--tokenizer)"
         )
-    return LanguageData(found.data, vocab or found.vocab_size, found.characters,
-                        found.has_validation)  # fmt: skip
+    # a sample is decoded by characters: only when the model's vocabulary is theirs
+    characters = found.characters and (vocab is None or vocab == found.vocab_size)
+    return LanguageData(found.data, vocab or found.vocab_size, characters, found.has_validation)
 
 
 def prepare_data(cfg: TrainConfig) -> None:
