@@ -24,10 +24,13 @@ __all__ = [
 
 @dataclass(frozen=True, kw_only=True)
 class GPTConfig:
+    """The reference GPT's shape. The defaults are `plait train`'s (`plait.config.ModelConfig`:
+    4 layers, hidden 128, 4 heads, 64 tokens), with the stdlib corpus's 96 characters."""
+
     vocab_size: int = 96
     seq_len: int = 64
     num_layers: int = 4
-    hidden: int = 64
+    hidden: int = 128
     num_heads: int = 4
     ffn_hidden: int | None = None  # default 4 × hidden
     dropout: float = 0.0

@@ -18,6 +18,7 @@ from plait.mesh import init_worker, restart_count
 from plait.runtime import StepResult
 from plait.train.checkpointing import resume, save
 from plait.train.engine import Engine, StepReport, parallelize
+from plait.train.environment import run_environment
 from plait.train.logs import RecentSteps, RunLogger, setup
 from plait.train.optim import optimizer_factory, scheduler_factory
 from plait.train.profiling import StepProfiler
@@ -61,12 +62,16 @@ def train_worker(
                            scheduler_factory=scheduler_factory(cfg),
                            compile=cfg.compile)  # fmt: skip
 
+    record = _model_record(model)  # checkpoints carry it: exports rebuild the model from it
     engine = build(cfg.parallel)
     moving = repartitioner(cfg, model, build)
     store, start = _checkpoints(cfg, engine, Path(run_dir))
     window = engine.schedule
     group = window.num_microbatches // max(1, window.updates_per_window)
-    log = RunLogger(Path(run_dir), cfg, group, start=start) if env.rank == 0 else None
+    log = None
+    if env.rank == 0:
+        log = RunLogger(Path(run_dir), cfg, group, start=start,
+                        environment=run_environment(device))  # fmt: skip
     recent = RecentSteps(cfg.trace_steps)  # every rank: rank 0 draws them at the end
     profiler = StepProfiler(cfg.profile_steps, Path(run_dir), env.rank, device)
     times: list[float] = []
@@ -76,18 +81,22 @@ def train_worker(
     for step in range(start, cfg.max_steps):
         batch = task.batch(step)
         profiler.tick(step)
+        lr = _learning_rate(engine)  # the one this step's update uses
         t0 = time.perf_counter()
         report = padded_step(engine, batch, slowdown)  # an engine.step (padded: --cluster)
         times.append(time.perf_counter() - t0)
         if moving is not None:  # between steps: the next one may run on another partition
-            engine = moving.after_step(engine, report, step)
+            before, engine = engine, moving.after_step(engine, report, step)
+            if log is not None and engine is not before:
+                log.restarted(step + 1)
         recent.add(step, report.result)
         if due(cfg, step + 1):
             val = validate(engine, task, cfg, step, whole=step + 1 == cfg.max_steps)
         if log is not None:
-            log.step(step, report, times[-1], val if val is not None and val.step == step else None)
+            log.step(step, report, times[-1], val if val is not None and val.step == step else None,
+                     lr=lr, peak_memory_bytes=peak_memory_bytes(device))  # fmt: skip
         if store is not None:
-            _maybe_save(cfg, engine, store, step + 1, log)
+            _maybe_save(cfg, engine, store, step + 1, log, record)
     drained = engine.drain()  # an asynchronous pipeline's last backwards and updates
     profiler.close()
     if log is not None:
@@ -138,7 +147,12 @@ def _checkpoints(
 
 
 def _maybe_save(
-    cfg: TrainConfig, engine: Engine, store: CheckpointStore, done: int, log: RunLogger | None
+    cfg: TrainConfig,
+    engine: Engine,
+    store: CheckpointStore,
+    done: int,
+    log: RunLogger | None,
+    record: dict[str, Any] | None = None,
 ) -> None:
     """Save after `done` steps when the cadence says so, and after the last step (a later
     run with more steps resumes there); otherwise publish a save that has finished."""
@@ -146,10 +160,11 @@ def _maybe_save(
     if every is None or (done % every and done < cfg.max_steps):
         store.poll()
         return
-    info = {"plan": cfg.to_dict()["parallel"], "config": cfg.to_dict()}
+    info = {"plan": cfg.to_dict()["parallel"], "config": cfg.to_dict(), "model": record}
     drained = save(engine, store, done, info)
     if drained is not None and log is not None:
         log.updates(done - 1, drained)
+        log.restarted(done)  # the stream restarted: its micro-batch ids begin at 0 again
 
 
 def _planned(
@@ -213,3 +228,17 @@ def _sample(engine: Engine, task: Task, rank: int, num_params: int) -> str:
         )
     full = gathered_model(engine, task, engine.plan.partition, rank, device=engine.device)
     return task.sample(full) if full is not None else ""
+
+
+def _model_record(model: nn.Module) -> dict[str, Any] | None:
+    from plait.models.record import model_record
+
+    return model_record(model)
+
+
+def _learning_rate(engine: Engine) -> float | None:
+    """The learning rate of this rank's first stage (every stage follows one schedule)."""
+    for stage in sorted(engine.optimizers):
+        groups = engine.optimizers[stage].param_groups
+        return float(groups[0]["lr"]) if groups else None
+    return None

@@ -80,8 +80,13 @@ def estimate_memory(cfg: TrainConfig, nproc: int) -> MemoryEstimate | None:
     m, par = cfg.model, cfg.parallel
     if m.name not in ("gpt", "hf-gpt2", "hf-llama") or cfg.data not in _VOCAB:
         return None
+    vocab = _VOCAB[cfg.data]
+    if cfg.init_from is not None:  # the pretrained model's vocabulary, however small the data's
+        from plait.pretrained import read_pretrained
+
+        vocab = read_pretrained(cfg.init_from).vocab_size
     spec = GPTSpec(num_layers=m.layers, hidden=m.hidden, num_heads=m.heads, seq_len=m.seq_len,
-                   vocab_size=_VOCAB[cfg.data], ffn_hidden=m.ffn_hidden or 0,
+                   vocab_size=vocab, ffn_hidden=m.ffn_hidden or 0,
                    dropout=m.dropout)  # fmt: skip
     optimizer: Optimizer = "adam" if cfg.optimizer == "adamw" else "sgd"
     if cfg.plan == "auto":

@@ -74,33 +74,61 @@ def task_from_config(cfg: TrainConfig) -> Task:
 
 
 def _language_task(cfg: TrainConfig) -> Task:
-    from plait.data import SyntheticTokens, stdlib_corpus
+    from plait.train.language import language_data
 
     m = cfg.model
-    data: Any = (
-        stdlib_corpus()
-        if cfg.data == "stdlib"
-        else SyntheticTokens(vocab=64, seq_len=m.seq_len, size=4096, seed=cfg.seed)
-    )
-    vocab = data.vocab_size
-    build = _language_model(cfg, vocab)
+    found = language_data(cfg)
+    data = found.data
+    loss: Callable[..., torch.Tensor] = _moe_loss if m.name == "moe-gpt" else _lm_loss
+    if m.is_user_model:
+        user = _UserModel(m.name, found.vocab_size, m.seq_len)
+        build, loss = user.build, user.loss
+    else:
+        build = _language_model(cfg, found.vocab_size)
 
     def batch(step: int) -> Batch:
-        if cfg.data == "stdlib":  # the reference run's batches, unchanged
-            return data.batch(step, cfg.batch_size, m.seq_len, seed=cfg.seed)
-        return data.batch(step, cfg.batch_size)
+        if cfg.data == "synthetic":
+            return data.batch(step, cfg.batch_size)
+        return data.batch(step, cfg.batch_size, m.seq_len, seed=cfg.seed)
 
-    def validation() -> Iterator[Batch]:  # the corpus's held-out tail, by index
+    def validation() -> Iterator[Batch]:  # the data's held-out tail, by index
         for index in range(cfg.eval_batches):
             yield data.batch(index, cfg.batch_size, m.seq_len, seed=cfg.seed, split="validation")
 
     sample = None
-    if cfg.data == "stdlib" and cfg.sample_chars > 0:
-        sample = _text_sample(cfg, data)
-    loss = _moe_loss if m.name == "moe-gpt" else _lm_loss
+    if found.characters and cfg.sample_chars > 0 and m.known_blocks:
+        sample = _text_sample(cfg, data if cfg.data == "stdlib" else _corpus_codec())
     return Task(build=build, batch=batch, loss=loss, seed=cfg.seed, sample=sample,
                 num_heads=m.heads, seq_len=m.seq_len,
-                validation=validation if cfg.data == "stdlib" else None)  # fmt: skip
+                validation=validation if found.has_validation else None)  # fmt: skip
+
+
+def _corpus_codec() -> Any:
+    """The character corpus's encode/decode (a sample of a model trained on characters)."""
+    from plait.data import CharCorpus
+    from plait.data.corpus import _ALPHABET
+
+    return CharCorpus(torch.empty(0, dtype=torch.long), _ALPHABET)
+
+
+class _UserModel:
+    """A MODULE:FACTORY model (`plait.models.user`): `build` makes it, `loss` is the loss the
+    factory gave with the last model built (next-token cross-entropy when none)."""
+
+    def __init__(self, spec: str, vocab_size: int, seq_len: int) -> None:
+        self.spec, self.vocab_size, self.seq_len = spec, vocab_size, seq_len
+        self.own_loss: Callable[..., torch.Tensor] | None = None
+
+    def build(self) -> nn.Module:
+        from plait.models.user import build_user_model
+
+        model, self.own_loss = build_user_model(
+            self.spec, vocab_size=self.vocab_size, seq_len=self.seq_len
+        )
+        return model
+
+    def loss(self, output: Any, targets: torch.Tensor) -> torch.Tensor:
+        return (self.own_loss or _lm_loss)(output, targets)
 
 
 def _lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -117,6 +145,11 @@ def _moe_loss(out: tuple[torch.Tensor, torch.Tensor], targets: torch.Tensor) -> 
 
 def _language_model(cfg: TrainConfig, vocab: int) -> Callable[[], nn.Module]:
     m = cfg.model
+    if cfg.init_from is not None:  # the folder's model and weights, whole before any cut
+        from plait.models.hf_io import load_pretrained
+
+        path = cfg.init_from
+        return lambda: load_pretrained(path)
     if m.name == "gpt":
         from plait.models import GPT
 
