@@ -25,7 +25,8 @@ class DGCOptions:
     momentum factor masking, local gradient clipping (at the run's clip threshold ×
     N^-1/2, or `clip`), and the sparsity warm-up over `warmup_steps` steps; and
     `dense_vectors`, the authors' code's choice of all-reducing tensors of one dimension
-    whole (the paper sparsifies every layer)."""
+    whole (the paper sparsifies every layer), and `global_topk`, one top-k over each
+    bucket instead of one per tensor (Shi et al., ICDCS 2019, "gTop-k")."""
 
     correction: bool = True
     masking: bool = True
@@ -33,6 +34,7 @@ class DGCOptions:
     warmup_steps: int = _DGC_WARMUP
     clip: float | None = None
     dense_vectors: bool = False
+    global_topk: bool = False
 
     def __str__(self) -> str:
         parts = [f"no-{name}" for name in DGC_OPTIONS[:3] if not getattr(self, name)]
@@ -42,6 +44,8 @@ class DGCOptions:
             parts.append(f"clip={self.clip:g}")
         if self.dense_vectors:
             parts.append("dense-vectors")
+        if self.global_topk:
+            parts.append("global-topk")
         return "".join(f":{p}" for p in parts)
 
 
@@ -68,7 +72,8 @@ def parse_compression(text: str) -> Compression:
     """`none`, `fp16`, `bf16`, `powersgd:RANK`, `threshold:TAU`, `topk:RATIO`, `sign` or
     `dgc:RATIO[:OPTION...]` (RATIO the share of entries sent, `0.001`, or the factor
     fewer, `1000x`; OPTION `no-correction`, `no-masking`, `no-clipping`, `no-warmup`,
-    `warmup=STEPS`, `clip=NORM` or `dense-vectors`: see `plait.parallel.dgc`)."""
+    `warmup=STEPS`, `clip=NORM`, `dense-vectors` or `global-topk`: see
+    `plait.parallel.dgc`)."""
     method, _, arg = str(text).partition(":")
     usage = "none, fp16, bf16, powersgd:RANK, threshold:TAU, topk:RATIO, sign or dgc:RATIO"
     if method not in METHODS:
@@ -120,12 +125,13 @@ def _parse_dgc(text: str, arg: str) -> Compression:
             fields.update({"warmup_steps": 0} if name == "warmup" else {name: False})
         elif eq and key in ("warmup", "clip"):
             fields.update(_dgc_number(text, key, number))
-        elif option == "dense-vectors":
-            fields["dense_vectors"] = True
+        elif option in ("dense-vectors", "global-topk"):
+            fields[option.replace("-", "_")] = True
         else:
             raise ValueError(
                 f"compress={text!r}: unknown dgc option {option!r}; give no-correction, "
-                "no-masking, no-clipping, no-warmup, warmup=STEPS, clip=NORM or dense-vectors"
+                "no-masking, no-clipping, no-warmup, warmup=STEPS, clip=NORM, dense-vectors "
+                "or global-topk"
             )
     return Compression("dgc", value, DGCOptions(**fields))  # type: ignore[arg-type]
 

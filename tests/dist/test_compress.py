@@ -170,10 +170,7 @@ def _emulate_dgc(spec: str, world: int) -> list[list[torch.Tensor]]:
                     continue
                 u[r][i] = mu * u[r][i] + g
                 v[r][i] = v[r][i] + (u[r][i] if o.correction else g)
-                k = math.ceil(share * g.numel())
-                keep = torch.zeros(g.numel(), dtype=torch.bool)
-                keep[v[r][i].reshape(-1).abs().argsort(descending=True)[:k]] = True
-                keep = keep.view(g.shape)
+            for i, keep in _top(v[r], sparse, share, whole=o.global_topk).items():
                 mean[i] += torch.where(keep, v[r][i], 0.0) / world
                 v[r][i] = torch.where(keep, 0.0, v[r][i])
                 if o.correction and o.masking:
@@ -186,8 +183,34 @@ def _emulate_dgc(spec: str, world: int) -> list[list[torch.Tensor]]:
     return out
 
 
+def _top(
+    v: list[torch.Tensor], sparse: list[bool], share: float, *, whole: bool
+) -> dict[int, torch.Tensor]:
+    """Per sparse tensor, the mask of its entries sent: each tensor's ⌈share·n⌉ largest
+    |v|, or (`whole`, gTop-k) the ⌈share·N⌉ largest over all of them together."""
+    ids = [i for i, s in enumerate(sparse) if s]
+    if not whole:
+        out = {}
+        for i in ids:
+            keep = torch.zeros(v[i].numel(), dtype=torch.bool)
+            keep[
+                v[i].reshape(-1).abs().argsort(descending=True)[: math.ceil(share * v[i].numel())]
+            ] = True
+            out[i] = keep.view(v[i].shape)
+        return out
+    flat = torch.cat([v[i].reshape(-1) for i in ids])
+    keep = torch.zeros(flat.numel(), dtype=torch.bool)
+    keep[flat.abs().argsort(descending=True)[: math.ceil(share * flat.numel())]] = True
+    out, offset = {}, 0
+    for i in ids:
+        out[i] = keep[offset : offset + v[i].numel()].view(v[i].shape)
+        offset += v[i].numel()
+    return out
+
+
 DGC_SPECS = ("dgc:0.05:warmup=2:clip=0.4", "dgc:20x:no-masking:no-warmup:clip=0.2",
-             "dgc:0.1:no-correction:no-clipping:warmup=3", "dgc:0.05:warmup=2:dense-vectors")  # fmt: skip
+             "dgc:0.1:no-correction:no-clipping:warmup=3", "dgc:0.05:warmup=2:dense-vectors",
+             "dgc:0.05:warmup=2:global-topk:clip=0.4")  # fmt: skip
 
 
 def _close(

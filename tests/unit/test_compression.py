@@ -19,6 +19,7 @@ VALID = {
     "topk:0.5": Compression("topk", 0.5),
     "sign": Compression("sign"),
     "dgc:0.001": Compression("dgc", 0.001, DGCOptions()),
+    "dgc:0.001:global-topk": Compression("dgc", 0.001, DGCOptions(global_topk=True)),
     "dgc:0.01:no-masking:warmup=40": Compression(
         "dgc", 0.01, DGCOptions(masking=False, warmup_steps=40)
     ),

@@ -18,12 +18,16 @@ to momentum SGD (§3 of the paper):
   25%, 6.25%, 1.5625%, ... (sparsity 75%, 93.75%, 98.4375%, ...), one stage per equal
   part of the warm-up, until the next stage would reach RATIO; then RATIO.
 
-Every tensor is sparsified, as the paper's Algorithm 1 does layer by layer; the option
-`dense-vectors` follows the authors' code instead (github.com/synxlin/deep-gradient-
-compression compresses only tensors of more than one dimension): biases and norm weights
-are then all-reduced whole and their momentum applied after the average. The sparse
-entries travel as an all-gather of k int32 indices and k fp32 values per rank, k the sum
-over tensors of ⌈share · entries⌉.
+Every tensor is sparsified, as the paper's Algorithm 1 does layer by layer (its own top
+k of its entries); `global-topk` selects over the whole bucket instead (the k largest of
+all its entries, as Shi et al.'s gTop-k, ICDCS 2019, does over the model), which sends
+the same number of entries but lets the layers with the largest accumulated updates take
+more of them. The option `dense-vectors` follows the authors' code instead (their
+github.com/synxlin/deep-gradient-compression compresses only tensors of more than one
+dimension): biases and norm weights are then all-reduced whole and their momentum
+applied after the average. The sparse entries travel as an all-gather of k int32 indices
+and k fp32 values per rank, k the sum over tensors of ⌈share · entries⌉ (with
+`global-topk`, ⌈share · the bucket's entries⌉).
 
 Written here because torch ships no DGC hook. Its state is training state: the velocity
 (the residual of `ErrorFeedback`), the momentum and the step count per bucket, saved in
@@ -148,7 +152,7 @@ def dgc_hook(state: DGCState, bucket: Any) -> torch.futures.Future[torch.Tensor]
             velocity[where] += momentum[where]
         else:
             velocity[where] += grad[where]
-        out += _sparse(state, index, layout.segments, velocity, momentum) / world
+        out += _sparse(state, index, layout, velocity, momentum) / world
     state.steps[index] = state.steps.get(index, 0) + 1
     return _done(bucket, out)
 
@@ -167,21 +171,24 @@ def _dense(
 
 
 def _sparse(
-    state: DGCState,
-    index: int,
-    segments: list[tuple[int, int]],
-    velocity: torch.Tensor,
-    momentum: torch.Tensor,
+    state: DGCState, index: int, layout: _Layout, velocity: torch.Tensor, momentum: torch.Tensor
 ) -> torch.Tensor:
     """The ranks' sum of their top-k velocity entries, k chosen per tensor (the paper's
-    per-layer threshold); the entries sent are zeroed in the velocity (and momentum)."""
+    per-layer threshold) or over the bucket (`global-topk`); the entries sent are zeroed
+    in the velocity (and momentum)."""
+    segments, where = layout.segments, layout.sparse
     share = dgc_share(float(state.value or 1.0), state.options.warmup_steps,
                       state.steps.get(index, 0))  # fmt: skip
-    picked = []
-    for offset, n in segments:
-        k = min(n, max(1, math.ceil(share * n)))
-        picked.append(velocity[offset : offset + n].abs().topk(k, sorted=False).indices + offset)
-    chosen = torch.cat(picked)
+    if state.options.global_topk:  # one selection over the bucket's sparse entries
+        k = min(where.numel(), max(1, math.ceil(share * where.numel())))
+        chosen = where[velocity[where].abs().topk(k, sorted=False).indices]
+    else:
+        picked = []
+        for offset, n in segments:
+            k = min(n, max(1, math.ceil(share * n)))
+            top = velocity[offset : offset + n].abs().topk(k, sorted=False).indices
+            picked.append(top + offset)
+        chosen = torch.cat(picked)
     values = velocity[chosen].clone()
     velocity[chosen] = 0.0
     if state.options.correction and state.options.masking:
