@@ -71,4 +71,4 @@ def test_2bw_updates_the_newest_weights_with_the_gradient_of_the_version_before(
         old = w[max(t - 1, 0)]
         grad = sum(2 * (old * xs[k] - ys[k]) * xs[k] for k in range(t * m, (t + 1) * m)) / m
         w.append(w[t] - lr * grad)
-    assert math.isclose(float(model[0].weight), w[-1], rel_tol=1e-6)
+    assert math.isclose(float(model[0].weight.detach()), w[-1], rel_tol=1e-6)
