@@ -58,6 +58,7 @@ SHORTEST = {
     "bench hetpipe": ["--workers", "2", "--slow", "1", "--steps", "2", "--turn", "1",
                       "--window", "1", *_TINY, "--heads", "2", "--batch-size", "8"],
     "experiment staleness": ["--stages", "1,2", "--microbatches", "2", "--budget", "4"],
+    "experiment convergence": ["--quick", "--sections", "image"],
     # the measured halves train for real in tests/dist/test_experiment_seeds.py
     "experiment dp-vs-gpipe": ["--predict-only"],
     "experiment data-movement": ["--predict-only", "--models", "mobilenet_v2"],

@@ -379,7 +379,8 @@ class ParallelPlan:
         default="none",
         metadata={
             "help": "gradient compression of the data-parallel reduction: none, fp16, bf16, "
-            "powersgd:RANK, threshold:TAU, topk:RATIO or sign (ZeRO-2/3: fp16, bf16 only)",
+            "powersgd:RANK, threshold:TAU, topk:RATIO, sign or dgc:RATIO (Deep Gradient "
+            "Compression, e.g. dgc:0.001 or dgc:1000x; ZeRO-2/3: fp16, bf16 only)",
             "metavar": "METHOD",
         },
     )

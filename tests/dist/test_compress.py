@@ -1,7 +1,7 @@
 """Compressed data-parallel reductions: each hook's result equals its definition.
 
 torch's hooks (fp16, bf16, PowerSGD) are compared with DDP running the same hook on the
-same gradients; plait's (threshold, top-k, sign) with an emulator written here from the
+same gradients; plait's (threshold, top-k, sign, DGC) with an emulator written here from the
 papers' definitions, over several steps so the error feedback matters; error feedback is
 exact (what was sent plus the residual is what was given).
 """
@@ -44,6 +44,8 @@ def _reduced(
     """Per step, the averaged gradients plait's reducer leaves on the parameters."""
     params = _params()
     hook, state = hook_for(spec, group) or (None, None)
+    if spec.startswith("dgc"):  # what `take_momentum` hands over from SGD (momentum 0.9)
+        state.momentum = MU
     reducer = GradReducer(
         {0: params}, group, hook=hook, hook_state=state, bucket_bytes=bucket_bytes
     )
@@ -127,6 +129,90 @@ def _emulate(spec: str, world: int) -> list[list[torch.Tensor]]:
     return out
 
 
+MU = 0.9  # DGC's momentum in the tests
+
+
+def _dgc_share(ratio: float, warmup: int, step: int) -> float:
+    """Lin et al. §3.3's warm-up, written out: 25%, 6.25%, ... of the entries, one stage per
+    equal part of the warm-up, the stages those above `ratio`; then `ratio`."""
+    shares = [0.25**e for e in range(1, 20) if 0.25**e > ratio]
+    if step >= warmup or not shares:
+        return ratio
+    return shares[step * len(shares) // warmup]
+
+
+def _emulate_dgc(spec: str, world: int) -> list[list[torch.Tensor]]:
+    """Deep Gradient Compression (Lin et al., ICLR 2018) in one process: per rank, the
+    gradient clipped to clip/√N, momentum u ← μu + g and velocity v ← v + u, each tensor's
+    top-k of |v| sent and zeroed in v and u (`dense-vectors`: vectors averaged whole, their
+    momentum applied after the average); the result is the mean of what the ranks sent."""
+    c = parse_compression(spec)
+    o = c.dgc
+    assert o is not None
+    shapes = list(reversed(SHAPES))  # the reducer's bucket holds them in reverse order
+    sparse = [len(sh) > 1 or not o.dense_vectors for sh in shapes]
+    mu = MU if o.correction else 0.0
+    u = [[torch.zeros(sh) for sh in shapes] for _ in range(world)]
+    v = [[torch.zeros(sh) for sh in shapes] for _ in range(world)]
+    u_dense = [torch.zeros(sh) for sh in shapes]
+    out = []
+    for step in range(STEPS):
+        share = _dgc_share(float(c.value), o.warmup_steps, step)  # type: ignore[arg-type]
+        mean = [torch.zeros(sh) for sh in shapes]
+        for r in range(world):
+            gs = list(reversed(_grads(r, step)))
+            if o.clipping and o.clip is not None:
+                norm = float(torch.cat([g.reshape(-1) for g in gs]).norm())
+                gs = [g * min(1.0, o.clip / math.sqrt(world) / (norm + 1e-6)) for g in gs]
+            for i, g in enumerate(gs):
+                if not sparse[i]:
+                    mean[i] += g / world
+                    continue
+                u[r][i] = mu * u[r][i] + g
+                v[r][i] = v[r][i] + (u[r][i] if o.correction else g)
+            for i, keep in _top(v[r], sparse, share, whole=o.global_topk).items():
+                mean[i] += torch.where(keep, v[r][i], 0.0) / world
+                v[r][i] = torch.where(keep, 0.0, v[r][i])
+                if o.correction and o.masking:
+                    u[r][i] = torch.where(keep, 0.0, u[r][i])
+        for i in range(len(shapes)):
+            if not sparse[i] and o.correction:
+                u_dense[i] = mu * u_dense[i] + mean[i]
+                mean[i] = u_dense[i]
+        out.append(list(reversed(mean)))
+    return out
+
+
+def _top(
+    v: list[torch.Tensor], sparse: list[bool], share: float, *, whole: bool
+) -> dict[int, torch.Tensor]:
+    """Per sparse tensor, the mask of its entries sent: each tensor's ⌈share·n⌉ largest
+    |v|, or (`whole`, gTop-k) the ⌈share·N⌉ largest over all of them together."""
+    ids = [i for i, s in enumerate(sparse) if s]
+    if not whole:
+        out = {}
+        for i in ids:
+            keep = torch.zeros(v[i].numel(), dtype=torch.bool)
+            keep[
+                v[i].reshape(-1).abs().argsort(descending=True)[: math.ceil(share * v[i].numel())]
+            ] = True
+            out[i] = keep.view(v[i].shape)
+        return out
+    flat = torch.cat([v[i].reshape(-1) for i in ids])
+    keep = torch.zeros(flat.numel(), dtype=torch.bool)
+    keep[flat.abs().argsort(descending=True)[: math.ceil(share * flat.numel())]] = True
+    out, offset = {}, 0
+    for i in ids:
+        out[i] = keep[offset : offset + v[i].numel()].view(v[i].shape)
+        offset += v[i].numel()
+    return out
+
+
+DGC_SPECS = ("dgc:0.05:warmup=2:clip=0.4", "dgc:20x:no-masking:no-warmup:clip=0.2",
+             "dgc:0.1:no-correction:no-clipping:warmup=3", "dgc:0.05:warmup=2:dense-vectors",
+             "dgc:0.05:warmup=2:global-topk:clip=0.4")  # fmt: skip
+
+
 def _close(
     a: list[list[torch.Tensor]], b: list[list[torch.Tensor]], what: str, **tol: float
 ) -> None:
@@ -159,6 +245,12 @@ def _check(rank: int, world: int) -> None:
     # plait's hooks against the definitions
     for spec in ("threshold:0.04", "topk:0.1", "sign"):
         expected = _emulate(spec, world)
+        for attached in (True, False):
+            _close(
+                _reduced(spec, rank, group, attached=attached), expected, spec, rtol=1e-6, atol=1e-6
+            )
+    for spec in DGC_SPECS:
+        expected = _emulate_dgc(spec, world)
         for attached in (True, False):
             _close(
                 _reduced(spec, rank, group, attached=attached), expected, spec, rtol=1e-6, atol=1e-6

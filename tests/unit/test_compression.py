@@ -7,7 +7,7 @@ import math
 import pytest
 
 from plait.cluster import Device, Link
-from plait.compression import Compression, parse_compression
+from plait.compression import Compression, DGCOptions, parse_compression
 from plait.cost import AxisLinks
 from plait.cost.compress import compressed_sync_time, wire_bytes
 
@@ -18,6 +18,16 @@ VALID = {
     "threshold:0.01": Compression("threshold", 0.01),
     "topk:0.5": Compression("topk", 0.5),
     "sign": Compression("sign"),
+    "dgc:0.001": Compression("dgc", 0.001, DGCOptions()),
+    "dgc:0.001:global-topk": Compression("dgc", 0.001, DGCOptions(global_topk=True)),
+    "dgc:0.01:no-masking:warmup=40": Compression(
+        "dgc", 0.01, DGCOptions(masking=False, warmup_steps=40)
+    ),
+    "dgc:0.5:no-correction:no-clipping:no-warmup:clip=2:dense-vectors": Compression(
+        "dgc",
+        0.5,
+        DGCOptions(correction=False, clipping=False, warmup_steps=0, clip=2.0, dense_vectors=True),
+    ),
 }
 
 
@@ -31,12 +41,35 @@ def test_valid_settings_parse_and_print_back(text: str, parsed: Compression) -> 
     "text, says",
     [("gzip", "unknown method"), ("powersgd", "powersgd:RANK"), ("powersgd:0", "RANK"),
      ("powersgd:1.5", "whole number"), ("threshold:-1", "positive"), ("threshold:inf", "positive"),
-     ("topk:2", "(0, 1]"), ("topk:x", "must be a number"), ("fp16:3", "takes no parameter")],
+     ("topk:2", "(0, 1]"), ("topk:x", "must be a number"), ("fp16:3", "takes no parameter"),
+     ("dgc", "dgc:RATIO"), ("dgc:0", "(0, 1]"), ("dgc:0.5x", "factor >= 1"),
+     ("dgc:x", "a number (0.001) or a factor (1000x)"), ("dgc:0.1:fast", "unknown dgc option"),
+     ("dgc:0.1:warmup=2.5", "whole number"), ("dgc:0.1:clip=-1", "positive")],
 )  # fmt: skip
 def test_bad_settings_say_what_and_how(text: str, says: str) -> None:
     with pytest.raises(ValueError, match=r"compress=") as err:
         parse_compression(text)
     assert says in str(err.value)
+
+
+def test_dgc_takes_a_factor_as_well_as_a_share() -> None:
+    assert parse_compression("dgc:1000x") == parse_compression("dgc:0.001")
+    assert parse_compression("dgc:4x").value == 0.25
+
+
+def test_dgc_s_sparsity_warm_up_is_the_paper_s_exponential_ramp() -> None:
+    """Lin et al. 2018 §3.3: sparsity 75%, 93.75%, 98.4375%, 99.6% over the warm-up's four
+    parts, then 99.9% (ratio 0.001: four stages before 0.25^5 < 0.001)."""
+    from plait.parallel.dgc import dgc_share
+
+    shares = [dgc_share(0.001, 20, step) for step in range(25)]
+    ramp = [1 - 0.75, 1 - 0.9375, 1 - 0.984375, 1 - 0.99609375]
+    assert shares == [x for x in ramp for _ in range(5)] + [0.001] * 5
+    assert [dgc_share(0.01, 6, s) for s in range(7)] == [0.25] * 2 + [0.0625] * 2 + [
+        0.015625
+    ] * 2 + [0.01]  # three stages before 0.25^4 < 0.01, two steps each
+    assert dgc_share(0.3, 10, 0) == 0.3  # nothing to ramp: 0.25 < 0.3
+    assert dgc_share(0.001, 0, 0) == 0.001  # no warm-up
 
 
 N = 10_000_000  # gradient entries
@@ -47,6 +80,12 @@ def test_wire_bytes_follow_each_method_s_encoding() -> None:
     assert wire_bytes("bf16", N, dp=4) == 2 * N
     assert wire_bytes("sign", N, dp=4) == math.ceil(N / 8) + 4
     assert wire_bytes("topk:0.01", N, dp=4) == math.ceil(0.01 * N) * 8
+    # DGC: the top 0.1% as index and value; with dense-vectors the matrices' top 0.1%, the
+    # other entries all-reduced whole
+    shapes = [(1000, 9000)]
+    assert wire_bytes("dgc:0.001", N, dp=4, matrices=shapes) == math.ceil(0.001 * N) * 8
+    dense = wire_bytes("dgc:0.001:dense-vectors", N, dp=4, matrices=shapes)
+    assert dense == 9000 * 8 + 1_000_000 * 4
     assert wire_bytes("threshold:0.1", N, dp=4, density=0.001) == 8 + math.ceil(0.001 * N) * 4
     # PowerSGD rank 2 on one 1000 x 10000 matrix: P (1000·2) and Q (10000·2) in fp32
     assert wire_bytes("powersgd:2", N, dp=4, matrices=[(1000, 10_000)]) == (2000 + 20_000) * 4

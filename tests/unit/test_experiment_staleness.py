@@ -30,7 +30,7 @@ TINY: dict[str, Any] = {
 }
 RUN_KEYS = {"schedule", "stages", "updates_to_target", "samples_to_target", "epochs_to_target",
             "final_val_loss", "best_val_loss", "curve"}  # fmt: skip
-POINT_KEYS = {"microbatches", "samples", "updates", "epochs", "val_loss"}
+POINT_KEYS = {"microbatches", "samples", "updates", "epochs", "val_loss", "val_accuracy", "time"}
 
 
 @pytest.fixture(scope="module")

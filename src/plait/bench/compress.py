@@ -8,11 +8,16 @@ registered. The runs take turns every step (the order rotates) so machine noise 
 all alike. Per method: `bytes_sent_per_step`, counted by wrapping torch.distributed's
 collectives in each worker and adding up the bytes of the tensors each rank hands them
 (an all-reduce's buffer, an all-gather's input; plait's step also all-reduces each
-micro-batch's loss and count, 8 bytes); `step_s`, the median step; `loss`, the mean
-training loss of the last 5 steps, and `loss_vs_none`; for fp16 and PowerSGD,
-`ddp_step_s` and `ratio_vs_ddp_hook` (plait's step / DDP's, same hook; below 1 is
-faster), and for `none` the same ratio against DDP's own all-reduce, the control for
-what plait's step costs besides the hook.
+micro-batch's loss and count, 8 bytes), the median over the steps after `--warmup`, and
+`bytes_vs_none` (that over `none`'s; `bytes_vs_none_total` compares the means over every
+step instead, PowerSGD's plain first steps and DGC's sparsity warm-up included); `step_s`,
+the median step; `loss`, the mean training loss of the last 5 steps, and `loss_vs_none`;
+`curve`, every step's loss and end (seconds from the first step, the slowest rank's);
+for fp16 and PowerSGD, `ddp_step_s` and `ratio_vs_ddp_hook` (plait's step / DDP's, same
+hook; below 1 is faster), and for `none` the same ratio against DDP's own all-reduce, the
+control for what plait's step costs besides the hook. `threshold_claim` checks seed 000's claim for
+Ström's method (a threshold setting with `bytes_vs_none` <= 0.01 and `loss_vs_none` <=
+1.02), `claim` the same for any method (DGC, Lin et al. 2018, claims 270-600×).
 
 Limits: on a CPU the workers share its cores with gloo's collectives, so the time a
 method saves on the wire is small next to a fast local link; the bytes carry over to
@@ -24,6 +29,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import itertools
 import math
 import statistics
 from collections.abc import Iterator
@@ -47,7 +53,7 @@ class CompressBenchConfig:
     workers: tuple[int, ...] = (2, 4)
     methods: tuple[str, ...] = (
         "none", "fp16", "bf16", "powersgd:4", "threshold:0.005", "threshold:0.05", "topk:0.01",
-        "sign",
+        "sign", "dgc:0.001", "dgc:0.001:global-topk",
     )  # fmt: skip
     num_steps: int = 100
     num_warmup: int = 3
@@ -101,6 +107,7 @@ def run_bench(config: CompressBenchConfig) -> dict[str, Any]:
         reports = [per_rank[r] for r in sorted(per_rank)]
         out["workers"][str(w)] = _summarise(config, reports)
     out["threshold_claim"] = _claim(out)
+    out["claim"] = _any_claim(out)
     return out
 
 
@@ -108,17 +115,29 @@ def _claim(out: dict[str, Any]) -> dict[str, Any]:
     """Seed 000's claim for Ström's method, checked on each worker count: the threshold
     setting that sends at least 100× fewer bytes than the fp32 all-reduce, and whether its
     loss is within 2% of the uncompressed run's."""
+    return _best(out, "threshold:")
+
+
+def _any_claim(out: dict[str, Any]) -> dict[str, Any]:
+    """The same claim for any method (DGC's 270–600× with no loss, Lin et al. 2018): the
+    method sending at least 100× fewer bytes with the lowest loss, per worker count."""
+    return _best(out, "")
+
+
+def _best(out: dict[str, Any], prefix: str) -> dict[str, Any]:
     found: dict[str, Any] = {}
     for w, res in out["workers"].items():
-        runs = {m: r for m, r in res["methods"].items() if m.startswith("threshold:")}
+        runs = {m: r for m, r in res["methods"].items() if m.startswith(prefix)}
         sparse = [(m, r) for m, r in runs.items() if r["bytes_vs_none"] <= 0.01]
         if not sparse:
-            found[w] = {"method": None, "why": "no threshold setting sent 100x fewer bytes"}
+            what = f"{prefix.rstrip(':')} setting" if prefix else "method"
+            found[w] = {"method": None, "why": f"no {what} sent 100x fewer bytes"}
             continue
         m, r = min(sparse, key=lambda mr: mr[1]["loss_vs_none"])
         found[w] = {
             "method": m,
             "fewer_bytes": 1 / r["bytes_vs_none"],
+            "fewer_bytes_with_warmup": 1 / r["bytes_vs_none_total"],
             "loss_vs_none": r["loss_vs_none"],
             "within_2_percent": r["loss_vs_none"] <= 1.02,
         }
@@ -136,15 +155,22 @@ def _summarise(config: CompressBenchConfig, reports: list[dict[str, Any]]) -> di
         if f"ddp:{peer}" in names:
             tails = [statistics.mean(r["losses"][f"ddp:{peer}"][-5:]) for r in reports]
             loss[f"ddp:{peer}"] = statistics.mean(tails)
+    # every step's end, from the first, as the slowest rank saw it (for curves in time)
+    ends = {n: list(itertools.accumulate(max(t) for t in zip(*(r["steps_s"][n] for r in reports),
+                                                               strict=True)))
+            for n in names}  # fmt: skip
     sent = {n: max(r["bytes"][n] for r in reports) for n in names}
+    total = {n: max(r["bytes_total"][n] for r in reports) for n in names}
     methods: dict[str, Any] = {}
     for m in config.methods:
         row = {
             "bytes_sent_per_step": sent[m],
             "bytes_vs_none": sent[m] / sent["none"],
+            "bytes_vs_none_total": total[m] / total["none"],
             "step_s": steps[m],
             "loss": loss[m],
             "loss_vs_none": loss[m] / loss["none"],
+            "curve": {"loss": reports[0]["losses"][m], "end_s": ends[m]},
         }
         peer = f"ddp:{m.split(':')[0]}"
         if peer in steps:
@@ -225,6 +251,7 @@ def _measure(
     out: dict[str, Any] = {
         "times": {n: [] for n in names},
         "losses": {n: [] for n in names},
+        "steps_s": {n: [] for n in names},
         "bytes": {},
         "num_params": sum(p.numel() for p in runners["none"].model.parameters()),
     }
@@ -239,10 +266,13 @@ def _measure(
             t = common.timed(functools.partial(runners[name].step, x, y))
             sent[name].append(_SENT[0] - before)
             out["losses"][name].append(t.value)
+            out["steps_s"][name].append(t.wall_s)
             if i >= config.num_warmup:
                 out["times"][name].append(t.wall_s)
-    # PowerSGD runs plain all-reduces for its first steps: count the steady state
+    # PowerSGD runs plain all-reduces for its first steps, DGC ramps its sparsity up: the
+    # steady state, and the whole run's mean beside it
     out["bytes"] = {n: statistics.median(s[config.num_warmup :]) for n, s in sent.items()}
+    out["bytes_total"] = {n: statistics.mean(s) for n, s in sent.items()}
     return out
 
 
@@ -362,9 +392,20 @@ def run(args: argparse.Namespace) -> int:
              f"{r['ratio_vs_ddp_hook']:.2f}" if "ratio_vs_ddp_hook" in r else "-"]
             for m, r in res["methods"].items()
         ]  # fmt: skip
+        claim = result["claim"][w]
+        said = (
+            claim["why"]
+            if not claim["method"]
+            else (
+                f"{claim['method']}: {claim['fewer_bytes']:.0f}× fewer bytes "
+                f"({claim['fewer_bytes_with_warmup']:.0f}× over the whole run), loss "
+                f"{claim['loss_vs_none']:.3f}× none's"
+            )
+        )
         common.print_table(
             f"gradient compression, {w} workers, {res['num_params']:,} parameters",
             ["method", "bytes/step", "fewer bytes", "step ms", "loss", "vs none", "vs DDP hook"],
             rows,
+            footer=f"100× fewer bytes, best loss: {said}",
         )
     return 0

@@ -26,20 +26,26 @@ rank's end of it:
   learning rate is scaled by its batch share, so the summed updates of a wave are one
   step's worth).
 
-Every configuration trains with AdamW. Under WSP each pipeline's AdamW normalises its
-own, noisier gradient, and the summed updates partly cancel where the pipelines disagree:
-smaller steps than AdamW on the averaged gradient, which costs WSP updates. (SGD would
-make WSP with D = 0 exactly synchronous, but SGD with momentum 0.9 diverged at D = 1 on
-this model at learning rates that train synchronously: stale momentum.)
+Every configuration trains with `--optimizer`: AdamW (default) or SGD with momentum 0.9.
+Under WSP each pipeline's AdamW normalises its own, noisier gradient, and the summed
+updates partly cancel where the pipelines disagree: smaller steps than AdamW on the
+averaged gradient, which costs WSP updates. (SGD without momentum would make WSP with
+D = 0 exactly synchronous; with momentum each pipeline's momentum sees only its own
+gradients, and a stale one.)
 
 Reported per configuration: `samples_per_s` (steps × batch over the turn's time),
-`updates_to_target_loss` (the first step whose loss, averaged over the last `--window`
-steps, is at most the target; a WSP step's loss is the share-weighted mean of the
-pipelines' own losses) and `seconds_to_target_loss` (when the slowest worker finished
-that step), and `speedup_vs_equal_dp`: equal data parallelism's seconds to the target
-over the best other configuration's. The target is `--target-loss`, or by default 0.1%
-above the loss `equal_dp` reaches at 3/4 of its steps (so that `hetero_sync`, which
-computes the same steps up to rounding, reaches it at the same step).
+`updates_to_target` (the first step whose loss, averaged over the last `--window` steps,
+is at most the target; a WSP step's loss is the share-weighted mean of the pipelines'
+own losses) and `seconds_to_target` (when the slowest worker finished that step), apart:
+the first is the convergence side (how many updates the configuration's arithmetic needs),
+the second adds its speed; `curve` holds every step's loss and end. `speedup_vs_equal_dp`
+is equal data parallelism's seconds to the target over the best other configuration's,
+`wsp_speedup_vs_equal_dp` the same for WSP alone. The target is `--target-loss`, or by
+default 0.1% above the loss `equal_dp` reaches at `--target-at` (1/2) of its steps, so
+that the synchronous runs reach it well before the end and WSP has the rest of the steps
+to. `hetero_sync` computes the same updates as `equal_dp` (up to rounding), so its
+`updates_to_target` equal `equal_dp`'s by construction and its speed-up is its throughput;
+what WSP's stale, summed updates cost is in WSP's `updates_to_target` alone.
 
 Limits: the emulated times are the cluster file's ratios, not a measured device's; the
 real arithmetic, reductions, updates and messages (on top of the emulated time, about a
@@ -71,6 +77,7 @@ class HetPipeBenchConfig:
     window: int = 5  # steps averaged for the loss that must reach the target
     turn: int = 10  # steps of one configuration before the next one's turn
     target_loss: float | None = None
+    target_at: float = 0.5  # the default target: equal dp's loss at this share of its steps
     layers: int = 2
     hidden: int = 64
     heads: int = 2
@@ -81,7 +88,8 @@ class HetPipeBenchConfig:
     # every configuration's micro-batch size (0: the planner's choice); fixed, so that the
     # configurations differ in their shares, not in how many micro-batches each runs
     micro_batch_size: int = 2
-    lr: float = 3e-3  # AdamW's (see the module docstring)
+    optimizer: str = "adamw"  # or "sgd" (momentum 0.9)
+    lr: float = 3e-3  # AdamW's (see the module docstring); SGD wants about 0.3 here
     # WSP's per-pipeline learning rate: lr × its batch share ("share": a wave's summed
     # updates are one step's worth) or lr ("same": the sum is dp steps' worth)
     wsp_lr: str = "share"
@@ -109,6 +117,10 @@ class HetPipeBenchConfig:
             raise ValueError(f"--slowdown {self.slowdown} must be >= 1 (times slower)")
         if self.window > self.steps:
             raise ValueError(f"--window {self.window} must be at most --steps {self.steps}")
+        if not 0 < self.target_at <= 1:
+            raise ValueError(f"--target-at {self.target_at} must lie in (0, 1], a share of steps")
+        if self.optimizer not in ("adamw", "sgd"):
+            raise ValueError(f"--optimizer {self.optimizer!r} must be adamw or sgd")
         if self.wsp_lr not in ("share", "same"):
             raise ValueError(f"--wsp-lr {self.wsp_lr!r} must be 'share' or 'same'")
         if self.staleness < 0:
@@ -192,11 +204,11 @@ def run_bench(config: HetPipeBenchConfig) -> dict[str, Any]:
     plan = planned_pipelines(config, config.vocab_size)
     per_rank = launch(_worker, config.workers, config, plan)
     runs = {name: _combine(name, [per_rank[r] for r in sorted(per_rank)]) for name in CONFIGS}
-    base = runs["equal_dp"]
     target = config.target_loss
-    if target is None:  # what equal data parallelism reaches at 3/4 of its steps
-        t = max(config.window, 3 * config.steps // 4)
-        target = 1.001 * sum(base.losses[t - config.window : t]) / config.window
+    if target is None:  # what equal data parallelism reaches at `target_at` of its steps
+        base = runs["equal_dp"].losses
+        t = max(config.window, round(config.target_at * config.steps))
+        target = 1.001 * sum(base[t - config.window : t]) / config.window
     out: dict[str, Any] = {"config": asdict(config), "target_loss": target,
                            "plan": {k: plan[k] for k in ("dp", "pp", "schedule", "rank_order",
                                                           "pipelines")}}  # fmt: skip
@@ -204,13 +216,19 @@ def run_bench(config: HetPipeBenchConfig) -> dict[str, Any]:
     for name, r in runs.items():
         updates, secs = r.to_target(target, config.window)
         seconds[name] = secs
+        tail = r.losses[-config.window :]
         out[name] = {"samples_per_s": r.samples_per_s(config.batch_size),
-                     "updates_to_target_loss": updates, "seconds_to_target_loss": secs,
-                     "final_loss": sum(r.losses[-config.window:]) / len(r.losses[-config.window:]),
-                     }  # fmt: skip
-    reached = [s for n, s in seconds.items() if n != "equal_dp" and s is not None]
+                     "updates_to_target": updates, "seconds_to_target": secs,
+                     "final_loss": sum(tail) / len(tail),
+                     "curve": {"loss": r.losses, "end_s": r.ends_s}}  # fmt: skip
     base_s = seconds["equal_dp"]
-    out["speedup_vs_equal_dp"] = base_s / min(reached) if reached and base_s else None
+
+    def speedup(names: tuple[str, ...]) -> float | None:
+        reached = [x for n in names if (x := seconds[n]) is not None]
+        return base_s / min(reached) if reached and base_s else None
+
+    out["speedup_vs_equal_dp"] = speedup(("hetero_sync", "wsp"))
+    out["wsp_speedup_vs_equal_dp"] = speedup(("wsp",))
     return out
 
 
@@ -286,6 +304,12 @@ def _trainer(config: HetPipeBenchConfig, plan: dict[str, Any], name: str, device
         pipeline = pipes.pipeline_of(rank)
         share = pipes.batch_shares()[pipeline]
     lr = config.lr * (share if config.wsp_lr == "share" else 1.0)
+
+    def optimizer(params: Any) -> torch.optim.Optimizer:
+        if config.optimizer == "sgd":
+            return torch.optim.SGD(params, lr=lr, momentum=0.9)
+        return torch.optim.AdamW(params, lr=lr)
+
     torch.manual_seed(config.seed)
     model = GPT(GPTConfig(vocab_size=config.vocab_size, seq_len=config.seq_len,
                           num_layers=config.layers, hidden=config.hidden,
@@ -293,8 +317,8 @@ def _trainer(config: HetPipeBenchConfig, plan: dict[str, Any], name: str, device
     slowdown = config.slowdown if rank >= config.workers - config.slow else 1.0
     if config.block_ms > 0:  # the hooks pace the blocks; no pad after the step
         EmulatedCompute(model, config.block_ms / 1000, slowdown, per_sample=True, slow=True)
-    engine = parallelize(model, layout, lambda ps: torch.optim.AdamW(ps, lr=lr), GPT.loss,
-                         device=device, grad_clip=None)  # fmt: skip
+    engine = parallelize(model, layout, optimizer, GPT.loss, device=device,
+                         grad_clip=None)  # fmt: skip
     return _Trainer(engine, slowdown if config.block_ms == 0 else 1.0, pipeline, share, [], [])
 
 
@@ -340,13 +364,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--steps", type=int, default=d.steps, help="optimizer steps per configuration")
     a("--window", type=int, default=d.window, help="steps averaged for the target test")
     a("--turn", type=int, default=d.turn, help="steps per turn (configurations alternate)")
-    a("--target-loss", type=float, default=None, help="default: equal dp's at 3/4 of its steps")
+    a("--target-loss", type=float, default=None,
+      help="default: equal dp's at --target-at of its steps")  # fmt: skip
+    a("--target-at", type=float, default=d.target_at,
+      help="share of its steps at which equal dp's loss sets the default target")  # fmt: skip
     a("--layers", type=int, default=d.layers, help="GPT transformer layers")
     a("--hidden", type=int, default=d.hidden, help="GPT hidden size")
     a("--heads", type=int, default=d.heads, help="attention heads")
     a("--seq-len", type=int, default=d.seq_len, help="tokens per sequence")
     a("--batch-size", type=int, default=d.batch_size, help="sequences per step")
-    a("--lr", type=float, default=d.lr, help="AdamW's learning rate")
+    a("--optimizer", default=d.optimizer, choices=("adamw", "sgd"),
+      help="every configuration's (sgd: momentum 0.9)")  # fmt: skip
+    a("--lr", type=float, default=d.lr, help="learning rate")
     a("--micro-batch-size", type=int, default=d.micro_batch_size,
       help="every configuration's micro-batch size (0: the planner's choice)")  # fmt: skip
     a("--block-ms", type=float, default=d.block_ms,
@@ -361,6 +390,7 @@ def run(args: argparse.Namespace) -> int:
     config = HetPipeBenchConfig(
         workers=args.workers, slow=args.slow, slowdown=args.slowdown, staleness=args.staleness,
         steps=args.steps, window=args.window, turn=args.turn, target_loss=args.target_loss,
+        target_at=args.target_at, optimizer=args.optimizer,
         layers=args.layers, hidden=args.hidden, heads=args.heads, seq_len=args.seq_len,
         batch_size=args.batch_size,
         lr=args.lr, wsp_lr=args.wsp_lr, block_ms=args.block_ms,
@@ -371,8 +401,8 @@ def run(args: argparse.Namespace) -> int:
         common.print_json(result)
         return 0
     rows = [[name, f"{result[name]['samples_per_s']:.1f}",
-             str(result[name]["updates_to_target_loss"]),
-             _seconds(result[name]["seconds_to_target_loss"])] for name in CONFIGS]  # fmt: skip
+             str(result[name]["updates_to_target"]),
+             _seconds(result[name]["seconds_to_target"])] for name in CONFIGS]  # fmt: skip
     speedup = result["speedup_vs_equal_dp"]
     common.print_table(
         f"HetPipe: {config.workers} workers, {config.slow} of them {config.slowdown:g}× slower; "

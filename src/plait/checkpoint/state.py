@@ -13,9 +13,10 @@ its keys from the stage's to the model's. ZeRO-1's optimizer
 (`ZeroRedundancyOptimizer`) is saved through its local optimizer, which holds the state of
 this rank's share of the parameters: each rank writes its share, and a new layout reads
 its new share. RNG states are saved per rank and restored only on the same world size;
-so is gradient compression's state (error-feedback residuals, PowerSGD's factors and step
-count), and only under the same compression and buckets too: otherwise, or when the
-checkpoint lacks it, it starts afresh (PowerSGD with its plain all-reduce steps).
+so is gradient compression's state (error-feedback residuals, DGC's momentum, PowerSGD's
+factors and step counts), and only under the same compression and buckets too:
+otherwise, or when the checkpoint lacks it, it starts afresh (PowerSGD with its plain
+all-reduce steps).
 An asynchronous stream is drained before a save, so no stashed weight version exists then.
 
 Under expert parallelism each rank of an ep group holds a slice of every expert tensor
@@ -117,8 +118,9 @@ def engine_state(engine: Engine, *, for_load: bool = False) -> dict[str, Any]:
 
 def _comm_state(engine: Engine, *, for_load: bool) -> dict[str, Any]:
     """This rank's gradient compression state (`plait.parallel.compress`): error-feedback
-    residuals, one per bucket, under "rank<r>.<bucket>", or PowerSGD's state as one blob
-    under "rank<r>.powersgd". They are this replica's, so they load only under the same
+    residuals, one per bucket, under "rank<r>.<bucket>" (DGC adds its momentum and step
+    count, "rank<r>.momentum.<bucket>" and "rank<r>.step.<bucket>"), or PowerSGD's state
+    as one blob under "rank<r>.powersgd". They are this replica's, so they load only under the same
     world size, compression and buckets (`plait.train.checkpointing.resume`)."""
     from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
 
@@ -133,13 +135,8 @@ def _comm_state(engine: Engine, *, for_load: bool) -> dict[str, Any]:
     if not isinstance(hook_state, ErrorFeedback):
         return {}
     sizes = engine.grad_sync.bucket_sizes()  # type: ignore[union-attr]
-    out = {}
-    for index, n in sizes.items():
-        held = hook_state.residuals.get(index)
-        if for_load or held is None:
-            held = torch.zeros(n, dtype=torch.float32, device=engine.device)
-        out[f"rank{rank}.{index}"] = held
-    return out
+    held = hook_state.saved(sizes, engine.device, for_load=for_load)
+    return {f"rank{rank}.{key}": value for key, value in held.items()}
 
 
 def drop_unsaved_comm(state: dict[str, Any], saved_keys: Collection[str]) -> None:
@@ -208,6 +205,7 @@ def _load_comm(engine: Engine, comm: Mapping[str, Any], rank: str) -> None:
     from plait.parallel.compress import load_powersgd_state
 
     hook_state = getattr(engine.grad_sync, "hook_state", None)
+    mine = {}
     for key, value in comm.items():
         owner, _, index = key.partition(".")
         if owner != rank:
@@ -218,7 +216,9 @@ def _load_comm(engine: Engine, comm: Mapping[str, Any], rank: str) -> None:
                 print(f"plait: {rank}'s PowerSGD state was saved for other parameter shapes; "
                       "it starts afresh", file=sys.stderr, flush=True)  # fmt: skip
         else:
-            hook_state.residuals[int(index)] = value.clone()  # type: ignore[union-attr]
+            mine[index] = value
+    if mine:
+        hook_state.restore(mine)  # type: ignore[union-attr]
 
 
 def _expert_slices(engine: Engine, stage: nn.Module) -> Any:

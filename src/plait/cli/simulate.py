@@ -66,7 +66,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     a("--optimizer", choices=("adam", "sgd"), default="adam")
     a("--compress", default="none", metavar="METHOD",
       help="gradient compression of the dp reduction: none, fp16, bf16, powersgd:RANK, "
-      "threshold:TAU, topk:RATIO or sign")  # fmt: skip
+      "threshold:TAU, topk:RATIO, sign or dgc:RATIO")  # fmt: skip
     a(
         "--offload-activations",
         default="none",

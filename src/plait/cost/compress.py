@@ -13,6 +13,9 @@ Per method, for `n` data-parallel ranks reducing `N` gradient entries:
   or assumed), plus an all-gather of the counts.
 - `topk:ρ`: an all-gather of ρ·N indices and values (8 bytes each).
 - `sign`: an all-gather of N/8 bytes of signs and one 4-byte scale.
+- `dgc:ρ`: an all-gather of ρ·N indices and values (8 bytes each); with `dense-vectors`
+  and the matrices' shapes, ρ·M of the M matrix entries and an all-reduce of the other
+  N − M entries. The steady state: its sparsity warm-up sends more in the first steps.
 
 Encode and decode are memory-bound passes over the N fp32 entries (their count per
 method below, from the hooks' code), charged at the device's memory bandwidth, unless
@@ -44,7 +47,8 @@ __all__ = [
 ]
 
 # passes over the fp32 residual per step, encode + decode (read or write of N entries)
-_PASSES = {"none": 0, "fp16": 2, "bf16": 2, "powersgd": 6, "threshold": 8, "topk": 10, "sign": 8}
+_PASSES = {"none": 0, "fp16": 2, "bf16": 2, "powersgd": 6, "threshold": 8, "topk": 10, "sign": 8,
+           "dgc": 14}  # fmt: skip
 
 
 def compressed_collectives(
@@ -109,6 +113,14 @@ def _collectives(
     if c.method == "topk":
         k = max(1, math.ceil(float(c.value or 1.0) * n))
         return [on_axis("all_gather", dp * k * 8)]
+    if c.method == "dgc":
+        whole = matrices is None or c.dgc is None or not c.dgc.dense_vectors
+        sparse = n if whole else float(sum(a * b for a, b in matrices or ()))
+        k = max(1, math.ceil(float(c.value or 1.0) * sparse))
+        return [
+            on_axis("all_reduce", max(0.0, n - sparse) * 4),
+            on_axis("all_gather", dp * k * 8),
+        ]
     return [on_axis("all_gather", dp * (math.ceil(n / 8) + 4))]  # sign
 
 

@@ -86,6 +86,8 @@ def run_all(out: Path, *, dp: dg.DpGpipeConfig, movement: dm.DataMovementConfig,
     saved = store.data.get("staleness", {}).get("config", {})
     wanted = plain(asdict(staleness)) if staleness is not None else {}
     wanted.pop("lr", None)  # saved as the rate used, not as asked (None: the default)
+    if staleness is not None:  # saved as the optimizer used (None: the regime's)
+        wanted["optimizer"] = staleness.optimizer_name
     if staleness is not None and any(saved.get(k) != v for k, v in wanted.items()):
         from plait.experiment import staleness as st
 

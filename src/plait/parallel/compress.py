@@ -24,6 +24,9 @@ only delayed.
 - `sign`, 1-bit compression with error feedback (Seide et al., Interspeech 2014, "1-bit
   SGD"; Tang et al., ICML 2021, "1-bit Adam"): the sign of every residual entry, packed
   eight to a byte, and one scale per bucket (the mean magnitude).
+- `dgc:RATIO`, Deep Gradient Compression (Lin et al., ICLR 2018): top-k of the accumulated
+  velocity with momentum correction, momentum factor masking, local gradient clipping and a
+  sparsity warm-up, in `plait.parallel.dgc`.
 
 The sparse methods exchange different amounts per rank, so they all-gather (sizes first)
 instead of all-reducing, and block until done: they trade the reducer's overlap for
@@ -44,6 +47,7 @@ from __future__ import annotations
 
 import io
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,7 +55,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from plait.compression import Compression, parse_compression
+from plait.compression import Compression, DGCOptions, parse_compression
 
 __all__ = [
     "ErrorFeedback",
@@ -127,6 +131,25 @@ class ErrorFeedback:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.residuals = {int(k.split(".", 1)[1]): v.clone() for k, v in state.items()}
+
+    def saved(
+        self, sizes: Mapping[int, int], device: torch.device, *, for_load: bool
+    ) -> dict[str, torch.Tensor]:
+        """What a checkpoint holds of this state, named by bucket (`sizes`: each bucket's
+        entries): the residuals (zeros where none yet, or all zeros `for_load`, the
+        tensors a load fills in)."""
+        out = {}
+        for index, n in sizes.items():
+            held = self.residuals.get(index)
+            if for_load or held is None:
+                held = torch.zeros(n, dtype=torch.float32, device=device)
+            out[str(index)] = held
+        return out
+
+    def restore(self, saved: Mapping[str, torch.Tensor]) -> None:
+        """Take back what `saved` gave (as a checkpoint load filled it in)."""
+        for key, value in saved.items():
+            self.residuals[int(key)] = value.clone()
 
     def _gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's `tensor` (same dtype, any length)."""
@@ -246,6 +269,10 @@ def hook_for(compression: Compression | str, group: dist.ProcessGroup) -> tuple[
             start_powerSGD_iter=2,  # torch's minimum with error feedback
         )
         return powerSGD_hook.powerSGD_hook, state
+    if c.method == "dgc":
+        from plait.parallel.dgc import DGCState, dgc_hook
+
+        return dgc_hook, DGCState(group, c.value, options=c.dgc or DGCOptions())
     hooks = {"threshold": threshold_hook, "topk": topk_hook, "sign": sign_hook}
     return hooks[c.method], ErrorFeedback(group, c.value)
 

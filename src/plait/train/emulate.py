@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import copy
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -56,14 +56,17 @@ class VersionPlan:
     @cached_property
     def lag(self) -> int:
         """The oldest version any micro-batch computes on, in updates behind its group."""
+        return max(self.stage_lags, default=0)
+
+    @cached_property
+    def stage_lags(self) -> tuple[int, ...]:
+        """Per stage, the most updates a micro-batch's version (or the version it is
+        predicted from) lies behind the update that applies it: the stage's staleness."""
         group_of = {x: u for u, group in enumerate(self.groups) for x in group}
-        return max(
-            (
-                group_of[x] - (v if base is None else base)
-                for (_, x), (v, base) in self.versions.items()
-            ),
-            default=0,
-        )
+        lags = [0] * self.num_stages
+        for (s, x), (v, base) in self.versions.items():
+            lags[s] = max(lags[s], group_of[x] - (v if base is None else base))
+        return tuple(lags)
 
 
 def version_plan(schedule: Schedule, num_windows: int) -> VersionPlan:
@@ -108,7 +111,7 @@ class Emulator:
         self,
         model: nn.Module,
         num_stages: int,
-        optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
+        optimizer: Callable[[Any], torch.optim.Optimizer],
         loss_fn: LossFn,
         *,
         sizes: Sequence[int] | None = None,
@@ -121,9 +124,11 @@ class Emulator:
         cuts = [sum(sizes[:s]) for s in range(num_stages + 1)]
         self.params = [_params(blocks[cuts[s] : cuts[s + 1]]) for s in range(num_stages)]
         self.scratch_params = [_params(scratch[cuts[s] : cuts[s + 1]]) for s in range(num_stages)]
-        # one optimizer for every stage: all stages step together here, and the optimizers
-        # plait supports update each parameter on its own, as per-stage ones would
-        self.optimizer = optimizer([p for ps in self.params for p in ps])
+        # one optimizer for every stage, a parameter group each: all stages step together
+        # here, and the optimizers plait supports update each parameter on its own, as
+        # per-stage ones would; a stage's learning rate is its group's
+        self.optimizer = optimizer([{"params": ps} for ps in self.params])
+        self.base_lr = [float(g["lr"]) for g in self.optimizer.param_groups]
         self.history: list[dict[int, list[torch.Tensor]]] = [{} for _ in range(num_stages)]
         self.directions: list[dict[int, list[torch.Tensor] | None]] = [
             {} for _ in range(num_stages)
@@ -139,13 +144,18 @@ class Emulator:
         microbatch: Callable[[int], tuple[Any, Any]],
         *,
         after_update: Callable[[int, list[float]], None] | None = None,
+        lr_scale: Callable[[int, int], float] | None = None,
     ) -> list[float]:
         """Run every update of `plan`; `microbatch(x)` gives micro-batch x. Returns the
         loss of each micro-batch in the order computed; `after_update(u, losses)` is called
-        after update u with its micro-batches' losses."""
+        after update u with its micro-batches' losses; `lr_scale(stage, u)` multiplies the
+        stage's learning rate from update u on (a schedule or a remedy for staleness)."""
         out, lag = [], plan.lag
         self.predicts = plan.predicts
         for u, group in enumerate(plan.groups):
+            if lr_scale is not None:
+                for s, g in enumerate(self.optimizer.param_groups):
+                    g["lr"] = self.base_lr[s] * lr_scale(s, u)
             losses = [self._gradient(plan, x, microbatch(x), 1.0 / len(group)) for x in group]
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
@@ -181,7 +191,7 @@ class Emulator:
         weights, directions = self.history[s][base], self.directions[s][base]
         if directions is None:
             return weights
-        lr = float(self.optimizer.param_groups[0]["lr"])
+        lr = float(self.optimizer.param_groups[s]["lr"])
         distance = version - base
         return [w - distance * lr * d for w, d in zip(weights, directions, strict=True)]
 

@@ -566,6 +566,7 @@ def parallelize(
     }
     apply_offload(stages, optimizers, activations=plan.offload_activations,
                   optimizer=plan.offload_optimizer, num_blocks=len(names))  # fmt: skip
+    grad_clip = _with_dgc(grad_sync, optimizers, grad_clip)
     schedulers = (
         {
             s: scheduler_factory(o, max(1, schedule.updates_per_window))
@@ -601,6 +602,20 @@ def _channels(schedule: Schedule, mesh: DeviceMesh) -> Channels | None:
     grid = mesh.mesh.movedim(names.index("pp"), 0).reshape(mesh["pp"].size(), -1)
     pipelines = [(schedule, [int(r) for r in grid[:, j]]) for j in range(grid.shape[1])]
     return build_channels(pipelines)
+
+
+def _with_dgc(
+    grad_sync: GradSync | None, optimizers: dict[int, Any], grad_clip: float | None
+) -> float | None:
+    """Under DGC the hook takes SGD's momentum (momentum correction) and, with its local
+    clipping, the clip threshold: nothing is clipped after the reduction then."""
+    from plait.parallel.dgc import DGCState, take_momentum
+
+    state = getattr(grad_sync, "hook_state", None)
+    if not isinstance(state, DGCState):
+        return grad_clip
+    take_momentum(state, optimizers.values(), grad_clip)
+    return None if state.options.clipping else grad_clip
 
 
 def _optimizer(
