@@ -115,6 +115,25 @@ def check_bench_single(work: Path) -> str:
     return "; ".join(figures)
 
 
+def check_sim_vs_measured(work: Path) -> str:
+    """The simulator, fed by blocks profiled on this GPU (`--plan auto` on one worker),
+    against the step time the same run measures; fails beyond 10%."""
+    run_dir = work / "sim"
+    _run([*PLAIT, "train", "--run-dir", str(run_dir), "--nproc", "1", "--plan", "auto",
+          "--dtype", "bf16", "--layers", "8", "--hidden", "1024", "--heads", "16",
+          "--seq-len", "512", "--batch-size", "16", "--max-steps", "30",
+          "--sample-chars", "0"], timeout=200)  # fmt: skip
+    predicted = float(json.loads((run_dir / "plan.json").read_text())["predicted"]["step_time_s"])
+    measured = float(_summary(run_dir)["step_time_s"])  # type: ignore[arg-type]
+    ratio = predicted / measured
+    line = (
+        f"predicted {predicted * 1e3:.1f} ms, measured {measured * 1e3:.1f} ms, ratio {ratio:.3f}"
+    )
+    if abs(ratio - 1) > 0.10:
+        raise Failed(line + " (beyond 10%)")
+    return line
+
+
 CHECKS: dict[str, Callable[[Path], str]] = {
     "pytest-gpu": check_pytest_gpu,
     "train-default": check_train_default,
@@ -122,6 +141,7 @@ CHECKS: dict[str, Callable[[Path], str]] = {
     "train-bf16": check_train_bf16,
     "profile": check_profile,
     "bench-single": check_bench_single,
+    "sim-vs-measured": check_sim_vs_measured,
 }
 
 
