@@ -48,6 +48,7 @@ SHORTEST = {
                            "--profile-repeats", "1", "--layers", "2", "--hidden", "32",
                            "--seq-len", "16", "--micro-batch-size", "2"],
     "bench faults": ["--trials", "1", "--steps", "4", "--every", "2"],
+    "bench scale": ["--cases", "sim", "--repeats", "1"],
     "bench moe": ["--workers", "1,2", "--tokens", "16", "--hidden", "16", "--ffn", "24",
                   "--experts", "4", "--steps", "1", "--warmup", "0"],
     "bench arrival": ["--sizes", "1", "--calls", "2", "--warmup", "0", "--compute-ms", "0.5"],
