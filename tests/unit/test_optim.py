@@ -159,3 +159,21 @@ def test_bad_settings_name_the_value(key: str, value: object, named: str) -> Non
 def _quiet() -> warnings.catch_warnings:  # type: ignore[type-arg]
     """Silence torch's warnings about SequentialLR's internal step(epoch) calls."""
     return warnings.catch_warnings(action="ignore")
+
+
+def test_a_checkpoint_keeps_the_loading_layouts_kernel_choice() -> None:
+    """torch's `load_state_dict` copies a saved group's `fused` over; loading must keep the
+    kernel the new layout chose (fused SGD has no DTensor rule), and the values saved."""
+    from plait.checkpoint.state import _implementation_kept
+
+    w = torch.nn.Parameter(torch.ones(3))
+    saved = torch.optim.SGD([w], lr=0.5, momentum=0.9, fused=True)
+    w.grad = torch.ones(3)
+    saved.step()
+    loading = torch.optim.SGD([w], lr=0.1, momentum=0.9, foreach=False)
+    with _implementation_kept(loading):
+        loading.load_state_dict(saved.state_dict())
+    group = loading.param_groups[0]
+    assert group["fused"] is None and group["foreach"] is False
+    assert group["lr"] == 0.5  # what it computes comes from the checkpoint
+    torch.testing.assert_close(loading.state[w]["momentum_buffer"], torch.ones(3))

@@ -162,7 +162,7 @@ def load_engine_state(engine: Engine, state: Mapping[str, Any], *, same_world: b
         values = {key: _local_slice(state["model"][ours[key]], own[key]) for key in ours}
         set_model_state_dict(stage, values)
         inner = _inner(engine.optimizers[s])
-        with _without_empty_groups(inner):
+        with _implementation_kept(inner), _without_empty_groups(inner):
             keys = get_optimizer_state_dict(stage, inner, options=_OPTIONS)
             values = {key: _local_slice(state["optim"][rename(key)], keys[key]) for key in keys}
             set_optimizer_state_dict(stage, inner, values, options=_OPTIONS)
@@ -175,6 +175,26 @@ def load_engine_state(engine: Engine, state: Mapping[str, Any], *, same_world: b
     _load_comm(engine, state.get("comm", {}), rank)
     if engine.grad_sync is not None:
         engine.grad_sync.zero_grad()
+
+
+#: settings of a parameter group that say how torch runs the step, not what it computes
+_IMPLEMENTATION = ("fused", "foreach", "capturable", "differentiable")
+
+
+@contextmanager
+def _implementation_kept(optimizers: Any) -> Iterator[None]:
+    """Keep each group's kernel choice (`fused`, `foreach`, ...) across a load: torch's
+    `load_state_dict` copies the saved groups' settings over, so a checkpoint saved with
+    fused SGD would turn it back on under a layout whose DTensor parameters it cannot run
+    on (`plait.train.optim.implementation` chose for this layout)."""
+    optims = optimizers if isinstance(optimizers, list) else [optimizers]
+    kept = [[{k: g[k] for k in _IMPLEMENTATION if k in g} for g in o.param_groups] for o in optims]
+    try:
+        yield
+    finally:
+        for optim, groups in zip(optims, kept, strict=True):
+            for group, settings in zip(optim.param_groups, groups, strict=True):
+                group.update(settings)
 
 
 @contextmanager
