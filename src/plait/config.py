@@ -331,7 +331,6 @@ class ParallelPlan:
             "help": "pipeline schedule: "
             + "; ".join(f"{k.name} ({k.summary})" for k in KINDS.values()),
             "choices": tuple(KINDS),
-            "metavar": "KIND",
         },
     )
     microbatches: int = field(

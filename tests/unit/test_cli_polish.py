@@ -32,7 +32,9 @@ ENUMS = {
     "--recompute": {"none", "selective", "full"},
     "--optimizer-impl": {"auto", "fused", "foreach", "loop"},
     "--repartition": {"off", "auto"},
-}
+    "--schedule": {"gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v", "chimera",
+                   "pipedream", "pipedream-vs", "2bw", "spectrain", "xpipe"},
+}  # fmt: skip
 
 
 def _train_parser() -> argparse.ArgumentParser:
