@@ -451,16 +451,15 @@ def _report(summary: dict[str, Any], run_dir: Path, *, quiet: bool = False) -> N
     from plait.train.logs import describe_layout
 
     schedule = Schedule.from_dict(summary["schedule"])
-    if quiet:
-        pass
-    elif schedule.policy == "sync":
-        print("\nschedule each step ran (unit costs; rows are pipeline ranks):")
-        print(format_grid(compute_only(schedule)))
-    else:
-        print("\nthe asynchronous stream, 3 windows with warm-up and drain (unit costs):")
-        print(format_grid(compute_only(unroll(schedule, 3).schedule)))
-    if not quiet and summary["sample"]:
-        print(f"\nsample:\n{summary['sample']}\n")
+    if not quiet:
+        if schedule.policy == "sync":
+            print("\nschedule each step ran (unit costs; rows are pipeline ranks):")
+            print(format_grid(compute_only(schedule)))
+        else:
+            print("\nthe asynchronous stream, 3 windows with warm-up and drain (unit costs):")
+            print(format_grid(compute_only(unroll(schedule, 3).schedule)))
+        if summary["sample"]:
+            print(f"\nsample:\n{summary['sample']}\n")
     found = summary.get("validation", {})
     for name, value in found.items():  # a classifier's metrics, over the whole split
         if name not in ("loss", "samples"):
