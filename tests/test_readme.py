@@ -1,16 +1,23 @@
-"""Every command and the API snippet of README.md work as written.
+"""Every command and the API snippet of README.md and the guide (docs/*.md) work as written.
 
-Each `./run train` command is checked whole with `--dry-run` (settings validated and
-resolved, nothing trained); the ones the README once got wrong also train for real, with
-`--max-steps 2`, and the checkpointed run that `plait checkpoint` reads trains for real on
-a small model. `plait plan`, `simulate`, `profile` and `schedule` run as written; every
-bench and experiment runs in its shortest form: the README's flags, then the ones below
-that shrink the model and the number of steps (a later flag wins). The API snippet runs
-under the launcher it names.
+The commands are the lines of the ```bash blocks, README's first, then each page's (each
+command once: one written twice would run twice). Each `./run train` command is checked
+whole with `--dry-run` (settings validated and resolved, nothing trained); the ones the
+README once got wrong also train for real, with `--max-steps 2`, and the runs that
+`plait checkpoint` reads train for real on a small model. `plait plan`, `simulate`,
+`profile` and `schedule` run as written; every bench and experiment runs in its shortest
+form: the documented flags, then the ones below that shrink the model and the number of
+steps (a later flag wins). The Hugging Face commands read a small model folder, tokenizer
+and data files that the `workdir` fixture writes where the page names them. A `torchrun`
+command (also inside the SLURM script) is checked as the workers it launches would see it:
+its `plait train` part with `--dry-run` and `--nproc` nodes × processes per node.
+`pip install` lines are checked, not run (they would install): the extras they name exist,
+the constraints file too. The API snippet runs under the launcher it names.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -22,11 +29,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytestmark = pytest.mark.readme
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
+# the guide's pages (docs/experiments/ holds generated reports, not commands)
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 # trained for real (2 steps): examples that once failed as written
 TRAINED = ("--nproc 4 --dp 2 --tp 2 --zero 3", "--plan plan.json")
 SKIPPED = {"test": "runs the test suite itself"}
@@ -89,31 +99,110 @@ def _single_compared(out: dict[str, object]) -> None:
 
 # what a bench's JSON (its last line) must say in its shortest form, beyond succeeding
 CHECKS = {"bench faults": _faults_recovered, "bench single": _single_compared}
-# the checkpointed run `plait checkpoint` reads, trained for real on a small model
+# the checkpointed runs `plait checkpoint` reads, trained for real on a small model
 CHECKPOINTED = "--run-dir runs/ck"
+HF_TRAINED = "--run-dir runs/hf"  # trained as written, on the small model folder below
 _SMALL = ["--layers", "2", "--hidden", "32", "--heads", "2", "--seq-len", "16",
           "--batch-size", "8", "--sample-chars", "0", "--eval-batches", "0"]  # fmt: skip
 
 
-def _commands() -> list[str]:
-    """The `./run ...` lines of the README's bash blocks, continuations joined, comments cut."""
+def _lines() -> list[str]:
+    """Every line of the pages' bash blocks, continuations joined, comments cut."""
     out = []
-    for block in re.findall(r"```bash\n(.*?)```", README, flags=re.S):
-        for line in block.replace("\\\n", " ").splitlines():
-            line = line.split(" #", 1)[0].strip()
-            if line.startswith("./run "):
-                out.append(line)
+    for page in PAGES:
+        for block in re.findall(r"```bash\n(.*?)```", page.read_text(), flags=re.S):
+            for line in block.replace("\\\n", " ").splitlines():
+                line = line.split(" #", 1)[0].strip()
+                if line and not line.startswith("#"):
+                    out.append(line)
     return out
 
 
-COMMANDS = _commands()
+LINES = _lines()
+COMMANDS = [line for line in LINES if line.startswith("./run ")]
+TORCHRUN = [line.removeprefix("srun ") for line in LINES
+            if line.startswith(("torchrun ", "srun torchrun "))]  # fmt: skip
+PIP = [line for line in LINES if re.match(r"(\.venv/bin/)?pip install ", line)]
+# what each other kind of line is, and how it is checked
+OTHER = {
+    r"python3\.11 -m venv \.venv$": "run with this interpreter (test_a_virtual_env_line)",
+    r"tensorboard --logdir \S+$": "the folder a documented --tensorboard writes",
+    r"head=\$\(scontrol ": "the SLURM script's first node, substituted in its torchrun line",
+}
+
+
+def test_every_documented_line_is_checked() -> None:
+    checked = set(COMMANDS) | set(PIP)
+    checked |= {line for line in LINES if line.removeprefix("srun ") in TORCHRUN}
+    others = [x for x in LINES if x not in checked]
+    unknown = [x for x in others if not any(re.match(p, x) for p in OTHER)]
+    assert not unknown, unknown
+    assert len(COMMANDS) == len(set(COMMANDS)), "a command written twice runs twice"
 
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     work = tmp_path_factory.mktemp("readme")
     shutil.copytree(ROOT / "examples", work / "examples")
+    _data_files(work)
     return work
+
+
+_WORDS = [
+    "the",
+    "a",
+    "cat",
+    "dog",
+    "sat",
+    "ran",
+    "on",
+    "to",
+    "mat",
+    "park",
+    "big",
+    "small",
+    "red",
+    "old",
+    "tree",
+    "house",
+]
+
+
+def _data_files(work: Path) -> None:
+    """The files the Hugging Face page names: text, JSON lines and a token file."""
+    import numpy as np
+
+    g = torch.Generator().manual_seed(0)
+    docs = [" ".join(_WORDS[i] for i in torch.randint(0, len(_WORDS), (12,), generator=g))
+            for _ in range(300)]  # fmt: skip
+    (work / "data" / "texts").mkdir(parents=True)
+    for i in range(0, len(docs), 50):
+        (work / "data" / "texts" / f"part{i:03d}.txt").write_text("\n".join(docs[i : i + 50]))
+    (work / "data" / "docs.jsonl").write_text("".join(json.dumps({"body": d}) + "\n"
+                                                      for d in docs))  # fmt: skip
+    ids = torch.randint(0, 100, (20_000,), generator=g).numpy().astype(np.uint16)
+    ids.tofile(work / "data" / "train.bin")
+
+
+def _hf_folder(work: Path) -> None:
+    """models/tiny-llama: a random 2-layer Llama saved by transformers, with a word-level
+    tokenizer of the texts' words (no download)."""
+    transformers = pytest.importorskip("transformers")
+    tokenizers = pytest.importorskip("tokenizers")
+    folder = work / "models" / "tiny-llama"
+    if folder.is_dir():
+        return
+    from plait.models.hf import tiny_llama_config
+
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(tiny_llama_config(vocab_size=128, seq_len=128)).save_pretrained(
+        folder
+    )
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    trainer = tokenizers.trainers.WordLevelTrainer(special_tokens=["[UNK]"])
+    tok.train_from_iterator([" ".join(_WORDS)], trainer)
+    tok.save(str(folder / "tokenizer.json"))
 
 
 def _run(argv: list[str], cwd: Path, timeout: float = 240) -> str:
@@ -136,6 +225,15 @@ def test_every_bench_and_experiment_has_a_shortest_form() -> None:
 def _words(command: str) -> list[str]:
     words = shlex.split(command)[1:]
     return words[1:] if words[0] == "plait" else words
+
+
+@pytest.fixture(scope="module")
+def hf_trained(workdir: Path) -> Path:
+    """The Hugging Face page's run that its export reads, trained as written."""
+    _hf_folder(workdir)
+    for command in (c for c in COMMANDS if HF_TRAINED in c):
+        _main(_words(command), workdir)
+    return workdir / "runs" / "hf"
 
 
 @pytest.fixture(scope="module")
@@ -164,8 +262,10 @@ def test_readme_command(
     words = _words(command)
     if words[0] in SKIPPED:
         pytest.skip(SKIPPED[words[0]])
+    if any(w in ("--init-from", "--tokenizer") or w.startswith("models/") for w in words):
+        _hf_folder(workdir)
     if words[0] == "checkpoint":
-        request.getfixturevalue("checkpointed")
+        request.getfixturevalue("hf_trained" if "runs/hf/" in command else "checkpointed")
     if words[0] != "train":
         name = " ".join(words[:2])
         capsys.readouterr()
@@ -173,6 +273,8 @@ def test_readme_command(
         if name in CHECKS:
             assert "--json" in words, command
             CHECKS[name](json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
+        if words[:2] == ["checkpoint", "export"] and "hf" in words:
+            assert (workdir / words[words.index("--out") + 1] / "config.json").is_file()
         return
     _main([*words, "--dry-run"], workdir)
     if any(part in command for part in TRAINED):
@@ -181,8 +283,59 @@ def test_readme_command(
         assert (workdir / run_dir / "summary.json").is_file()
 
 
+# the slurm script's variables, as SLURM would set them on a 2-node job
+_SLURM = {"SLURM_NNODES": "2", "SLURM_JOB_ID": "1234", "head": "node1"}
+
+
+@pytest.mark.parametrize("command", TORCHRUN)
+def test_torchrun_command(command: str, workdir: Path) -> None:
+    """The `plait train` part of a torchrun line, as its nodes × processes workers see it."""
+    for name, value in _SLURM.items():
+        command = command.replace(f"${name}", value)
+    words = shlex.split(command)
+    torchrun, plait = words[: words.index("-m")], words[words.index("-m") + 2 :]
+    nodes = int(torchrun[torchrun.index("--nnodes") + 1])
+    per_node = int(torchrun[torchrun.index("--nproc-per-node") + 1])
+    assert plait[0] == "train" and "--nproc" not in plait, command
+    _main([*plait, "--nproc", str(nodes * per_node), "--dry-run"], workdir)
+
+
+@pytest.mark.parametrize("line", PIP)
+def test_pip_line_names_what_exists(line: str) -> None:
+    """Not run (it would install): its extras exist, its constraints file and torch's
+    version are the project's."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    words = shlex.split(line)
+    if "-c" in words:
+        assert (ROOT / words[words.index("-c") + 1]).is_file()
+    for word in words:
+        extras = re.fullmatch(r"\.\[([\w,-]+)\]", word)
+        if extras:
+            assert set(extras.group(1).split(",")) <= project["optional-dependencies"].keys()
+        pinned = re.fullmatch(r"torch==(\d+)\.(\d+)\.\d+", word)
+        if pinned:  # within the range pyproject.toml supports: torch>=2.11,<2.14
+            assert (2, 11) <= (int(pinned.group(1)), int(pinned.group(2))) < (2, 14), word
+
+
+def test_a_virtual_env_line(tmp_path: Path) -> None:
+    """`python3.11 -m venv .venv`, with this interpreter, creates the environment."""
+    assert any(line.startswith("python3.11 -m venv ") for line in LINES)
+    _run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / ".venv")], tmp_path)
+    assert (tmp_path / ".venv" / "bin" / "python").exists()
+
+
+def test_tensorboard_reads_the_folder_a_documented_run_writes() -> None:
+    for line in (x for x in LINES if x.startswith("tensorboard ")):
+        folder = shlex.split(line)[2]
+        assert any(f"--tensorboard {folder}" in c for c in COMMANDS), line
+        assert importlib.util.find_spec("tensorboard") is not None
+
+
 def test_the_api_snippet_runs_under_the_launcher_it_names(workdir: Path) -> None:
-    snippet = re.search(r"## The Python API\n\n```python\n(.*?)```", README, flags=re.S)
+    page = (ROOT / "docs" / "own-model.md").read_text()
+    snippet = re.search(r"## The Python API\n\n```python\n(.*?)```", page, flags=re.S)
     assert snippet is not None
     code = snippet.group(1)
     launcher = re.search(r"run with `(torchrun [^`]*)`", code)

@@ -327,39 +327,55 @@ class ParallelPlan:
     schedule: str = field(
         default="1f1b",
         metadata={
+            "group": "pipeline",
             "help": "pipeline schedule: "
             + "; ".join(f"{k.name} ({k.summary})" for k in KINDS.values()),
             "choices": tuple(KINDS),
-            "metavar": "KIND",
         },
     )
     microbatches: int = field(
-        default=4, metadata={"help": "micro-batches per step and data-parallel replica"}
+        default=4,
+        metadata={"group": "pipeline", "help": "micro-batches per step and data-parallel replica"},
     )
     chunks: int = field(
-        default=1, metadata={"help": "virtual stages per rank (interleaved: 2 or more)"}
+        default=1,
+        metadata={"group": "pipeline", "help": "virtual stages per rank (interleaved: 2 or more)"},
     )
     zero: int = field(
         default=0,
         metadata={
+            "group": "memory",
             "help": "ZeRO stage of data parallelism (2 and 3 through FSDP2)",
             "choices": (0, 1, 2, 3),
         },
     )
     recompute: Recompute = field(
         default="none",
-        metadata={"help": "activation recomputation", "choices": ("none", "selective", "full")},
+        metadata={
+            "group": "memory",
+            "help": "activation recomputation",
+            "choices": ("none", "selective", "full"),
+        },
     )
     sequence_parallel: bool = field(
-        default=False, metadata={"help": "shard activations along the sequence (needs tp > 1)"}
+        default=False,
+        metadata={"group": "memory", "help": "shard activations along the sequence (needs tp > 1)"},
     )
     dtype: str = field(
         default="fp32",
-        metadata={"help": "training dtype", "choices": ("fp32", "bf16", "fp16")},
+        metadata={
+            "group": "numerics",
+            "help": "training dtype",
+            "choices": ("fp32", "bf16", "fp16"),
+        },
     )
     partition: tuple[int, ...] | None = field(
         default=None,
-        metadata={"help": "blocks per (virtual) stage, e.g. 2,2,2", "default_text": "balanced"},
+        metadata={
+            "group": "pipeline",
+            "help": "blocks per (virtual) stage, e.g. 2,2,2",
+            "default_text": "balanced",
+        },
     )
     ep: int = field(
         default=1,
@@ -378,6 +394,7 @@ class ParallelPlan:
     compress: str = field(
         default="none",
         metadata={
+            "group": "communication",
             "help": "gradient compression of the data-parallel reduction: none, fp16, bf16, "
             "powersgd:RANK, threshold:TAU, topk:RATIO, sign or dgc:RATIO (Deep Gradient "
             "Compression, e.g. dgc:0.001 or dgc:1000x; ZeRO-2/3: fp16, bf16 only)",
@@ -392,6 +409,7 @@ class ParallelPlan:
     wsp_staleness: int | None = field(
         default=None,
         metadata={
+            "group": "pipeline",
             "help": "Wave Synchronous Parallel: replicas push their updates once per wave and "
             "run exactly this many waves ahead of the others' (0: every wave); unset: "
             "synchronous gradient averaging",
@@ -399,19 +417,25 @@ class ParallelPlan:
         },
     )
     wsp_wave: int = field(
-        default=1, metadata={"help": "WSP: optimizer steps per wave (pushes every N steps)"}
+        default=1,
+        metadata={
+            "group": "pipeline",
+            "help": "WSP: optimizer steps per wave (pushes every N steps)",
+        },
     )
     wsp_at_most: bool = field(
         default=False,
         metadata={
+            "group": "pipeline",
             "help": "WSP: take in others' waves once reduced, waiting only beyond D "
-            "(staleness at most D; nondeterministic)"
+            "(staleness at most D; nondeterministic)",
         },
     )
 
     offload_activations: str = field(
         default="none",
         metadata={
+            "group": "memory",
             "help": "swap the activations blocks save for backward to host memory during "
             "forward, back in backward (vDNN): none, all, or block indices e.g. 1,2",
             "metavar": "BLOCKS",
@@ -419,7 +443,10 @@ class ParallelPlan:
     )
     offload_optimizer: bool = field(
         default=False,
-        metadata={"help": "keep optimizer state in host memory outside the optimizer step"},
+        metadata={
+            "group": "memory",
+            "help": "keep optimizer state in host memory outside the optimizer step",
+        },
     )
 
     def __post_init__(self) -> None:
@@ -550,15 +577,20 @@ class ParallelPlan:
 class TrainConfig:
     """One training run."""
 
-    model: ModelConfig = field(default_factory=ModelConfig)
-    parallel: ParallelPlan = field(default_factory=ParallelPlan)
+    model: ModelConfig = field(default_factory=ModelConfig, metadata={"group": "model"})
+    parallel: ParallelPlan = field(default_factory=ParallelPlan, metadata={"group": "layout"})
     nproc: int | None = field(
         default=None,
-        metadata={"help": "local worker processes", "default_text": "dp × tp × pp"},
+        metadata={
+            "group": "layout",
+            "help": "local worker processes",
+            "default_text": "dp × tp × pp",
+        },
     )
     device: str = field(
         default="auto",
         metadata={
+            "group": "layout",
             "help": "where workers compute: auto (one GPU each when the host has GPUs, else "
             "CPU workers), cpu, or cuda",
             "choices": DEVICES,
@@ -567,71 +599,114 @@ class TrainConfig:
     deterministic: bool = field(
         default=False,
         metadata={
+            "group": "numerics",
             "help": "repeatable kernels, bit for bit from run to run "
-            "(torch.use_deterministic_algorithms; slower on GPUs)"
+            "(torch.use_deterministic_algorithms; slower on GPUs)",
         },
     )
     cluster: str | None = field(
         default=None,
         metadata={
+            "group": "layout",
             "help": "cluster file or preset: rank r runs as slow as its device r's "
-            "slowdown (plait.train.slowdown)"
+            "slowdown (plait.train.slowdown)",
         },
     )
-    max_steps: int = field(default=300, metadata={"help": "optimizer steps"})
-    batch_size: int = field(default=32, metadata={"help": "samples per step (global batch)"})
-    lr: float = field(default=3e-3, metadata={"help": "peak learning rate"})
-    weight_decay: float = field(
-        default=0.01, metadata={"help": "weight decay (not applied to biases and norm weights)"}
+    max_steps: int = field(default=300, metadata={"group": "optimizer", "help": "optimizer steps"})
+    batch_size: int = field(
+        default=32, metadata={"group": "data", "help": "samples per step (global batch)"}
     )
-    optimizer: str = field(default="adamw", metadata={"help": "optimizer: adamw or sgd"})
-    beta1: float = field(default=0.9, metadata={"help": "AdamW's first-moment decay"})
-    beta2: float = field(default=0.999, metadata={"help": "AdamW's second-moment decay"})
-    eps: float = field(default=1e-8, metadata={"help": "AdamW's epsilon"})
-    momentum: float = field(default=0.0, metadata={"help": "SGD's momentum"})
-    nesterov: bool = field(default=False, metadata={"help": "SGD with Nesterov momentum"})
+    lr: float = field(default=3e-3, metadata={"group": "optimizer", "help": "peak learning rate"})
+    weight_decay: float = field(
+        default=0.01,
+        metadata={
+            "group": "optimizer",
+            "help": "weight decay (not applied to biases and norm weights)",
+        },
+    )
+    optimizer: str = field(
+        default="adamw",
+        metadata={"group": "optimizer", "help": "optimizer", "choices": ("adamw", "sgd")},
+    )
+    beta1: float = field(
+        default=0.9, metadata={"group": "optimizer", "help": "AdamW's first-moment decay"}
+    )
+    beta2: float = field(
+        default=0.999, metadata={"group": "optimizer", "help": "AdamW's second-moment decay"}
+    )
+    eps: float = field(default=1e-8, metadata={"group": "optimizer", "help": "AdamW's epsilon"})
+    momentum: float = field(default=0.0, metadata={"group": "optimizer", "help": "SGD's momentum"})
+    nesterov: bool = field(
+        default=False, metadata={"group": "optimizer", "help": "SGD with Nesterov momentum"}
+    )
     optimizer_impl: str = field(
         default="auto",
         metadata={
+            "group": "numerics",
             "help": "torch's optimizer kernels: fused, foreach or a loop per parameter; auto: "
             "fused where torch has them (CUDA, CPU), else foreach (CUDA) or a loop (CPU)",
             "choices": OPTIMIZER_IMPLS,
         },
     )
     tf32: bool = field(
-        default=False, metadata={"help": "fp32 matmuls and convolutions in TF32 on CUDA GPUs"}
+        default=False,
+        metadata={
+            "group": "numerics",
+            "help": "fp32 matmuls and convolutions in TF32 on CUDA GPUs",
+        },
     )
     compile: bool = field(
         default=False,
-        metadata={"help": "torch.compile each block of each stage (plait.train.compile)"},
+        metadata={
+            "group": "numerics",
+            "help": "torch.compile each block of each stage (plait.train.compile)",
+        },
     )
     lr_schedule: str = field(
         default="constant",
-        metadata={"help": "after warm-up: constant, cosine or linear decay to min_lr"},
+        metadata={
+            "group": "optimizer",
+            "help": "after warm-up: constant, or cosine or linear decay to min_lr",
+            "choices": ("constant", "cosine", "linear"),
+        },
     )
     warmup_steps: int = field(
-        default=0, metadata={"help": "steps of linear learning-rate warm-up from lr/(n+1)"}
+        default=0,
+        metadata={
+            "group": "optimizer",
+            "help": "steps of linear learning-rate warm-up from lr/(n+1)",
+        },
     )
     min_lr: float = field(
-        default=0.0, metadata={"help": "learning rate at the last step (cosine, linear)"}
+        default=0.0,
+        metadata={"group": "optimizer", "help": "learning rate at the last step (cosine, linear)"},
     )
     eval_every: int | None = field(
-        default=None, metadata={"help": "validation loss every N steps (always at the end)"}
+        default=None,
+        metadata={
+            "group": "evaluation",
+            "help": "validation loss every N steps (always at the end)",
+        },
     )
     eval_batches: int = field(
         default=4,
         metadata={
+            "group": "evaluation",
             "help": "validation batches (of batch_size) per evaluation during the run (the one "
-            "after the last step reads the whole split); 0: none"
+            "after the last step reads the whole split); 0: none",
         },
     )
     grad_clip: float | None = field(
         default=1.0,
-        metadata={"help": "clip the global gradient norm to this value; 0: no clipping"},
+        metadata={
+            "group": "optimizer",
+            "help": "clip the global gradient norm to this value; 0: no clipping",
+        },
     )
     plan: str | None = field(
         default=None,
         metadata={
+            "group": "layout",
             "help": "'auto': profile, plan and train; or a plan file from `plait plan --out` "
             "(its model and layout are adopted)",
             "metavar": "auto|FILE",
@@ -640,18 +715,26 @@ class TrainConfig:
     )
     allow_staleness: bool = field(
         default=False,
-        metadata={"help": "let --plan auto choose an asynchronous schedule (stale weights)"},
+        metadata={
+            "group": "layout",
+            "help": "let --plan auto choose an asynchronous schedule (stale weights)",
+        },
     )
-    seed: int = field(default=0, metadata={"help": "seed of the model and the data order"})
+    seed: int = field(
+        default=0, metadata={"group": "data", "help": "seed of the model and the data order"}
+    )
     log_every: int = field(
-        default=10, metadata={"help": "flush metrics.jsonl every N steps", "metavar": "N"}
+        default=10,
+        metadata={"group": "logging", "help": "flush metrics.jsonl every N steps", "metavar": "N"},
     )
     sample_chars: int = field(
-        default=200, metadata={"help": "characters of text sampled after training"}
+        default=200,
+        metadata={"group": "evaluation", "help": "characters of text sampled after training"},
     )
     run_dir: str | None = field(
         default=None,
         metadata={
+            "group": "logging",
             "help": "output folder",
             "metavar": "DIR",
             "default_text": "a new runs/<time>",
@@ -660,16 +743,24 @@ class TrainConfig:
     checkpoint_every: int | None = field(
         default=None,
         metadata={
+            "group": "checkpoints",
             "help": "save a checkpoint every N steps (in the background) under RUN_DIR/checkpoints",
             "metavar": "N",
         },
     )
     keep: int | None = field(
-        default=None, metadata={"help": "keep the newest K checkpoints", "metavar": "K"}
+        default=3,
+        metadata={
+            "group": "checkpoints",
+            "help": "keep the newest K published checkpoints, deleting older ones (never the "
+            "newest, nor one being written); 0 or unset (API): keep every one",
+            "metavar": "K",
+        },
     )
     resume: str | None = field(
         default=None,
         metadata={
+            "group": "checkpoints",
             "help": "resume from the newest good checkpoint of --run-dir ('auto') or a "
             "checkpoint folder; any layout loads any checkpoint",
             "metavar": "auto|PATH",
@@ -678,6 +769,7 @@ class TrainConfig:
     max_restarts: int = field(
         default=0,
         metadata={
+            "group": "checkpoints",
             "help": "restart the workers up to R times after one dies, resuming from the "
             "newest good checkpoint (needs --checkpoint-every)",
             "metavar": "R",
@@ -686,34 +778,53 @@ class TrainConfig:
     timeout_s: float = field(
         default=300.0,
         metadata={
+            "group": "communication",
             "help": "longest wait for another worker before the run fails naming it",
             "flag": "--timeout",
             "metavar": "SECONDS",
         },
     )
     verbosity: int = field(
-        default=0, metadata={"help": "-1 warnings only, 0 progress lines, 1 debug details too"}
+        default=0,
+        metadata={
+            "group": "logging",
+            "help": "-1 warnings and the final summary only, 0 progress lines, 1 debug details too",
+            "choices": (-1, 0, 1),
+        },
     )
     log_all_ranks: bool = field(
-        default=False, metadata={"help": "every worker logs (default: rank 0; others warn only)"}
+        default=False,
+        metadata={
+            "group": "logging",
+            "help": "every worker logs (default: rank 0; others warn only)",
+        },
     )
     tensorboard: str | None = field(
         default=None,
-        metadata={"help": "also write TensorBoard scalars to this folder (extra 'tensorboard')"},
+        metadata={
+            "group": "logging",
+            "help": "also write TensorBoard scalars to this folder (extra 'tensorboard')",
+        },
     )
     trace_steps: int = field(
-        default=2, metadata={"help": "the last N steps drawn into trace.json and timeline.png"}
+        default=2,
+        metadata={
+            "group": "logging",
+            "help": "the last N steps drawn into trace.json and timeline.png",
+        },
     )
     profile_steps: str | None = field(
         default=None,
         metadata={
+            "group": "logging",
             "help": "A:B records a torch.profiler trace of steps A to B-1 per rank (steps "
-            "count from 0, as in metrics.jsonl)"
+            "count from 0, as in metrics.jsonl)",
         },
     )
     data: str = field(
         default="stdlib",
         metadata={
+            "group": "data",
             "help": "data: " + "; ".join(f"{k} ({v})" for k, v in DATA.items()),
             "metavar": "KIND[:PATH]",
         },
@@ -721,6 +832,7 @@ class TrainConfig:
     tokenizer: str | None = field(
         default=None,
         metadata={
+            "group": "data",
             "help": "a tokenizer.json (Hugging Face tokenizers), or a folder holding one, for "
             "text data; the vocabulary comes from it",
             "metavar": "PATH",
@@ -730,6 +842,7 @@ class TrainConfig:
     init_from: str | None = field(
         default=None,
         metadata={
+            "group": "model",
             "help": "start from the weights of a local Hugging Face model folder (config.json "
             "+ safetensors; GPT-2 or Llama family); the model and its shape come from it",
             "metavar": "DIR",
@@ -738,6 +851,7 @@ class TrainConfig:
     wandb: str | None = field(
         default=None,
         metadata={
+            "group": "logging",
             "help": "also log to Weights & Biases under this project (extra 'wandb'; "
             "WANDB_MODE=offline keeps it local)",
             "metavar": "PROJECT",
@@ -747,6 +861,7 @@ class TrainConfig:
     repartition: str = field(
         default="off",
         metadata={
+            "group": "pipeline",
             "help": "move blocks between pipeline ranks while training when stage times "
             "drift apart (plait.train.repartition)",
             "choices": ("off", "auto"),
@@ -754,10 +869,17 @@ class TrainConfig:
     )
     repartition_threshold: float = field(
         default=0.2,
-        metadata={"help": "re-partition when the slowest stage exceeds the fastest by this"},
+        metadata={
+            "group": "pipeline",
+            "help": "re-partition when the slowest stage exceeds the fastest by this",
+        },
     )
     repartition_patience: int = field(
-        default=3, metadata={"help": "steps in a row over the threshold before re-partitioning"}
+        default=3,
+        metadata={
+            "group": "pipeline",
+            "help": "steps in a row over the threshold before re-partitioning",
+        },
     )
 
     def __post_init__(self) -> None:
@@ -946,10 +1068,11 @@ class TrainConfig:
             )
 
     def _check_fault_tolerance(self) -> None:
-        for name in ("checkpoint_every", "keep"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name}={value!r} must be a positive integer, or unset")
+        every, keep = self.checkpoint_every, self.keep
+        if every is not None and (not isinstance(every, int) or every < 1):
+            raise ValueError(f"checkpoint_every={every!r} must be a positive integer, or unset")
+        if keep is not None and (not isinstance(keep, int) or keep < 0):
+            raise ValueError(f"keep={keep!r} must be a positive integer, or 0 to keep every one")
         if not isinstance(self.max_restarts, int) or self.max_restarts < 0:
             raise ValueError(f"max_restarts={self.max_restarts!r} must be 0 or more")
         if self.max_restarts and self.checkpoint_every is None:

@@ -3,7 +3,8 @@
 A worker killed with SIGKILL after the first checkpoint is restarted (`--max-restarts 1`)
 and the run ends with weights equal bit for bit to an uninterrupted run's; without
 restarts the run ends with one line naming the rank and the signal; Ctrl-C stops every
-worker and leaves the published checkpoints whole. Local launches listen on loopback only.
+worker and leaves the published checkpoints whole, and prints one line, with the command
+that resumes, also while the workers start. Local launches listen on loopback only.
 """
 
 from __future__ import annotations
@@ -127,11 +128,30 @@ def test_ctrl_c_stops_every_worker_and_keeps_the_checkpoints(tmp_path: Path) -> 
     newest = published(run_dir / "checkpoints")
     assert newest and verify(newest[0]) is None
     assert last == (
-        f"plait train: stopped by SIGINT; workers stopped; newest checkpoint {newest[0]}"
+        f"plait train: stopped by SIGINT; workers stopped; newest checkpoint {newest[0]}; "
+        f"resume: plait train --config {run_dir / 'config.json'} --resume auto"
     ), err
     assert "Traceback" not in err, err
     for pid in workers:
         assert not Path(f"/proc/{pid}").exists() or _zombie(pid), f"worker {pid} still runs"
+
+
+def test_ctrl_c_while_the_workers_start_prints_one_line(tmp_path: Path) -> None:
+    """The workers import torch for seconds after they are spawned: a Ctrl-C then ends the
+    run with the launcher's one line, no worker's KeyboardInterrupt traceback."""
+    run_dir = tmp_path / "starting"
+    proc = _start(run_dir)
+    deadline = time.time() + 120
+    while not workers_of(proc.pid):
+        assert proc.poll() is None and time.time() < deadline, "no worker was spawned"
+        time.sleep(0.002)
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGINT, err
+    assert err.strip().splitlines() == [
+        "plait train: stopped by SIGINT; workers stopped; no checkpoint published yet; run "
+        f"again: plait train --config {run_dir / 'config.json'} --resume auto"
+    ], err
 
 
 def _zombie(pid: int) -> bool:

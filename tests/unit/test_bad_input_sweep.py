@@ -78,7 +78,7 @@ def _flag_case(*argv: str, flag: str, value: str, field: str | None = None) -> C
 _INT_MIN: dict[str, int | None] = {
     "nproc": 1, "max_steps": 1, "batch_size": 1, "warmup_steps": 0, "eval_every": 1,
     "eval_batches": 0, "seed": None, "log_every": 1, "sample_chars": 0, "checkpoint_every": 1,
-    "keep": 1, "max_restarts": 0, "verbosity": -1, "trace_steps": 1, "model.layers": 1,
+    "keep": 0, "max_restarts": 0, "verbosity": -1, "trace_steps": 1, "model.layers": 1,
     "model.hidden": 1, "model.heads": 1, "model.seq_len": 1, "model.ffn_hidden": 1,
     "model.width": 1, "parallel.dp": 1, "parallel.tp": 1, "parallel.pp": 1,
     "parallel.microbatches": 1, "parallel.chunks": 1, "model.experts": 1, "model.top_k": 1,

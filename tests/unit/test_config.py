@@ -37,7 +37,7 @@ def test_toml_and_overrides(tmp_path: Path) -> None:
         ({"model.layers": 1, "nproc": 4, "parallel.pp": 4}, "exceed the model.s 3 blocks"),
         ({"max_steps": 0}, "max_steps=0 must be a positive integer"),
         ({"checkpoint_every": 0}, "checkpoint_every=0 must be a positive integer, or unset"),
-        ({"keep": -1}, "keep=-1 must be a positive integer, or unset"),
+        ({"keep": -1}, "keep=-1 must be a positive integer, or 0 to keep every one"),
         ({"max_restarts": 2}, "max_restarts=2 without checkpoint_every"),
         ({"max_restarts": -1, "checkpoint_every": 5}, "max_restarts=-1 must be 0 or more"),
         ({"timeout_s": 0.0}, "timeout_s=0.0 must be positive"),

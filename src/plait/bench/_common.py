@@ -98,15 +98,16 @@ def print_table(
     title: str, columns: Sequence[str], rows: Sequence[Sequence[object]], *, footer: str = ""
 ) -> None:
     """A rich table: the first column left-aligned, floats with 4 decimals, then `footer`."""
-    from rich.console import Console
     from rich.table import Table
+
+    from plait.console import console as make_console
 
     table = Table(title=title)
     for i, column in enumerate(columns):
         table.add_column(column, justify="left" if i == 0 else "right")
     for row in rows:
         table.add_row(*(f"{v:.4f}" if isinstance(v, float) else str(v) for v in row))
-    console = Console()
+    console = make_console()
     console.print(table)
     if footer:
         console.print(footer)

@@ -1,4 +1,4 @@
-"""Dynamic re-partitioning against a emulated: steps/s before, slowed, re-partitioned.
+"""Dynamic re-partitioning against a worker slowed mid-run: steps/s before, slowed, moved.
 
 Two pipeline workers (1F1B, a small GPT, SGD) start on an equal split. Every block's
 compute is emulated: hooks sleep `--block-ms` after its forward and twice that when its

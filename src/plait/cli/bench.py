@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 
-__all__ = ["add_parser"]
+__all__ = ["add_parser", "summary"]
 
 # benchmark name -> module under plait.bench defining `add_arguments(parser)` and `run(args)`
 _BENCHES = {
@@ -30,6 +30,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     benches = p.add_subparsers(dest="bench", metavar="BENCH", required=True)
     for name, module in _BENCHES.items():
         mod = importlib.import_module(module)
-        bp = benches.add_parser(name, help=(mod.__doc__ or "").strip().splitlines()[0])
+        bp = benches.add_parser(name, help=summary(mod.__doc__ or ""))
         mod.add_arguments(bp)
         bp.set_defaults(func=mod.run)
+
+
+def summary(doc: str) -> str:
+    """A module docstring's first sentence, which may run over several lines: the help
+    `plait bench --help` lists (its first line alone can stop mid-sentence)."""
+    paragraph = " ".join(doc.strip().split("\n\n", 1)[0].split())
+    end = paragraph.find(". ")
+    return paragraph if end < 0 else paragraph[: end + 1]

@@ -44,6 +44,16 @@ def _version() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run `plait ARGV`; Ctrl-C at any moment (building the parser imports torch: seconds)
+    ends it with one line, not a traceback."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print("plait: stopped by SIGINT", file=sys.stderr)
+        return 128 + 2
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     parser.add_argument("--version", action="version", version=f"plait {_version()}")
     args = parser.parse_args(argv)

@@ -5,7 +5,8 @@ A field `eval_every: int = field(default=10, metadata={"help": ...})` becomes
 namespace under the field's dotted path (`parallel.pp`), None when not given, so a TOML
 file and the dataclass default stay in charge of what the user did not type. Metadata
 may name the flag (`"flag": "--timeout"`), skip it (`"flag": None`), give `"choices"`,
-a `"metavar"` or a `"default_text"` for the help.
+a `"metavar"` or a `"default_text"` for the help, and the section of `--help` it is listed
+in (`"group"`, one of `GROUPS`; a section dataclass's fields take its own field's group).
 """
 
 from __future__ import annotations
@@ -17,7 +18,23 @@ import types
 import typing
 from typing import Any
 
-__all__ = ["add_config_flags", "config_flags"]
+__all__ = ["GROUPS", "add_config_flags", "add_groups", "config_flags"]
+
+#: The sections of `plait train --help`, in the order listed: name -> what its flags set.
+GROUPS: dict[str, str] = {
+    "model": "the model: a reference model and its shape, a Hugging Face folder, or MODULE:FACTORY",
+    "data": "the data, its tokenizer, the batch and the seed",
+    "layout": "the workers and how the model is spread over them (--plan auto chooses "
+    "when no layout is given)",
+    "pipeline": "the pipeline: schedule, micro-batches, stage partition, re-partitioning, WSP",
+    "memory": "memory savers: ZeRO, recomputation, sequence parallelism, offloading",
+    "numerics": "dtype, kernels and compilation",
+    "communication": "between the workers: gradient compression, timeouts",
+    "optimizer": "the optimizer, its learning-rate schedule and clipping",
+    "evaluation": "validation during and after training, the sample after it",
+    "checkpoints": "checkpoints, resuming and restarts",
+    "logging": "the run folder, the console, metrics files, TensorBoard, W&B and traces",
+}
 
 
 def config_flags(cls: type[Any], prefix: str = "") -> dict[str, str]:
@@ -36,25 +53,40 @@ def config_flags(cls: type[Any], prefix: str = "") -> dict[str, str]:
     return out
 
 
+def add_groups(parser: argparse.ArgumentParser) -> dict[str, argparse._ArgumentGroup]:
+    """The argument groups of `GROUPS` on `parser`, in their order."""
+    return {name: parser.add_argument_group(name, text) for name, text in GROUPS.items()}
+
+
 def add_config_flags(
     parser: argparse.ArgumentParser | argparse._ArgumentGroup,
     cls: type[Any],
     *,
     prefix: str = "",
     skip: tuple[str, ...] = (),
+    groups: dict[str, argparse._ArgumentGroup] | None = None,
+    section: str | None = None,
 ) -> None:
     """Add one flag per field of `cls` (sections recursively) to `parser`; `skip` lists
-    dotted paths that the command declares itself."""
+    dotted paths that the command declares itself. With `groups` (`add_groups`), each flag
+    goes to the group its field names, else to its section's (`section`)."""
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         path, hint = prefix + f.name, hints[f.name]
+        group = f.metadata.get("group", section)
         if dataclasses.is_dataclass(hint):
-            add_config_flags(parser, typing.cast(type, hint), prefix=f"{path}.", skip=skip)
+            add_config_flags(parser, typing.cast(type, hint), prefix=f"{path}.", skip=skip,
+                             groups=groups, section=group)  # fmt: skip
             continue
         flag = f.metadata.get("flag", "--" + f.name.replace("_", "-"))
         if flag is None or path in skip:
             continue
-        parser.add_argument(flag, dest=path, default=None, **_kind(f, hint))
+        target = parser
+        if groups is not None:
+            if group not in groups:
+                raise KeyError(f"{path}: metadata group={group!r} is not one of {list(groups)}")
+            target = groups[group]
+        target.add_argument(flag, dest=path, default=None, **_kind(f, hint))
 
 
 def _default(f: dataclasses.Field[Any]) -> Any:

@@ -204,8 +204,9 @@ def _codec_line(compress: str, cluster: Any) -> str:
 
 
 def _table(found: Any, describe: Any) -> None:
-    from rich.console import Console
     from rich.table import Table
+
+    from plait.console import console, size
 
     table = Table(title="plans, best first")
     for col in (
@@ -220,8 +221,8 @@ def _table(found: Any, describe: Any) -> None:
         "MFU",
         "bubble",
         "comm",
-        "peak GiB/device",
-        "headroom GiB",
+        "peak/device",
+        "headroom",
     ):
         table.add_column(col, justify="right")
     for i, r in enumerate(found.top, 1):
@@ -234,10 +235,7 @@ def _table(found: Any, describe: Any) -> None:
             f"{r.step_time_s:.3g}" + (" (input)" if r.input_bound else ""),
             f"{r.tokens_per_s:,.0f}", f"{r.mfu:.1%}",
             f"{r.bubble_fraction:.1%}", f"{r.comm_share:.1%}",
-            f"{max(r.peak_memory_bytes) / _GIB:.1f}",
-            f"{r.headroom_bytes / _GIB:.1f}" if math.isfinite(r.headroom_bytes) else "-",
+            size(max(r.peak_memory_bytes)),
+            size(r.headroom_bytes) if math.isfinite(r.headroom_bytes) else "-",
         )  # fmt: skip
-    console = Console()
-    if not console.is_terminal:
-        console = Console(width=200)
-    console.print(table)
+    console().print(table)

@@ -379,6 +379,8 @@ def _fmt(value: float, unit: str) -> str:
         return f"{value * 1e3:.3f}"
     if unit == "B":
         return f"{value / 2**20:.3f}"
+    if unit == "n":  # a count: whole, with thousands separators
+        return f"{value:,.0f}"
     return f"{value:.3g}" if math.isfinite(value) else str(value)
 
 
@@ -387,8 +389,9 @@ def _rate(flops: float) -> str:
 
 
 def _print(out: dict[str, Any]) -> None:
-    from rich.console import Console
     from rich.table import Table
+
+    from plait.console import console as make_console
 
     measured = out["source"] == "measured"
     if measured:
@@ -400,7 +403,7 @@ def _print(out: dict[str, Any]) -> None:
     columns += [("activation_bytes", "sends MiB", "B"), ("saved_bytes", "keeps MiB", "B")]
     columns += [
         ("saved_bytes_recompute", "keeps (recompute) MiB", "B"),
-        ("num_params", "params", ""),
+        ("num_params", "params", "n"),
     ]
     m = out["model"]
     title = (
@@ -414,7 +417,7 @@ def _print(out: dict[str, Any]) -> None:
         table.add_column(header, justify="right")
     for row in out["blocks"]:
         table.add_row(row["name"], *(_fmt(float(row[k]), unit) for k, _, unit in columns))
-    console = Console()
+    console = make_console()
     console.print(table)
     if measured:
         device = out["device"]

@@ -421,11 +421,13 @@ def _model_row(spec: GPTSpec) -> dict[str, Any]:
 
 
 def _print(summary: dict[str, Any]) -> None:
-    from rich.console import Console
     from rich.table import Table
 
+    from plait.console import console as make_console
+    from plait.console import size
+
     plan, c = summary["plan"], summary["cluster"]
-    console = Console()
+    console = make_console()
     console.print(
         f"[bold]{plan['schedule']}[/]: dp={plan['dp']} tp={plan['tp']} pp={plan['pp']} "
         f"({plan['chunks']} chunk(s)), {plan['microbatches']} micro-batches of "
@@ -437,15 +439,14 @@ def _print(summary: dict[str, Any]) -> None:
         f"{summary['tokens_per_s']:,.0f} tokens/s | MFU {summary['mfu']:.1%} | "
         f"{'fits' if summary['fits'] else '[red]DOES NOT FIT[/]'}"
     )
-    table = Table(title="per pipeline rank (GiB)")
+    table = Table(title="memory per pipeline rank")
     for column in ("rank", "params", "grads", "optimizer", "activations", "transient",
                    "total", "capacity"):  # fmt: skip
         table.add_column(column, justify="right")
     for m in summary["memory"]:
-        values = [m[k] / 2**30 for k in ("params", "grads", "optimizer", "activations")]
-        values += [m[k] / 2**30 for k in ("transient", "total", "capacity")]
+        keys = ("params", "grads", "optimizer", "activations", "transient", "total", "capacity")
         style = "red" if m["total"] > m["capacity"] else None
-        table.add_row(str(m["pp_rank"]), *(f"{v:.2f}" for v in values), style=style)
+        table.add_row(str(m["pp_rank"]), *(size(m[k]) for k in keys), style=style)
     console.print(table)
     console.print(f"blocks per stage: {summary['partition']['sizes']}")
     if plan["ep"] > 1:

@@ -19,12 +19,17 @@ __all__ = ["add_parser"]
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser(
         "train",
-        help="train (default: a character-level GPT on the stdlib's source, 2 pipeline workers)",
-        description="Train a GPT on the Python standard library's own source code. Without "
-        "arguments: 2 local CPU workers, a 2-stage 1F1B pipeline, 300 steps. Run under torchrun "
-        "to span several machines (the launch then comes from torchrun, not --nproc).",
+        usage="%(prog)s [-h] [--config FILE] [--dry-run] [FLAG ...] (flags by section below)",
+        help="train a model on local workers (default: a character-level GPT on the stdlib's "
+        "source, layout planned)",
+        description="Train a model on local workers; by default a character-level GPT on the "
+        "Python standard library's own source code. With no layout given (--dp, --tp, --pp, "
+        "--schedule, ...) it runs --plan auto: the workers profile the model, the planner "
+        "chooses the layout and they train under it (on CPU 2 workers, on a GPU host one per "
+        "GPU), 300 steps. Run under torchrun to span several machines (the launch then comes "
+        "from torchrun, not --nproc).",
     )
-    from plait.cli.options import add_config_flags
+    from plait.cli.options import add_config_flags, add_groups
     from plait.config import TrainConfig
 
     p.add_argument(
@@ -39,12 +44,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         dest="dry_run",
         help="validate the settings, print the resolved configuration and exit",
     )
-    add_config_flags(p, TrainConfig)
+    groups = add_groups(p)
+    add_config_flags(p, TrainConfig, groups=groups)
     # shorthands of --verbosity: same dest, so the last one given wins
-    p.add_argument("-q", "--quiet", dest="verbosity", action="store_const", const=-1,
-                   help="warnings only (--verbosity -1)")  # fmt: skip
-    p.add_argument("-v", "--verbose", dest="verbosity", action="store_const", const=1,
-                   help="debug details too (--verbosity 1)")  # fmt: skip
+    logging_flags = groups["logging"]
+    logging_flags.add_argument(
+        "-q",
+        "--quiet",
+        dest="verbosity",
+        action="store_const",
+        const=-1,
+        help="warnings and the final summary only (--verbosity -1)",
+    )
+    logging_flags.add_argument("-v", "--verbose", dest="verbosity", action="store_const", const=1,
+                               help="debug details too (--verbosity 1)")  # fmt: skip
     p.set_defaults(func=run)
 
 
@@ -232,8 +245,42 @@ def _from_plan_file(
 
 
 def run(args: argparse.Namespace) -> int:
+    """`plait train`; stopped by Ctrl-C (or SIGTERM) at any moment, it prints one line: the
+    newest checkpoint and the command that resumes from it."""
+    import signal
+
+    from plait.train.launch import Interrupted
+
+    started: dict[str, Any] = {}  # the run's config once its folder holds config.json
+    try:
+        return _run(args, started)
+    except KeyboardInterrupt:  # before the workers' launch, or between attempts
+        err = Interrupted(signal.SIGINT)
+    except Interrupted as caught:
+        err = caught
+    print(f"plait train: {err}; {_stopped(started.get('cfg'))}", file=sys.stderr)
+    return 128 + err.signum
+
+
+def _stopped(cfg: dict[str, Any] | None) -> str:
+    """The rest of the line a stopped run prints: what is kept and how to go on."""
+    if cfg is None:
+        return "nothing was started"
+    from plait.checkpoint.store import published
+
+    run_dir = Path(cfg["run_dir"])
+    again = f"plait train --config {run_dir / 'config.json'}"
+    newest = published(run_dir / "checkpoints")
+    if newest:
+        return f"workers stopped; newest checkpoint {newest[0]}; resume: {again} --resume auto"
+    if cfg.get("checkpoint_every") is None:
+        return f"workers stopped; no checkpoints (--checkpoint-every N); run again: {again}"
+    return f"workers stopped; no checkpoint published yet; run again: {again} --resume auto"
+
+
+def _run(args: argparse.Namespace, started: dict[str, Any]) -> int:
     from plait.mesh import launched_env, run_id
-    from plait.train.launch import Interrupted, WorkerFailed, launch
+    from plait.train.launch import WorkerFailed, launch
     from plait.train.loop import train_worker
 
     cfg = _resolve(args)  # validated here, before any worker starts
@@ -255,16 +302,18 @@ def run(args: argparse.Namespace) -> int:
     cfg["run_dir"] = str(run_dir)
     if env is None or env.rank == 0:
         (run_dir / "config.json").write_text(json.dumps(cfg, indent=2))
+        started["cfg"] = cfg
     if env is None:  # tokenize text once, here; torchrun's workers each find or make the cache
         _prepare_data(cfg)
     if env is not None:  # inside torchrun: this process is one worker
         summary = train_worker(cfg, str(run_dir))
         if summary is not None:
             _write_resolved(cfg, summary, run_dir)
-            _report(summary, run_dir)
+            _report(summary, run_dir, quiet=cfg["verbosity"] < 0)
         return 0
     how = "planning the layout first" if cfg["plan"] == "auto" else "layout as given"
-    print(f"plait train: {cfg['nproc']} workers ({how}), run folder {run_dir}")
+    if cfg["verbosity"] >= 0:
+        print(f"plait train: {cfg['nproc']} workers ({how}), run folder {run_dir}", flush=True)
     restarts = int(str(cfg.get("max_restarts") or 0))
     try:
         results = launch(
@@ -278,16 +327,9 @@ def run(args: argparse.Namespace) -> int:
     except WorkerFailed as err:
         print(f"plait train: error: {err}{_kept_traceback(err, run_dir)}", file=sys.stderr)
         return 1
-    except Interrupted as err:
-        from plait.checkpoint.store import published
-
-        newest = published(run_dir / "checkpoints")
-        kept = f"newest checkpoint {newest[0]}" if newest else "no checkpoint was published"
-        print(f"plait train: {err}; workers stopped; {kept}", file=sys.stderr)
-        return 128 + err.signum
     summary = next(s for s in results.values() if s is not None)
     _write_resolved(cfg, summary, run_dir)
-    _report(summary, run_dir)
+    _report(summary, run_dir, quiet=cfg["verbosity"] < 0)
     return 0
 
 
@@ -403,25 +445,27 @@ def _kept_traceback(err: WorkerFailed, run_dir: Path) -> str:
     return f"; traceback in {path}"
 
 
-def _report(summary: dict[str, Any], run_dir: Path) -> None:
+def _report(summary: dict[str, Any], run_dir: Path, *, quiet: bool = False) -> None:
+    """The end of a run: the schedule it ran and a sample (not under -q), then the summary."""
     from plait.schedule import Schedule, compute_only, format_grid, unroll
+    from plait.train.logs import describe_layout
 
     schedule = Schedule.from_dict(summary["schedule"])
-    if schedule.policy == "sync":
-        print("\nschedule each step ran (unit costs; rows are pipeline ranks):")
-        print(format_grid(compute_only(schedule)))
-    else:
-        print("\nthe asynchronous stream, 3 windows with warm-up and drain (unit costs):")
-        print(format_grid(compute_only(unroll(schedule, 3).schedule)))
-    print(f"\nsample:\n{summary['sample']}\n")
+    if not quiet:
+        if schedule.policy == "sync":
+            print("\nschedule each step ran (unit costs; rows are pipeline ranks):")
+            print(format_grid(compute_only(schedule)))
+        else:
+            print("\nthe asynchronous stream, 3 windows with warm-up and drain (unit costs):")
+            print(format_grid(compute_only(unroll(schedule, 3).schedule)))
+        if summary["sample"]:
+            print(f"\nsample:\n{summary['sample']}\n")
     found = summary.get("validation", {})
     for name, value in found.items():  # a classifier's metrics, over the whole split
         if name not in ("loss", "samples"):
             print(f"validation {name}: {value:.4g} ({found['samples']} samples)")
-    plan = summary["plan"]
-    layout = ", ".join(f"{k}={v}" for k, v in plan.items() if k != "partition")
     print(
-        f"plan ({summary['plan_source']}): {layout}\n"
+        f"plan ({summary['plan_source']}): {describe_layout(summary['plan'])}\n"
         f"loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f}"
         + (f", validation {summary['val_loss']:.3f}" if "val_loss" in summary else "")
         + " | "

@@ -24,6 +24,7 @@ import shutil
 import signal
 import socket
 import tempfile
+import threading
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -85,9 +86,13 @@ class Interrupted(RuntimeError):
 def _worker(fn: Callable[..., Any], *args: Any) -> Any:
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    # a terminal's Ctrl-C reaches every process of the group: the launcher alone answers
-    # it (and stops the workers), a worker would only print a KeyboardInterrupt traceback
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # a terminal's Ctrl-C reaches every process of the group: the launcher answers it (it
+    # names the checkpoint to resume from), a worker ends at once, without the traceback of
+    # a KeyboardInterrupt. It started with SIGINT blocked (`_workers_start_sigint_blocked`):
+    # a Ctrl-C pressed while it started ends it as SIGINT is unblocked
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
     # `record` writes the worker's traceback where the launcher reports it
     return record(fn)(*args)
@@ -118,6 +123,8 @@ def launch(
         try:
             return _attempt(fn, nproc, args, attempt)
         except _Failed as failed:
+            if failed.failure.cause == "SIGINT":  # a Ctrl-C that reached a worker first
+                raise Interrupted(signal.SIGINT) from None
             if attempt == max_restarts:
                 raise WorkerFailed(failed.failure, attempt) from None
             if on_restart is not None:
@@ -160,7 +167,7 @@ def _attempt(
         logs_specs=DefaultLogsSpecs(log_dir=os.path.join(folder, "logs")),
     )
     try:
-        with _environment(env, loopback), _quiet_launcher():
+        with _environment(env, loopback), _quiet_launcher(), _workers_start_sigint_blocked():
             return dict(elastic_launch(config, _worker)(fn, *args))
     except ChildFailedError as err:
         raise _Failed(_root_cause(err)) from None
@@ -195,6 +202,41 @@ def _environment(*updates: dict[str, str]) -> Iterator[None]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+@contextlib.contextmanager
+def _workers_start_sigint_blocked() -> Iterator[None]:
+    """Spawn the workers with SIGINT blocked; this process keeps answering it.
+
+    A spawned worker imports torch for seconds before `_worker` can ignore SIGINT, and a
+    Ctrl-C in that time printed a KeyboardInterrupt traceback per worker. A blocked signal
+    stays blocked across fork and exec, so each worker process is created (multiprocessing's
+    `spawnv_passfds`, which the spawn start method calls) with SIGINT blocked in this thread
+    for the call alone: a Ctrl-C meanwhile reaches this process once the call returns, and
+    ends the worker, silently, when `_worker` unblocks it. Blocking it for the whole launch
+    would not do: Python's resource tracker unblocks SIGINT as it starts, and a signal
+    taken by another thread reaches Python's handler late (CPython 3.11)."""
+    from multiprocessing import util
+
+    if threading.current_thread() is not threading.main_thread() or not hasattr(
+        signal, "pthread_sigmask"
+    ):
+        yield
+        return
+    original = util.spawnv_passfds
+
+    def spawn(path: Any, args: Any, passfds: Any) -> Any:
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            return original(path, args, passfds)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+    util.spawnv_passfds = spawn
+    try:
+        yield
+    finally:
+        util.spawnv_passfds = original
 
 
 class _DropLauncherLogs(logging.Filter):

@@ -3,9 +3,11 @@
 `setup` configures the `plait` logger once per worker: on a terminal a rich handler and a
 progress bar; otherwise (CI, a batch system, `| cat`) plain lines every `log_every` steps,
 which a progress bar would hold back until the end. Workers other than rank 0 log warnings
-only, unless asked. `RunLogger` (rank 0) writes `metrics.jsonl`, `updates.jsonl`, the
-optional TensorBoard and W&B scalars (`plait.train.sinks`) and, at the end, the summary and
-the measured timelines.
+only, unless asked, and leave torch's warnings, which every rank would repeat, to rank 0;
+torch's advice on how DTensor redistributes a 2-D norm (a performance note about plait's
+own mesh, one per rank and step) is not shown. `RunLogger` (rank 0) writes `metrics.jsonl`,
+`updates.jsonl`, the optional TensorBoard and W&B scalars (`plait.train.sinks`) and, at the
+end, the summary and the measured timelines.
 
 Steps are numbered from 0 everywhere: `step` in metrics.jsonl and updates.jsonl, TensorBoard
 and W&B, `--profile-steps A:B` (steps A to B-1) and the console's `step 0 (1/300)`; the
@@ -22,6 +24,7 @@ import math
 import statistics
 import sys
 import time
+import warnings
 from collections import deque
 from collections.abc import Mapping
 from pathlib import Path
@@ -30,7 +33,7 @@ from typing import Any
 from plait.config import TrainConfig
 from plait.train.sinks import open_sinks
 
-__all__ = ["LOGGER", "RecentSteps", "RunLogger", "is_terminal", "setup"]
+__all__ = ["LOGGER", "RecentSteps", "RunLogger", "describe_layout", "is_terminal", "setup"]
 
 LOGGER = "plait"
 _log = logging.getLogger(LOGGER)
@@ -66,7 +69,43 @@ def setup(verbosity: int = 0, rank: int = 0, all_ranks: bool = False) -> logging
     logger.addHandler(handler)
     logger.setLevel(level)
     logger.propagate = False  # one line per message, whatever the root logger does
+    _quiet_torch(rank == 0 or all_ranks)
     return logger
+
+
+class _DropRedistributeAdvice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("While redistributing from")
+
+
+# torch's logger of DTensor redistributions: under dp + tp the gradient norm over the 2-D
+# mesh logs "2 sequential all_reduce operations will be performed" on every rank and step
+_REDISTRIBUTE = "torch.distributed.tensor._redistribute"
+
+
+def _quiet_torch(shows_warnings: bool) -> None:
+    """Drop torch's repeated notes: the redistribution advice on every rank, and torch's
+    Python warnings on ranks that leave them to rank 0 (each rank runs the same code)."""
+    redistribute = logging.getLogger(_REDISTRIBUTE)
+    if not any(isinstance(f, _DropRedistributeAdvice) for f in redistribute.filters):
+        redistribute.addFilter(_DropRedistributeAdvice())
+    if not shows_warnings:
+        warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\.")
+
+
+def describe_layout(plan: Mapping[str, Any]) -> str:
+    """A layout in one line: the degrees, schedule, micro-batches, ZeRO, recomputation and
+    dtype, then any other setting that is not its default (`chunks=2`, `compress=fp16`)."""
+    from plait.config import ParallelPlan
+
+    always = ("dp", "tp", "pp", "schedule", "microbatches", "zero", "recompute", "dtype")
+    defaults = vars(ParallelPlan())
+    parts = [f"{k}={plan[k]}" for k in always if k in plan]
+    for key, value in plan.items():
+        if key not in always and value is not None and value != defaults.get(key):
+            shown = ",".join(map(str, value)) if isinstance(value, list | tuple) else value
+            parts.append(f"{key}={shown}")
+    return ", ".join(parts)
 
 
 class RecentSteps:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ from plait.runtime import StepResult
 from plait.train.checkpointing import resume, save
 from plait.train.engine import Engine, StepReport, parallelize
 from plait.train.environment import run_environment
-from plait.train.logs import RecentSteps, RunLogger, setup
+from plait.train.logs import LOGGER, RecentSteps, RunLogger, describe_layout, setup
 from plait.train.optim import optimizer_factory, scheduler_factory
 from plait.train.profiling import StepProfiler
 from plait.train.repartition import repartitioner
@@ -66,6 +67,12 @@ def train_worker(
     engine = build(cfg.parallel)
     moving = repartitioner(cfg, model, build)
     store, start = _checkpoints(cfg, engine, Path(run_dir))
+    if env.rank == 0:  # before the first step: a long run shows what it runs under at once
+        how = "planned on the workers" if cfg.plan == "auto" else cfg.plan or "as given"
+        at = f"; resuming at step {start}" if start else ""
+        logging.getLogger(LOGGER).info(
+            f"layout ({how}): {describe_layout(cfg.to_dict()['parallel'])}{at}"
+        )
     window = engine.schedule
     group = window.num_microbatches // max(1, window.updates_per_window)
     log = None
@@ -141,7 +148,7 @@ def _checkpoints(
     target = cfg.resume or ("auto" if restart_count() > 0 else None)
     if cfg.checkpoint_every is None and target is None:
         return None, 0
-    store = CheckpointStore(run_dir / "checkpoints", keep=cfg.keep)
+    store = CheckpointStore(run_dir / "checkpoints", keep=cfg.keep or None)  # 0: all
     found = resume(engine, store, target) if target is not None else None
     return store, found.step if found is not None else 0
 
