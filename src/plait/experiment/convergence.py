@@ -41,15 +41,15 @@ _KINDS = ("1f1b", *_ASYNC)
 def _image() -> StalenessConfig:
     # PipeDream's VGG-16 runs: lr 0.01 at minibatch 128, momentum 0.9; linearly scaled to
     # this minibatch of 32, 0.0025
-    return StalenessConfig(regime="image", schedules=_KINDS, stages=(1, 4, 8),
-                           num_microbatches=4, micro_batch_size=32, width=8, lr=0.0025,
+    return StalenessConfig(regime="image", schedules=_KINDS, stages=(1, 4),
+                           num_microbatches=2, micro_batch_size=32, width=8, lr=0.0025,
                            budget=600, eval_every=16, equal_updates=True)  # fmt: skip
 
 
 def _gpt() -> StalenessConfig:
-    return StalenessConfig(regime="gpt", schedules=_KINDS, stages=(1, 4, 8),
-                           num_microbatches=4, micro_batch_size=16, num_layers=6, hidden=48,
-                           seq_len=32, budget=320, eval_every=16, train_sequences=1024,
+    return StalenessConfig(regime="gpt", schedules=_KINDS, stages=(1, 4),
+                           num_microbatches=2, micro_batch_size=16, num_layers=6, hidden=48,
+                           seq_len=32, budget=240, eval_every=16, train_sequences=1024,
                            equal_updates=True)  # fmt: skip
 
 
