@@ -53,6 +53,8 @@ SHORTEST = {
     "bench arrival": ["--sizes", "1", "--calls", "2", "--warmup", "0", "--compute-ms", "0.5"],
     "bench repartition": ["--steps", "4", "--slow-from", "1", "--window", "1", "--layers", "1",
                           "--block-ms", "1"],
+    "bench single": ["--steps", "1", "--warmup", "1", "--no-compile", *_TINY, "--heads", "2",
+                     "--batch-size", "2"],
     "bench hetpipe": ["--workers", "2", "--slow", "1", "--steps", "2", "--turn", "1",
                       "--window", "1", *_TINY, "--heads", "2", "--batch-size", "8"],
     "experiment staleness": ["--stages", "1,2", "--microbatches", "2", "--budget", "4"],
@@ -76,8 +78,16 @@ def _faults_recovered(out: dict[str, object]) -> None:
     assert 0 < out["median_recovery_s"] <= out["max_recovery_s"]  # type: ignore[operator]
 
 
+def _single_compared(out: dict[str, object]) -> None:
+    """plait and the plain loops timed, the compiled ones skipped, the same first loss."""
+    for key in ("plait_step_s", "plain_step_s", "plain_fused_step_s", "ratio_vs_best_plain"):
+        assert isinstance(out[key], float) and out[key] > 0, (key, out)  # type: ignore[operator]
+    assert out["plait_compiled_step_s"] is None and out["plain_compiled_step_s"] is None
+    assert out["mfu"] is None and out["loss_match"] is True, out  # a CPU: no known peak
+
+
 # what a bench's JSON (its last line) must say in its shortest form, beyond succeeding
-CHECKS = {"bench faults": _faults_recovered}
+CHECKS = {"bench faults": _faults_recovered, "bench single": _single_compared}
 # the checkpointed run `plait checkpoint` reads, trained for real on a small model
 CHECKPOINTED = "--run-dir runs/ck"
 _SMALL = ["--layers", "2", "--hidden", "32", "--heads", "2", "--seq-len", "16",

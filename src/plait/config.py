@@ -15,14 +15,17 @@ from pathlib import Path
 from typing import Any
 
 from plait.compression import check_zero, parse_compression
+from plait.dataspec import DATA_FORMS, parse_data
 from plait.layout import RANK_ORDERS, check_ep, check_rank_order, expert_replicas, global_rank
 from plait.offload import check_offload_blocks, normalize_offload
 from plait.pipelines import check_hetero_plan
+from plait.pretrained import read_pretrained
 from plait.schedule.registry import KINDS, schedule_kind
 
 __all__ = [
     "DATA",
     "MODELS",
+    "OPTIMIZER_IMPLS",
     "ModelConfig",
     "ParallelPlan",
     "PipelineSpec",
@@ -34,17 +37,18 @@ __all__ = [
 MODELS = {
     "gpt": "plait's reference GPT",
     "resnet18": "ResNet-18 for small images",
-    "hf-gpt2": "Hugging Face GPT-2 from a config, needs plait[hf]",
-    "hf-llama": "Hugging Face Llama from a config, needs plait[hf]",
+    "hf-gpt2": "Hugging Face GPT-2 from a config or --init-from, needs plait[hf]",
+    "hf-llama": "Hugging Face Llama from a config or --init-from, needs plait[hf]",
     "moe-gpt": "plait's GPT with mixture-of-experts feed-forward layers",
     "custom": "a model given to plait.train.run (Python only)",
+    "MODULE:FACTORY": "your own model: FACTORY(vocab_size=, seq_len=) in MODULE (a module "
+    "name or a .py file) returns it; see examples/my_model.py",
 }
-DATA = {
-    "stdlib": "characters of the Python standard library's source",
-    "synthetic": "generated data fitting the model",
-    "digits": "scikit-learn's 8×8 handwritten digits, needs plait[data]",
-    "cifar100:PATH": "CIFAR-100's python release extracted under PATH",
-}
+DATA = DATA_FORMS
+#: `--device` values (`plait.device.DEVICE_KINDS`, which checks them against the host)
+DEVICES = ("auto", "cpu", "cuda")
+#: `--optimizer-impl` values (`plait.train.optim.implementation` chooses for `auto`)
+OPTIMIZER_IMPLS = ("auto", "fused", "foreach", "loop")
 _LANGUAGE_DATA = ("stdlib", "synthetic")
 _IMAGE_DATA = ("digits", "cifar100", "synthetic")
 
@@ -133,7 +137,7 @@ class ModelConfig:
         metadata={
             "help": "model: " + "; ".join(f"{k} ({v})" for k, v in MODELS.items()),
             "flag": "--model",
-            "choices": tuple(MODELS),
+            "metavar": "NAME|MODULE:FACTORY",
         },
     )
     layers: int = field(default=4, metadata={"help": "transformer layers"})
@@ -172,8 +176,13 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         _check_types(self)
-        if self.name not in MODELS:
-            raise ValueError(f"model name={self.name!r} is unknown; choose one of {list(MODELS)}")
+        module, sep, factory = self.name.rpartition(":")
+        user = bool(sep and module and factory.isidentifier())  # a MODULE:FACTORY model
+        if self.name not in MODELS and not user:
+            raise ValueError(
+                f"model name={self.name!r} is unknown; choose one of {list(MODELS)[:-1]}, "
+                "or give your own as MODULE:FACTORY (e.g. examples/my_model.py:build)"
+            )
         _positive(self, "layers", "hidden", "heads", "seq_len", "width")
         if self.ffn_hidden is not None and self.ffn_hidden < 1:
             raise ValueError(
@@ -210,7 +219,18 @@ class ModelConfig:
 
     @property
     def is_language_model(self) -> bool:
+        """Trains on token sequences (a user's MODULE:FACTORY model does too)."""
         return self.name not in ("resnet18", "custom")
+
+    @property
+    def is_user_model(self) -> bool:
+        """A MODULE:FACTORY model from the command line."""
+        return ":" in self.name
+
+    @property
+    def known_blocks(self) -> bool:
+        """Whether `num_blocks` is known before the model is built (not a user's model)."""
+        return self.name != "custom" and not self.is_user_model
 
 
 # the ModelConfig fields each model never reads (a custom model comes built: not checked)
@@ -229,6 +249,27 @@ def _warn_unused(obj: Any, names: tuple[str, ...], why: str) -> None:
         value = getattr(obj, f.name)
         if f.name in names and f.default is not dataclasses.MISSING and value != f.default:
             warnings.warn(f"{f.name}={value!r} has no effect {why}: drop it", stacklevel=3)
+
+
+def _adopt_pretrained(model: ModelConfig, path: str) -> ModelConfig:
+    """`model` with the family and shape of the Hugging Face folder at `path`: a field set
+    to other than its default that differs from the folder's is an error."""
+    shape = read_pretrained(path)
+    defaults = ModelConfig()
+    for name, value in shape.model_fields().items():
+        mine = getattr(model, name)
+        if mine != value and mine != getattr(defaults, name):
+            flag = "--model" if name == "name" else "--" + name.replace("_", "-")
+            raise ValueError(
+                f"{name}={mine!r} contradicts init_from={path!r}, whose config.json gives "
+                f"{value!r}: drop {flag} (the folder decides the model's shape)"
+            )
+    if model.seq_len > shape.max_positions:
+        raise ValueError(
+            f"seq_len={model.seq_len} exceeds the {shape.max_positions} positions of "
+            f"init_from={path!r}: use seq_len <= {shape.max_positions}"
+        )
+    return dataclasses.replace(model, **shape.model_fields())
 
 
 Recompute = typing.Literal["none", "selective", "full"]
@@ -515,6 +556,21 @@ class TrainConfig:
         default=None,
         metadata={"help": "local worker processes", "default_text": "dp × tp × pp"},
     )
+    device: str = field(
+        default="auto",
+        metadata={
+            "help": "where workers compute: auto (one GPU each when the host has GPUs, else "
+            "CPU workers), cpu, or cuda",
+            "choices": DEVICES,
+        },
+    )
+    deterministic: bool = field(
+        default=False,
+        metadata={
+            "help": "repeatable kernels, bit for bit from run to run "
+            "(torch.use_deterministic_algorithms; slower on GPUs)"
+        },
+    )
     cluster: str | None = field(
         default=None,
         metadata={
@@ -534,6 +590,21 @@ class TrainConfig:
     eps: float = field(default=1e-8, metadata={"help": "AdamW's epsilon"})
     momentum: float = field(default=0.0, metadata={"help": "SGD's momentum"})
     nesterov: bool = field(default=False, metadata={"help": "SGD with Nesterov momentum"})
+    optimizer_impl: str = field(
+        default="auto",
+        metadata={
+            "help": "torch's optimizer kernels: fused, foreach or a loop per parameter; auto: "
+            "fused where torch has them (CUDA, CPU), else foreach (CUDA) or a loop (CPU)",
+            "choices": OPTIMIZER_IMPLS,
+        },
+    )
+    tf32: bool = field(
+        default=False, metadata={"help": "fp32 matmuls and convolutions in TF32 on CUDA GPUs"}
+    )
+    compile: bool = field(
+        default=False,
+        metadata={"help": "torch.compile each block of each stage (plait.train.compile)"},
+    )
     lr_schedule: str = field(
         default="constant",
         metadata={"help": "after warm-up: constant, cosine or linear decay to min_lr"},
@@ -635,11 +706,42 @@ class TrainConfig:
     )
     profile_steps: str | None = field(
         default=None,
-        metadata={"help": "A:B records a torch.profiler trace of steps A to B-1 per rank"},
+        metadata={
+            "help": "A:B records a torch.profiler trace of steps A to B-1 per rank (steps "
+            "count from 0, as in metrics.jsonl)"
+        },
     )
     data: str = field(
         default="stdlib",
-        metadata={"help": "data: " + "; ".join(f"{k} ({v})" for k, v in DATA.items())},
+        metadata={
+            "help": "data: " + "; ".join(f"{k} ({v})" for k, v in DATA.items()),
+            "metavar": "KIND[:PATH]",
+        },
+    )
+    tokenizer: str | None = field(
+        default=None,
+        metadata={
+            "help": "a tokenizer.json (Hugging Face tokenizers), or a folder holding one, for "
+            "text data; the vocabulary comes from it",
+            "metavar": "PATH",
+            "default_text": "--init-from's tokenizer.json if it has one, else characters",
+        },
+    )
+    init_from: str | None = field(
+        default=None,
+        metadata={
+            "help": "start from the weights of a local Hugging Face model folder (config.json "
+            "+ safetensors; GPT-2 or Llama family); the model and its shape come from it",
+            "metavar": "DIR",
+        },
+    )
+    wandb: str | None = field(
+        default=None,
+        metadata={
+            "help": "also log to Weights & Biases under this project (extra 'wandb'; "
+            "WANDB_MODE=offline keeps it local)",
+            "metavar": "PROJECT",
+        },
     )
 
     repartition: str = field(
@@ -660,11 +762,15 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         _check_types(self)
+        if self.init_from is not None:
+            object.__setattr__(self, "model", _adopt_pretrained(self.model, self.init_from))
         par = self.parallel
         self._check_repartition()
         if self.nproc is None:
             object.__setattr__(self, "nproc", par.world_size)
         _positive(self, "nproc", "max_steps", "batch_size", "log_every", "trace_steps")
+        if self.device not in DEVICES:
+            raise ValueError(f"device={self.device!r} is unknown: use one of {list(DEVICES)}")
         self._check_fault_tolerance()
         self._check_logging()
         self._check_data()
@@ -678,7 +784,7 @@ class TrainConfig:
 
             check_cluster(self.cluster, par.world_size)
         blocks = self.model.num_blocks
-        if self.model.name != "custom" and par.num_stages > blocks:
+        if self.model.known_blocks and par.num_stages > blocks:
             what = (
                 f"(embedding, {self.model.layers} layers, head): use more layers or fewer stages"
                 if self.model.is_language_model
@@ -687,9 +793,9 @@ class TrainConfig:
             raise ValueError(
                 f"pp × chunks = {par.num_stages} stages exceed the model's {blocks} blocks {what}"
             )
-        if self.model.name != "custom":
+        if self.model.known_blocks:
             check_offload_blocks(par.offload_activations, blocks)
-        if self.model.name != "custom" and par.partition and sum(par.partition) != blocks:
+        if self.model.known_blocks and par.partition and sum(par.partition) != blocks:
             raise ValueError(f"partition={list(par.partition)} must add up to {blocks} blocks")
         if (par.pipelines is not None or par.wsp_staleness is not None) and self.checkpoint_every:
             raise ValueError(
@@ -699,7 +805,7 @@ class TrainConfig:
             )
         if par.pipelines is not None:
             sizes = [list(p.partition) for p in par.pipelines]
-            if self.model.name != "custom" and sum(sizes[0]) != blocks:
+            if self.model.known_blocks and sum(sizes[0]) != blocks:
                 raise ValueError(f"pipelines: partitions {sizes} must add up to {blocks} blocks")
         if self.batch_size % par.step_microbatches:
             raise ValueError(
@@ -722,10 +828,12 @@ class TrainConfig:
                 "keeps whole sequences on every rank; drop sequence_parallel"
             )
         kv_heads = self.model.heads // 2 if self.model.heads % 2 == 0 else self.model.heads
+        if self.init_from is not None:
+            kv_heads = read_pretrained(self.init_from).kv_heads
         if self.model.name == "hf-llama" and kv_heads % par.tp:
             raise ValueError(
-                f"tp={par.tp} must divide hf-llama's {kv_heads} key-value heads "
-                f"(heads={self.model.heads} // 2): use a multiple of {2 * par.tp} heads"
+                f"tp={par.tp} must divide hf-llama's {kv_heads} key-value heads: use a tp "
+                "that divides them"
             )
         if self.model.heads % par.tp or self.model.hidden % par.tp:
             raise ValueError(
@@ -777,6 +885,11 @@ class TrainConfig:
             raise ValueError(f"beta1={self.beta1}, beta2={self.beta2} must lie in [0, 1)")
         if self.optimizer not in ("adamw", "sgd"):
             raise ValueError(f"optimizer={self.optimizer!r} is unknown: use 'adamw' or 'sgd'")
+        if self.optimizer_impl not in OPTIMIZER_IMPLS:
+            raise ValueError(
+                f"optimizer_impl={self.optimizer_impl!r} is unknown: use one of "
+                f"{list(OPTIMIZER_IMPLS)}"
+            )
         if self.nesterov and (self.optimizer != "sgd" or not self.momentum > 0):
             raise ValueError("nesterov=true needs optimizer='sgd' and momentum > 0")
         if self.lr_schedule not in ("constant", "cosine", "linear"):
@@ -796,36 +909,40 @@ class TrainConfig:
 
     def _check_data(self) -> None:
         """The data exists in kind, and fits the model (tokens for language models, labelled
-        images for ResNet)."""
+        images for ResNet); the packages its reading needs are installed."""
         if self.model.name == "custom":  # the data came with the model (plait.train.run)
             return
-        kind, _, path = self.data.partition(":")
-        if kind not in ("stdlib", "synthetic", "digits", "cifar100") or (
-            kind != "cifar100" and path
-        ):
-            raise ValueError(f"data={self.data!r} is unknown; choose one of {list(DATA)}")
-        if kind == "cifar100" and not path:
+        if self.data == "cifar100":
             raise ValueError(
                 "data='cifar100' needs the folder of the extracted python release: "
                 "data='cifar100:PATH'"
             )
-        if kind == "cifar100" and not Path(path).is_dir():
-            raise ValueError(f"data={self.data!r}: {path} is not a folder; extract CIFAR-100 there")
-        fits = _LANGUAGE_DATA if self.model.is_language_model else _IMAGE_DATA
-        if kind not in fits:
-            what = "token sequences" if self.model.is_language_model else "labelled images"
+        spec = parse_data(self.data)
+        language = self.model.is_language_model
+        if not (spec.is_language if language else spec.kind in _IMAGE_DATA):
+            what = "token sequences" if language else "labelled images"
+            fits = [
+                k for k in DATA if k == "synthetic" or (k.split(":")[0] in _IMAGE_DATA) != language
+            ]
             raise ValueError(
                 f"model {self.model.name!r} cannot train on data={self.data!r}: it needs "
-                f"{what}; use data= one of {list(fits)}"
+                f"{what}; use data= one of {fits}"
             )
-        if kind == "digits" and importlib.util.find_spec("sklearn") is None:
+        needs = [("digits", spec.kind == "digits", "sklearn", "data"),
+                 ("hf-disk", spec.kind == "hf-disk", "datasets", "datasets"),
+                 ("tokenizer", self.tokenizer is not None, "tokenizers", "hf"),
+                 (self.model.name, self.model.name.startswith("hf-"), "transformers", "hf"),
+                 ("wandb", self.wandb is not None, "wandb", "wandb")]  # fmt: skip
+        for what, needed, package, extra in needs:
+            if needed and importlib.util.find_spec(package) is None:
+                raise ValueError(
+                    f"{what} needs the {package} package, which is not installed: "
+                    f"pip install 'plait[{extra}]'"
+                )
+        if self.tokenizer is not None and not Path(self.tokenizer).exists():
             raise ValueError(
-                "data='digits' reads scikit-learn's bundled digits: pip install 'plait[data]'"
-            )
-        if self.model.name.startswith("hf-") and importlib.util.find_spec("transformers") is None:
-            raise ValueError(
-                f"model {self.model.name!r} needs Hugging Face transformers: "
-                "pip install 'plait[hf]'"
+                f"tokenizer={self.tokenizer!r} does not exist: give a tokenizer.json or a "
+                "folder holding one"
             )
 
     def _check_fault_tolerance(self) -> None:
@@ -880,7 +997,12 @@ class TrainConfig:
         copy: workers rebuilding the launcher's config would repeat each warning."""
         model = self.model.name
         _warn_unused(self.model, _MODEL_UNUSED.get(model, ()), f"with model {model!r}")
-        samples = self.model.is_language_model and self.data == "stdlib"  # see train.task
+        samples = (  # see train.task: a sample of the character-level model
+            self.model.known_blocks
+            and self.model.is_language_model
+            and self.data == "stdlib"
+            and self.tokenizer is None
+        )
         for names, idle, why in (
             (("momentum",), self.optimizer == "adamw", "with optimizer='adamw' (SGD's)"),
             (("beta1", "beta2", "eps"), self.optimizer == "sgd", "with optimizer='sgd' (AdamW's)"),

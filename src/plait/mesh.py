@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from plait.device import backend_for, worker_device
 from plait.layout import check_ep, check_rank_order, expert_replicas, rank_grid
 
 __all__ = [
@@ -199,31 +200,30 @@ def _pin_cpu(env: WorkerEnv) -> None:
     os.sched_setaffinity(0, cpu_cores_for(env.local_rank, local_world, os.sched_getaffinity(0)))
 
 
-def init_worker(*, timeout_s: float = 300.0) -> tuple[WorkerEnv, torch.device]:
-    """Join the default process group (NCCL on GPUs, gloo on CPU) and pick the device; a
-    CPU worker is first pinned to its cores (before gloo starts its threads, which inherit
-    the pinning)."""
+def init_worker(
+    *, timeout_s: float = 300.0, device: str = "auto"
+) -> tuple[WorkerEnv, torch.device]:
+    """Join the default process group on this worker's device (`plait.device`: a GPU of
+    its own with NCCL, or the CPU with gloo; `device` is `--device auto|cpu|cuda`). A CPU
+    worker is first pinned to its cores (before gloo starts its threads, which inherit the
+    pinning)."""
     env = worker_env()
-    if torch.cuda.is_available():
-        device = torch.device("cuda", env.local_rank)
-        torch.cuda.set_device(device)
-        backend = "nccl"
-    else:
-        device, backend = torch.device("cpu"), "gloo"
+    where = worker_device(device, env.local_rank)
+    if where.type == "cpu":
         _pin_cpu(env)
     if not dist.is_initialized():
         # a local `plait.train.launch` meets in a file, not on a TCP port (see there)
         store = os.environ.get("PLAIT_STORE")
         dist.init_process_group(
-            backend,
+            backend_for(where),
             init_method=f"file://{store}" if store else None,
             rank=env.rank if store else -1,
             world_size=env.world_size if store else -1,
             timeout=datetime.timedelta(seconds=timeout_s),
-            device_id=device if device.type == "cuda" else None,
+            device_id=where if where.type != "cpu" else None,
         )
         atexit.register(_leave)
-    return env, device
+    return env, where
 
 
 def _leave() -> None:

@@ -196,6 +196,7 @@ def _check(
     model_name: str,
     opt_name: str,
     dtype: str = "fp32",
+    compile: bool = False,
     **options: object,
 ) -> None:
     dp = world // pp
@@ -206,7 +207,8 @@ def _check(
     model, loss_fn = _model(model_name)
     plan = ParallelPlan(dp=dp, pp=pp, schedule=kind, microbatches=m, dtype=dtype, **options)  # type: ignore[arg-type]
     engine = parallelize(
-        model, plan, lambda ps: _optimizer(opt_name, list(ps)), loss_fn, device="cpu"
+        model, plan, lambda ps: _optimizer(opt_name, list(ps)), loss_fn, device="cpu",
+        compile=compile,
     )
     stream = (_microbatch(model_name, k, size) for k in range(windows * m))
     reports = list(engine.run(stream))

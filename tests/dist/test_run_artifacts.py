@@ -34,9 +34,15 @@ def test_a_run_logs_plainly_and_leaves_its_timelines(
     out = capfd.readouterr().out  # the workers' stdout is a pipe here, not a terminal
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     progress = [x for x in out.splitlines() if x.startswith("step ")]
-    assert [x.split(" | ")[0] for x in progress] == ["step 1/6", "step 5/6", "step 6/6"]
+    # steps from 0 on the console as in metrics.jsonl, TensorBoard and profile_steps
+    assert [x.split(" | ")[0] for x in progress] == ["step 0 (1/6)", "step 4 (5/6)",
+                                                     "step 5 (6/6)"]  # fmt: skip
     for line, row in zip(progress, [rows[0], rows[4], rows[5]], strict=True):
         assert line.split(" | ")[1] == f"loss {row['loss']:.3f}"
+    assert [r["lr"] for r in rows] == [3e-3] * steps  # the default, constant schedule
+    assert all(r["peak_memory_bytes"] > 0 and r["grad_norm"] > 0 for r in rows)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["versions"]["torch"] and summary["host"] and summary["device"]
 
     # trace.json: the last two steps, one slice per recorded action; the last step's slices
     # are timeline.json's records, shifted by the step before it
@@ -69,3 +75,6 @@ def test_a_run_logs_plainly_and_leaves_its_timelines(
     events = EventAccumulator(str(tmp_path / "tb"))
     events.Reload()
     assert [e.value for e in events.Scalars("loss")] == pytest.approx([r["loss"] for r in rows])
+    for name in ("lr", "grad_norm", "peak_memory_bytes"):
+        scalars = [(e.step, e.value) for e in events.Scalars(name)]
+        assert scalars == [(r["step"], pytest.approx(r[name])) for r in rows]

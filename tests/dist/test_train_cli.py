@@ -103,5 +103,26 @@ def test_checkpoints_and_resume_continue_the_run(tmp_path: Path) -> None:
     names = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     assert names == ["step-00000002", "step-00000004"]
     assert main([*base, "--max-steps", "6", "--resume", "auto", "--keep", "1"]) == 0
-    assert [r["step"] for r in _rows(run_dir)] == list(range(6))
+    rows = _rows(run_dir)
+    assert [r["step"] for r in rows] == list(range(6))
+    # the counters go on from the checkpoint too (the resumed engine's ids begin at 0)
+    assert [r["loss_step"] for r in rows] == list(range(6))
+    assert all(r["lr"] == 3e-3 for r in rows)
+    updates = [json.loads(x) for x in (run_dir / "updates.jsonl").read_text().splitlines()]
+    assert [(u["update"], u["step"]) for u in updates] == [(s, s) for s in range(6)]
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-00000006"]
+
+
+def test_one_cpu_worker_trains_and_samples_on_its_device(tmp_path: Path) -> None:
+    """`--device cpu --nproc 1`: one worker, its layout planned for one; the text sample is
+    generated on the worker's device from the gathered stages (a GPT: with its KV cache)."""
+    run_dir = tmp_path / "one"
+    code = main(["train", "--device", "cpu", "--nproc", "1", "--max-steps", "3",
+                 "--run-dir", str(run_dir), *SMALL])  # fmt: skip
+    assert code == 0
+    assert [r["step"] for r in _rows(run_dir)] == [0, 1, 2]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    plan = summary["plan"]
+    assert plan["dp"] * plan["tp"] * plan["pp"] == 1
+    assert summary["sample"].startswith("def ") and len(summary["sample"]) == 4 + 20
+    assert json.loads((run_dir / "config.json").read_text())["device"] == "cpu"

@@ -4,6 +4,7 @@ exported to .pt and .safetensors loading into a fresh GPT bit for bit, and the C
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import pickle
@@ -56,7 +57,9 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, tor
         weights = {name: t.detach().clone() for name, t in model.state_dict().items()}
         state = {"model": dict(weights), "optim": optim, "rng": {"rank0": torch.get_rng_state()}}
         store = CheckpointStore(tmp / "run")
-        store.save(STEP, state, {"world_size": 1, "plan": PLAN, "config": {"seed": 3}})
+        record = {"family": "gpt", "config": dataclasses.asdict(CFG)}  # what training saves
+        info = {"world_size": 1, "plan": PLAN, "config": {"seed": 3}, "model": record}
+        store.save(STEP, state, info)
         store.wait()
     finally:
         dist.destroy_process_group()
@@ -211,3 +214,39 @@ def test_safetensors_missing_says_how_to_fix(
     monkeypatch.setitem(sys.modules, "safetensors.torch", None)  # import now fails
     with pytest.raises(ValueError, match=r"pip install safetensors`, or give a \.pt name"):
         export_model(saved[0], tmp_path / "model.safetensors")
+
+
+def test_an_export_carries_its_config_and_loads_without_guessing(
+    saved: tuple[Path, dict[str, torch.Tensor]], tmp_path: Path
+) -> None:
+    pytest.importorskip("safetensors")
+    from plait.models.record import load_exported
+
+    path, weights = saved
+    out = export_model(path, tmp_path / "model.safetensors")
+    sidecar = json.loads((tmp_path / "model.json").read_text())
+    assert sidecar["model"] == {"family": "gpt", "config": dataclasses.asdict(CFG)}
+    model = load_exported(out)
+    assert isinstance(model, GPT) and model.cfg == CFG
+    for name, tensor in model.state_dict().items():
+        torch.testing.assert_close(tensor, weights[name], rtol=0, atol=0)
+    with pytest.raises(ValueError, match="was not written by `plait checkpoint export`"):
+        load_exported(tmp_path / "elsewhere.safetensors")
+
+
+def test_cli_export_hf_of_plaits_gpt_loads_in_transformers(
+    saved: tuple[Path, dict[str, torch.Tensor]], tmp_path: Path
+) -> None:
+    transformers = pytest.importorskip("transformers")
+    path, weights = saved
+    out = tmp_path / "hf"
+    assert main(["checkpoint", "export", str(path), "--format", "hf", "--out", str(out)]) == 0
+    gpt = GPT(CFG)
+    gpt.load_state_dict(weights)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    ids = torch.randint(0, CFG.vocab_size, (3, CFG.seq_len), generator=torch.Generator())
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, gpt.eval()(ids), rtol=1e-4, atol=1e-4)
+    (tmp_path / "file").write_text("")
+    assert main(["checkpoint", "export", str(path), "--format", "hf", "--out",
+                 str(tmp_path / "file")]) == 2  # fmt: skip

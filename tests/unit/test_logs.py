@@ -53,11 +53,20 @@ def test_setup_levels(verbosity: int, rank: int, all_ranks: bool, level: int) ->
     assert logger.level == level and len(logger.handlers) == 1
 
 
+def _lr(step: int) -> float:
+    return 1e-3 * (step + 1)
+
+
+def _peak(step: int) -> int:
+    return 1000 + step
+
+
 def _run(tmp_path: Path, steps: int, times: list[float], losses: list[float], **over: Any) -> Any:
     cfg = load_config(**SMALL, max_steps=steps, log_every=10, **over)
     log = RunLogger(tmp_path, cfg, group=4)
     for step in range(steps):
-        log.step(step, _report(losses[step], step), times[step])
+        log.step(step, _report(losses[step], step), times[step], lr=_lr(step),
+                 peak_memory_bytes=_peak(step))  # fmt: skip
     return log
 
 
@@ -73,17 +82,20 @@ def test_plain_lines_when_not_a_terminal(
     out = capsys.readouterr().out.splitlines()
     tokens = 16 * 32
     expected = []
-    for first, last in [(0, 1), (1, 10), (10, 20), (20, 25)]:  # 1-based steps shown
+    for first, last in [(0, 1), (1, 10), (10, 20), (20, 25)]:  # 0-based steps, as in the files
         mean = statistics.fmean(times[first:last])
         expected.append(
-            f"step {last}/25 | loss {losses[last - 1]:.3f} | {tokens / mean:,.0f} tok/s | "
-            f"{mean * 1e3:.1f} ms/step"
+            f"step {last - 1} ({last}/25) | loss {losses[last - 1]:.3f} | "
+            f"{tokens / mean:,.0f} tok/s | {mean * 1e3:.1f} ms/step"
         )
-    assert out == [*expected, "after step 25/25: val_loss 2.5"]
+    assert out == [*expected, "after step 24: val_loss 2.5"]
     log.metrics_file.close()
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [*range(steps), 24]
     assert [r["loss"] for r in rows[:-1]] == losses
+    assert [(r["lr"], r["peak_memory_bytes"], r["grad_norm"]) for r in rows[:-1]] == [
+        (_lr(i), _peak(i), 1.0) for i in range(steps)
+    ]
     assert rows[-1]["val_loss"] == 2.5
 
 
@@ -173,7 +185,7 @@ def test_tensorboard_scalars(tmp_path: Path) -> None:
     steps, times, losses = 3, [0.02, 0.01, 0.04], [4.0, 3.5, 3.25]
     tb = tmp_path / "tb"
     log = _run(tmp_path, steps, times, losses, tensorboard=str(tb))
-    log.metrics(2, {"val_loss": 3.0, "lr": 0.001})
+    log.metrics(2, {"val_loss": 3.0})
     records = [_records(0, 2, 0.0), _records(1, 2, 0.0)]
     log.finish(one_f_one_b(num_stages=2, num_microbatches=4), times, records, "", 0)
     events = EventAccumulator(str(tb))
@@ -182,7 +194,127 @@ def test_tensorboard_scalars(tmp_path: Path) -> None:
     assert scalars["loss"] == [(i, pytest.approx(x)) for i, x in enumerate(losses)]
     assert scalars["step_time_s"] == [(i, pytest.approx(x)) for i, x in enumerate(times)]
     assert scalars["tokens_per_s"] == [(i, pytest.approx(512 / x)) for i, x in enumerate(times)]
-    assert scalars["val_loss"] == [(2, 3.0)] and scalars["lr"] == [(2, pytest.approx(0.001))]
+    assert scalars["val_loss"] == [(2, 3.0)]
+    assert scalars["lr"] == [(i, pytest.approx(_lr(i))) for i in range(steps)]
+    assert scalars["grad_norm"] == [(i, 1.0) for i in range(steps)]
+    assert scalars["peak_memory_bytes"] == [(i, _peak(i)) for i in range(steps)]
+
+
+def test_counters_continue_after_a_resume_and_a_restarted_stream(tmp_path: Path) -> None:
+    """A run resumed at step 4 (its engine numbers micro-batches from 0 again) logs steps,
+    loss steps and updates from 4 on; a stream restarted at step 6 (after a save) too."""
+    setup(-1, 0)
+    cfg = load_config(**SMALL, max_steps=8)
+    first = RunLogger(tmp_path, cfg, group=4)
+    for step in range(5):  # an attempt that died after step 4; the checkpoint holds 4 steps
+        first.step(step, _report(5.0 - step, step), 0.01)
+    first.metrics_file.close()
+    first.update_log.close()
+    log = RunLogger(tmp_path, cfg, group=4, start=4)
+    for step in range(4, 8):
+        engine_step = step - 4 if step < 6 else step - 6  # ids from 0 again at 4 and at 6
+        if step == 6:
+            log.restarted(6)
+        log.step(step, _report(5.0 - step, engine_step), 0.01)
+    log.metrics_file.close()
+    log.update_log.close()
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["loss_step"], r["loss"]) for r in rows] == [
+        (s, s, 5.0 - s) for s in range(8)
+    ]
+    updates = [json.loads(x) for x in (tmp_path / "updates.jsonl").read_text().splitlines()]
+    assert [(u["update"], u["step"], u["loss"]) for u in updates] == [
+        (s, s, 5.0 - s) for s in range(8)
+    ]
+
+
+def _wandb_history(run_dir: Path) -> list[dict[str, Any]]:
+    """The history rows of an offline W&B run file once its writer (W&B's own service
+    process, which may lag behind `finish`) has written the run's exit record."""
+    import time
+
+    for _ in range(120):
+        rows, ended = _wandb_records(run_dir)
+        if ended:
+            return rows
+        time.sleep(0.5)
+    raise AssertionError("the W&B run file never got its exit record")
+
+
+def _wandb_records(run_dir: Path) -> tuple[list[dict[str, Any]], bool]:
+    """(history rows, whether the exit record is there) of an offline W&B run file, read
+    with W&B's own protobuf records: the file is a log of 32 KiB blocks of (crc32, length,
+    type) framed records after a 7-byte header (the leveldb log format)."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    (path,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
+    data, pos, block, pending, rows = path.read_bytes(), 7, 32768, b"", []
+    ended = False
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        if (kind == 0 and length == 0) or pos + 7 + length > len(data):  # end, or mid-write
+            break
+        pending += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # a whole record, or the last part of one
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            pending = b""
+            ended = ended or record.WhichOneof("record_type") == "exit"
+            if record.WhichOneof("record_type") == "history":
+                items = record.history.item
+                rows.append({"/".join(i.nested_key) or i.key: json.loads(i.value_json)
+                             for i in items})  # fmt: skip
+    return rows, ended
+
+
+def test_wandb_offline_gets_the_metrics_rows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    setup(-1, 0)
+    steps, times, losses = 3, [0.02, 0.01, 0.04], [4.0, 3.5, 3.25]
+    log = _run(tmp_path, steps, times, losses, wandb="plait-test")
+    records = [_records(0, 2, 0.0), _records(1, 2, 0.0)]
+    log.finish(one_f_one_b(num_stages=2, num_microbatches=4), times, records, "", 0)
+    rows = [r for r in _wandb_history(tmp_path) if "loss" in r]
+    assert [r["_step"] for r in rows] == list(range(steps))
+    assert [r["loss"] for r in rows] == losses
+    assert [r["lr"] for r in rows] == [_lr(i) for i in range(steps)]
+    assert [r["peak_memory_bytes"] for r in rows] == [_peak(i) for i in range(steps)]
+    assert all(r["grad_norm"] == 1.0 for r in rows)
+
+
+def test_the_summary_records_versions_commit_host_and_device(tmp_path: Path) -> None:
+    import platform
+    import socket
+    import subprocess
+
+    import torch
+
+    from plait.train.environment import git_commit, run_environment
+
+    env = run_environment(torch.device("cpu"))
+    assert env["versions"]["torch"] == torch.__version__
+    assert env["versions"]["python"] == platform.python_version()
+    assert env["host"] == socket.gethostname() and env["device"].startswith("cpu")
+    assert git_commit(tmp_path) is None  # not a checkout
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    (tmp_path / "f").write_text("x")
+    git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "add", "f"], check=True)
+    subprocess.run([*git, "commit", "-qm", "m"], check=True)
+    head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True).stdout
+    assert git_commit(tmp_path) == head.strip()
+    (tmp_path / "f").write_text("y")
+    assert git_commit(tmp_path) == head.strip() + "-dirty"
 
 
 def test_bad_logging_options_are_errors(monkeypatch: pytest.MonkeyPatch) -> None:

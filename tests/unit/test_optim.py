@@ -3,6 +3,7 @@ torch's own schedulers, weight decay only on matrices, bad settings refused."""
 
 from __future__ import annotations
 
+import copy
 import math
 import warnings
 
@@ -93,6 +94,50 @@ def test_weight_decay_skips_biases_and_norms() -> None:
 
 
 @pytest.mark.parametrize(
+    ("impl", "fused", "foreach"),
+    [("auto", True, None), ("fused", True, None), ("foreach", None, True), ("loop", None, False)],
+)
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_the_implementation_is_the_one_asked_for(
+    impl: str, fused: bool | None, foreach: bool | None, optimizer: str
+) -> None:
+    """On CPU parameters: torch has fused kernels there, which auto takes."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    cfg = TrainConfig(optimizer=optimizer, optimizer_impl=impl, momentum=0.9)
+    opt = optimizer_factory(cfg)(model.parameters())
+    assert opt.defaults["fused"] is fused and opt.defaults["foreach"] is foreach
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()  # torch accepts the choice for these parameters
+
+
+def test_each_implementation_takes_the_same_step() -> None:
+    """fused, foreach and the loop give the weights of torch's plain AdamW to 1e-6."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    x = torch.randn(8, 4)
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(
+        [
+            {"params": [ref[0].weight], "weight_decay": 0.01},
+            {"params": [ref[0].bias, ref[1].weight, ref[1].bias], "weight_decay": 0.0},
+        ],
+        lr=3e-3,
+    )
+    copies = {impl: copy.deepcopy(model) for impl in ("fused", "foreach", "loop")}
+    opts = {i: optimizer_factory(TrainConfig(optimizer_impl=i))(m.parameters())
+            for i, m in copies.items()}  # fmt: skip
+    for _ in range(3):
+        for m, o in [(ref, ref_opt), *((copies[i], opts[i]) for i in copies)]:
+            o.zero_grad()
+            m(x).square().mean().backward()
+            o.step()
+    for impl, m in copies.items():
+        for p, q in zip(m.parameters(), ref.parameters(), strict=True):
+            torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6, msg=impl)
+
+
+@pytest.mark.parametrize(
     ("key", "value", "named"),
     [
         ("lr", float("inf"), "lr=inf"),
@@ -103,6 +148,7 @@ def test_weight_decay_skips_biases_and_norms() -> None:
         ("warmup_steps", -1, "warmup_steps=-1"),
         ("beta2", 1.0, "beta2=1.0"),
         ("eval_every", 0, "eval_every=0"),
+        ("optimizer_impl", "apex", "optimizer_impl='apex'"),
     ],
 )
 def test_bad_settings_name_the_value(key: str, value: object, named: str) -> None:

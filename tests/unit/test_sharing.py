@@ -10,7 +10,7 @@ from plait.cluster import Cluster, Device, Link, NodeGroup
 from plait.cost import BlockCost
 from plait.mesh import cpu_cores_for
 from plait.schedule import KINDS, Op, build, replay
-from plait.schedule.sharing import Sharing, fit_efficiency, replay_shared
+from plait.schedule.sharing import Sharing, fit_efficiency
 from plait.sim import SimPlan, build_schedule, simulate
 
 FREE = Link(latency_s=0.0, bandwidth_Bps=1e30)
@@ -30,7 +30,7 @@ def test_own_processors_replay_exactly_as_replay(kind: str, p: int, m: int) -> N
         return costs.setdefault(("send", rank, action), rng.uniform(0.0, 0.5))
 
     expected = replay(schedule, duration=duration, transfer=transfer)
-    got = replay_shared(schedule, Sharing.of(range(p)), duration=duration, transfer=transfer)
+    got = replay(schedule, duration=duration, transfer=transfer, sharing=Sharing.of(range(p)))
     assert got.completed and got.peak_inflight == expected.peak_inflight
     for mine, theirs in zip(got.events, expected.events, strict=True):
         assert [e.action for e in mine] == [e.action for e in theirs]
@@ -42,7 +42,7 @@ Spans = list[list[tuple[str, float, float]]]
 
 
 def compute_spans(kind: str, p: int, m: int, sharing: Sharing) -> Spans:
-    result = replay_shared(build(kind, p, m), sharing)
+    result = replay(build(kind, p, m), sharing=sharing)
     return [
         [(str(e.action), e.start, e.end) for e in row if e.action.op in (Op.F, Op.B)]
         for row in result.events
@@ -76,7 +76,7 @@ def test_bad_sharing_is_rejected() -> None:
     with pytest.raises(ValueError, match="load"):
         Sharing((0, 0), ((1, 0),))
     with pytest.raises(ValueError, match="one processor per rank"):
-        replay_shared(build("1f1b", 2, 2), Sharing.of([0, 0, 0]))
+        replay(build("1f1b", 2, 2), sharing=Sharing.of([0, 0, 0]))
 
 
 def shared_cluster(devices: int, processors: int | None, efficiency: float = 1.0) -> Cluster:

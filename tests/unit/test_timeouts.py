@@ -13,8 +13,10 @@ import torch
 from plait.parallel import GradReducer
 from plait.runtime import DEFAULT_TIMEOUT_S, PipelineExecutor, PipelineTimeout
 from plait.runtime.boundary import BoundaryMeta
+from plait.runtime.channels import Channels
 from plait.runtime.transport import Transport, timed_wait, timeout_message
 from plait.schedule import Action, Op, build
+from plait.schedule.lower import Batch, Message, lower
 from plait.train.engine import parallelize
 
 # what gloo's Work.wait raises when a receive outlasts its timeout (torch 2.13)
@@ -78,7 +80,13 @@ def _transport(monkeypatch: pytest.MonkeyPatch, works: list[FakeWork]) -> Transp
 
     monkeypatch.setattr("torch.distributed.irecv", fake)
     monkeypatch.setattr("torch.distributed.isend", fake)
-    return Transport(build("1f1b", 2, 2), 0, None)
+    channels = Channels({(0, 1): None, (1, 0): None}, (0, 1))  # type: ignore[dict-item]
+    return Transport(build("1f1b", 2, 2), 0, channels)
+
+
+def _message(action: Action) -> Message:
+    schedule = build("1f1b", 2, 2)
+    return next(s.batch for s in lower(schedule, 0, [action]).steps).messages[0]  # type: ignore[union-attr]
 
 
 def test_receives_and_sends_wait_with_the_default_timeout_and_name_the_action(
@@ -86,12 +94,13 @@ def test_receives_and_sends_wait_with_the_default_timeout_and_name_the_action(
 ) -> None:
     received, sent = FakeWork(), FakeWork(RuntimeError(GLOO_TIMEOUT))
     transport = _transport(monkeypatch, [received, sent])
-    meta = {1: BoundaryMeta.of(torch.zeros(2, 3))}  # stage 1's input: stage 0's output
-    transport.post(Action(Op.RECV_B, 0, 1), meta, torch.device("cpu"))
+    meta = BoundaryMeta.of(torch.zeros(2, 3))  # stage 1's input: stage 0's output
+    transport.post(_message(Action(Op.RECV_B, 0, 1)), meta.empty_grads(torch.device("cpu")))
     (grads,), _ = transport.take((Op.RECV_B, 0, 1), Action(Op.B, 0, 1))
     assert grads.shape == (2, 3)
     assert received.timeouts == [datetime.timedelta(seconds=DEFAULT_TIMEOUT_S)]
-    transport.send(Action(Op.SEND_F, 0, 3), [torch.zeros(2, 3)], window=0)
+    send = _message(Action(Op.SEND_F, 0, 3))
+    transport.send(Batch((send,), send.channel), [[torch.zeros(2, 3)]], window=0)
     with pytest.raises(PipelineTimeout) as info:
         transport.settle(0)
     assert str(info.value).startswith(
@@ -103,8 +112,8 @@ def test_receives_and_sends_wait_with_the_default_timeout_and_name_the_action(
 def test_a_timed_out_receive_names_its_consumer(monkeypatch: pytest.MonkeyPatch) -> None:
     transport = _transport(monkeypatch, [FakeWork(RuntimeError(GLOO_TIMEOUT))])
     transport.timeout_s = 30.0
-    meta = {1: BoundaryMeta.of(torch.zeros(2, 3))}
-    transport.post(Action(Op.RECV_B, 0, 5), meta, torch.device("cpu"))
+    meta = BoundaryMeta.of(torch.zeros(2, 3))
+    transport.post(_message(Action(Op.RECV_B, 0, 5)), meta.empty_grads(torch.device("cpu")))
     with pytest.raises(PipelineTimeout, match=r"^rank 0: 0B5 waited 30 s for the gradients "):
         transport.take((Op.RECV_B, 0, 5), Action(Op.B, 0, 5))
 

@@ -134,10 +134,9 @@ def token_batch(config: Any, step: int, device: Any) -> tuple[Any, Any]:
 
 def now(device: Any) -> float:
     """The wall clock once `device`'s queued work is done (a GPU runs asynchronously)."""
-    import torch
+    from plait.device import synchronize
 
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    synchronize(device)
     return time.perf_counter()
 
 

@@ -321,9 +321,11 @@ class _DDP:
         self.model = GPT(GPTConfig(vocab_size=corpus.vocab_size, seq_len=config.seq_len,
                                    num_layers=config.num_layers, hidden=config.hidden,
                                    num_heads=config.num_heads)).to(device)  # fmt: skip
-        ids = [device.index] if device.type == "cuda" else None
+        from plait.device import device_ids
+
         # plait's bucket size, given explicitly so DDP's first bucket is no smaller
-        self.ddp = DistributedDataParallel(self.model, device_ids=ids, bucket_cap_mb=25)
+        self.ddp = DistributedDataParallel(self.model, device_ids=device_ids(device),
+                                           bucket_cap_mb=25)  # fmt: skip
         group = dist.group.WORLD
         assert group is not None
         if method != "none":

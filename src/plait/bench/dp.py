@@ -239,10 +239,9 @@ class _Runner(ABC):
         return [p.grad for p in self.model.parameters()]
 
     def _sync(self) -> None:
-        import torch
+        from plait.device import synchronize
 
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        synchronize(self.device)
 
 
 class _PlaitRunner(_Runner):
@@ -287,8 +286,9 @@ class _DDPRunner(_PeerRunner):
         from torch.nn.parallel import DistributedDataParallel
 
         super().__init__(config, rank, device)
-        ids = [device.index] if device.type == "cuda" else None
-        self.wrapped = DistributedDataParallel(self.model, device_ids=ids)
+        from plait.device import device_ids
+
+        self.wrapped = DistributedDataParallel(self.model, device_ids=device_ids(device))
         self.optimizer = self._optimizer(self.wrapped.parameters())
 
 

@@ -344,7 +344,7 @@ def _measure(config: HetPipeBenchConfig, plan: dict[str, Any], device: Any) -> d
                 report = padded_step(tr.engine, batch, tr.slowdown)
                 tr.losses.append(report.loss)
                 tr.ends.append(elapsed[name] + time.perf_counter() - start)
-            took = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+            took = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
             dist.all_reduce(took, op=dist.ReduceOp.MAX)
             elapsed[name] += float(took)
     for tr in trainers.values():

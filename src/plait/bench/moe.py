@@ -190,9 +190,9 @@ def _measure(
     import torch
     import torch.distributed as dist
 
+    from plait.device import autocast_context
     from plait.models.moe import MoEConfig, MoELayer
     from plait.parallel.experts import ExpertExchange, shard_experts
-    from plait.train.precision import autocast_context
 
     cfg = MoEConfig(hidden=config.hidden, num_heads=1, ffn_hidden=config.ffn,
                     num_experts=config.num_experts, top_k=config.top_k,

@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from plait.bench import _common as common
+from plait.device import synchronize
 
 if TYPE_CHECKING:
     import torch
@@ -270,13 +271,11 @@ class _Runner(ABC):
 
     def step(self, x: torch.Tensor, y: torch.Tensor, device: torch.device) -> float | None:
         """zero_grad, one pipeline step, optimizer step; the batch loss on the last rank."""
-        import torch
 
         self.optimizer.zero_grad()
         loss = self._pipeline_step(x, y)
         self.optimizer.step()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        synchronize(device)
         return loss
 
     @abstractmethod

@@ -145,6 +145,7 @@ def _measure(cfg: PlannerBenchConfig, plan: dict[str, Any], corpus: Any) -> floa
 def _worker(cfg: PlannerBenchConfig) -> dict[str, Any] | None:
     """Profile (rank 0), measure the reference plan (all), fit the sharing efficiency and
     predict the grid (rank 0), then measure every plan of the grid (all)."""
+    import torch
     import torch.distributed as dist
 
     from plait.bench._common import single_thread
@@ -154,9 +155,9 @@ def _worker(cfg: PlannerBenchConfig) -> dict[str, Any] | None:
     from plait.train.autoplan import fit_sharing_efficiency, local_cluster, measure_collectives
 
     single_thread()
-    env, _ = init_worker()
+    env, _ = init_worker(device="cpu")  # plans for this host's cores, measured on them
     corpus = stdlib_corpus(max_chars=200_000)
-    link = measure_collectives()
+    link = measure_collectives(torch.device("cpu"))
     box: list[Any] = [None]
     if env.rank == 0:
         t0 = time.perf_counter()

@@ -243,7 +243,7 @@ def _worker(config: AccuracyConfig, plans: list[PlanRun], cores: int) -> dict[st
     from plait.mesh import init_worker
     from plait.profile import message_overheads, pingpong
 
-    env, _ = init_worker(timeout_s=300.0)
+    env, _ = init_worker(timeout_s=300.0, device="cpu")  # this host's cores, gloo
     try:
         p2p, size = pingpong(env.rank), config.micro_batch_size * config.seq_len * config.hidden * 4
         overheads = message_overheads(env.rank, min(cores, env.world_size), num_bytes=size)

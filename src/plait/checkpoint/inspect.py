@@ -13,7 +13,8 @@ place (DCP reads tensors with `weights_only`), so a checkpoint saved under any l
 pp, FSDP) exports the same file. Limits:
 the whole model is held in this process's CPU memory once; non-tensor entries of the model
 state (a module's `extra_state`) are refused; the names are the model's global names
-(`layers.3.attn.q.weight`), which a plain plait GPT loads with `load_state_dict`.
+(`layers.3.attn.q.weight`), which a plain plait GPT loads with `load_state_dict`. The
+model's record (family and config, `plait.models.record`) is written beside the file.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from torch.distributed.checkpoint.state_dict_loader import load
 from plait.checkpoint.safe import SafeReader, read_metadata
 from plait.checkpoint.store import INFO, published, verify
 
-__all__ = ["describe", "export_model"]
+__all__ = ["describe", "export_model", "model_of", "saved_model_record"]
 
 _METADATA = ".metadata"  # DCP's FileSystemWriter names its global metadata file so
 
@@ -205,25 +206,64 @@ def _writer(out: Path) -> _Write:
     return lambda state, file, meta: save_file(state, str(file), metadata=meta)
 
 
-def export_model(path: str | os.PathLike[str], out: str | os.PathLike[str]) -> Path:
-    """Write the model of the checkpoint at `path` to `out` as one plain state dict
-    (safetensors for a `.safetensors` name, else `torch.save`), named as in the whole
-    model; returns `out`. The checkpoint is verified first and refused when damaged."""
-    folder, target = _checkpoint_dir(path), Path(out)
-    if target.is_dir():
-        raise ValueError(f"{target} is a folder: give a file name (.pt or .safetensors)")
-    write = _writer(target)  # before reading: a missing package fails fast
+def model_of(path: str | os.PathLike[str]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The whole model state of the verified checkpoint at `path` and its info (plait.json);
+    ValueError when it is not a checkpoint or is damaged."""
+    folder = _checkpoint_dir(path)
     problem = verify(folder)
     if problem is not None:
         raise ValueError(f"checkpoint {folder} cannot be exported: {problem}")
-    state = _load_model(folder)
-    step = str(_read_info(folder)["step"])
+    return _load_model(folder), _read_info(folder)
+
+
+def saved_model_record(
+    info: dict[str, Any], state: dict[str, torch.Tensor]
+) -> dict[str, Any] | None:
+    """The model record the checkpoint carries (`plait.models.record`); for a checkpoint of
+    plait's GPT saved before checkpoints carried one, the record its config and embedding
+    give. None for a model plait cannot rebuild."""
+    if isinstance(info.get("model"), dict):
+        return dict(info["model"])
+    config = info.get("config") or {}
+    model = config.get("model") or {}
+    if model.get("name") != "gpt" or "layers.0.tok.weight" not in state:
+        return None
+    return {"family": "gpt", "config": {
+        "vocab_size": int(state["layers.0.tok.weight"].shape[0]), "seq_len": model["seq_len"],
+        "num_layers": model["layers"], "hidden": model["hidden"], "num_heads": model["heads"],
+        "ffn_hidden": model.get("ffn_hidden"), "dropout": model.get("dropout", 0.0),
+    }}  # fmt: skip
+
+
+def export_model(path: str | os.PathLike[str], out: str | os.PathLike[str]) -> Path:
+    """Write the model of the checkpoint at `path` to `out` as one plain state dict
+    (safetensors for a `.safetensors` name, else `torch.save`), named as in the whole
+    model, and its record beside it (`model.safetensors` -> `model.json`:
+    `plait.models.record.load_exported` rebuilds the model from the two); returns `out`.
+    The checkpoint is verified first and refused when damaged."""
+    from plait.models.record import record_path
+
+    folder, target = _checkpoint_dir(path), Path(out)
+    if target.is_dir():
+        raise ValueError(f"{target} is a folder: give a file name (.pt or .safetensors)")
+    if target.suffix == ".json":
+        raise ValueError(f"{target}: give a .safetensors or .pt name (the .json is the record's)")
+    write = _writer(target)  # before reading: a missing package fails fast
+    state, info = model_of(folder)
+    record = saved_model_record(info, state)
+    step = str(info["step"])
     target.parent.mkdir(parents=True, exist_ok=True)
     # written beside and renamed: an interrupted export leaves no half file under `out`
     partial = target.with_name(f"{target.name}.partial")
+    meta = {"format": "pt", "plait_step": step}
+    if record is not None:
+        meta["plait_model"] = json.dumps(record)
     try:
-        write(state, partial, {"format": "pt", "plait_step": step})
+        write(state, partial, meta)
         os.replace(partial, target)
     finally:
         partial.unlink(missing_ok=True)
+    if record is not None:
+        sidecar = {"model": record, "step": int(step), "checkpoint": str(folder)}
+        record_path(target).write_text(json.dumps(sidecar, indent=2))
     return target

@@ -45,6 +45,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from plait.blocks import as_blocks
+from plait.device import rng_state, set_rng_state
 from plait.parallel.experts import expert_param_names
 
 if TYPE_CHECKING:
@@ -85,11 +86,12 @@ def _inner(optimizer: torch.optim.Optimizer) -> Any:
 
 def engine_state(engine: Engine, *, for_load: bool = False) -> dict[str, Any]:
     """{"model": {global name: tensor}, "optim": {flattened global key: value}, "rng":
-    {"rank<r>": this rank's CPU RNG state}}: what `dcp.save` writes (a collective when
-    stages are FSDP-sharded). `for_load`: the tensors `dcp.load` fills, optimizer state
-    included (torch creates a fresh optimizer's state by a step at learning rate 0, which
-    it skips while any gradient exists: gradients are cleared first, and the data-parallel
-    reducer's buffers are attached again by `load_engine_state`)."""
+    {"rank<r>": this rank's CPU RNG state, "rank<r>.cuda": its GPU's}}: what `dcp.save`
+    writes (a collective when stages are FSDP-sharded). `for_load`: the tensors `dcp.load`
+    fills, optimizer state included (torch creates a fresh optimizer's state by a step at
+    learning rate 0, which it skips while any gradient exists: gradients are cleared
+    first, and the data-parallel reducer's buffers are attached again by
+    `load_engine_state`)."""
     if for_load:
         for stage in engine.stages.values():
             for p in stage.parameters():
@@ -105,7 +107,9 @@ def engine_state(engine: Engine, *, for_load: bool = False) -> dict[str, Any]:
         for key, entry in get_optimizer_state_dict(stage, inner, options=_OPTIONS).items():
             optim[rename(key)] = whole(key, entry)
     rank = torch.distributed.get_rank()
-    state = {"model": model, "optim": optim, "rng": {f"rank{rank}": torch.get_rng_state()}}
+    rng = {f"rank{rank}.{k}" if k != "cpu" else f"rank{rank}": v
+           for k, v in rng_state(engine.device).items()}  # fmt: skip
+    state = {"model": model, "optim": optim, "rng": rng}
     comm = _comm_state(engine, for_load=for_load)
     if comm:
         state["comm"] = comm
@@ -137,10 +141,15 @@ def _comm_state(engine: Engine, *, for_load: bool) -> dict[str, Any]:
 
 def drop_unsaved_comm(state: dict[str, Any], saved_keys: Collection[str]) -> None:
     """Leave out of `state` the compression state a checkpoint lacks (saved before it was
-    checkpointed, as PowerSGD's was not at first): that state starts afresh."""
+    checkpointed, as PowerSGD's was not at first): that state starts afresh; and the
+    random states it lacks."""
     comm = state.get("comm", {})
     if any(f"comm.{key}" not in saved_keys for key in comm):
         state.pop("comm")
+    # a GPU's random state is missing from a checkpoint saved on CPU workers: it stays
+    rng = state.get("rng", {})
+    for key in [k for k in rng if f"rng.{k}" not in saved_keys]:
+        del rng[key]
 
 
 def load_engine_state(engine: Engine, state: Mapping[str, Any], *, same_world: bool) -> None:
@@ -158,8 +167,11 @@ def load_engine_state(engine: Engine, state: Mapping[str, Any], *, same_world: b
             values = {key: _local_slice(state["optim"][rename(key)], keys[key]) for key in keys}
             set_optimizer_state_dict(stage, inner, values, options=_OPTIONS)
     rank = f"rank{torch.distributed.get_rank()}"
-    if same_world and rank in state.get("rng", {}):
-        torch.set_rng_state(state["rng"][rank])
+    saved = state.get("rng", {})
+    if same_world and rank in saved:
+        kinds = {k.removeprefix(rank).lstrip(".") or "cpu": v for k, v in saved.items()
+                 if k == rank or k.startswith(rank + ".")}  # fmt: skip
+        set_rng_state(kinds, engine.device)
     _load_comm(engine, state.get("comm", {}), rank)
     if engine.grad_sync is not None:
         engine.grad_sync.zero_grad()

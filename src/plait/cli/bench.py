@@ -18,8 +18,10 @@ _BENCHES = {
     "compress": "plait.bench.compress",
     "moe": "plait.bench.moe",
     "repartition": "plait.bench.repartition",
+    "single": "plait.bench.single",
     "hetpipe": "plait.bench.hetpipe",
     "arrival": "plait.bench.arrival",
+    "scale": "plait.bench.scale",
 }
 
 

@@ -5,7 +5,11 @@ the model and optimizer state hold (read from the metadata; no tensor is loaded)
 prints the same as one JSON object. It exits 1 when the checkpoint fails verification, so a
 script can check one. `export PATH --out FILE` writes the whole model as a plain state dict
 (`.safetensors`, or `torch.save` for any other name) that the plain model loads with
-`load_state_dict`, whatever layout saved it. A path that is not a checkpoint exits 2.
+`load_state_dict`, whatever layout saved it, with the model's config beside it
+(`FILE.json`; `plait.models.record.load_exported(FILE)` rebuilds the model from the two).
+`export PATH --format hf --out DIR` writes a Hugging Face folder instead (config.json and
+model.safetensors under transformers' names) that `AutoModelForCausalLM.from_pretrained(DIR)`
+loads: hf-gpt2, hf-llama and plait's GPT (as GPT-2). A path that is not a checkpoint exits 2.
 """
 
 from __future__ import annotations
@@ -30,9 +34,23 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     i.add_argument("path", metavar="PATH", help="a checkpoint folder, step-NNNNNNNN")
     i.add_argument("--json", action="store_true", help="print one JSON object")
     i.set_defaults(func=_inspect)
-    e = actions.add_parser("export", help="write the model as one .safetensors or .pt file")
+    e = actions.add_parser(
+        "export", help="write the model as one .safetensors or .pt file, or a Hugging Face folder"
+    )
     e.add_argument("path", metavar="PATH", help="a checkpoint folder, step-NNNNNNNN")
-    e.add_argument("--out", required=True, metavar="FILE", help="FILE.safetensors or FILE.pt")
+    e.add_argument(
+        "--out",
+        required=True,
+        metavar="FILE|DIR",
+        help="FILE.safetensors or FILE.pt (--format plait), a folder (--format hf)",
+    )
+    e.add_argument(
+        "--format",
+        choices=("plait", "hf"),
+        default="plait",
+        help="plait: one state dict under plait's names, its config in FILE.json; hf: a folder "
+        "transformers' from_pretrained loads (default: plait)",
+    )
     e.set_defaults(func=_export)
 
 
@@ -82,6 +100,13 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
+    if args.format == "hf":
+        from plait.checkpoint.hf_export import export_hf
+
+        folder = export_hf(args.path, args.out)
+        size = sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
+        print(f"wrote {folder} ({_size(size)}): the model of {args.path}, Hugging Face format")
+        return 0
     out = export_model(args.path, args.out)
     print(f"wrote {out} ({_size(out.stat().st_size)}): the model of {args.path}")
     return 0

@@ -1,8 +1,11 @@
 """`plait profile`: per-block costs of a model, measured on this machine or derived analytically.
 
 Measured (the default when the model fits this machine): each block of the model is timed
-on one micro-batch by `plait.profile` (forward, input-gradient and weight-gradient passes
-apart, with `--threads` intra-op threads, one by default as pipeline workers use), and the
+on one micro-batch by `plait.profile` on the device training uses (`--device`: a GPU when
+there is one) in the training dtype (fp32 weights, the forward under bf16/fp16 autocast),
+forward, input-gradient and weight-gradient passes apart, with `--threads` intra-op
+threads (one by default, as pipeline workers use); the device itself is measured too
+(matmul FLOP/s per dtype, memory, the link between two GPUs), and the
 result is cached. Analytic (`--analytic`, or automatically when the model is too large to
 build here): FLOPs and bytes from `plait.cost.transformer_block_costs`, for any size.
 """
@@ -10,6 +13,7 @@ build here): FLOPs and bytes from `plait.cost.transformer_block_costs`, for any 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -150,6 +154,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         help="measured: gradient compressions whose encode/decode time to measure, "
         "comma-separated ('none': measure none); `plait simulate/plan --profile` use them",
     )
+    p.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="measured: where to time the blocks (auto: a GPU when there is one, as "
+        "`plait train` trains there)",
+    )
     p.add_argument("--no-cache", action="store_true", dest="no_cache", help="measure again")
     p.add_argument("--cache-dir", dest="cache_dir", help="profile cache folder")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -173,6 +184,8 @@ def _check_mode(args: argparse.Namespace, analytic: bool) -> None:
             given.append("--no-cache")
         if args.cache_dir:
             given.append(f"--cache-dir {args.cache_dir}")
+        if args.device != "auto":
+            given.append(f"--device {args.device}")
         if args.codec != ",".join(DEFAULT_CODECS):
             given.append(f"--codec {args.codec}")
         if given:
@@ -180,15 +193,19 @@ def _check_mode(args: argparse.Namespace, analytic: bool) -> None:
 
 
 def _measure(spec: GPTSpec, args: argparse.Namespace, dtype: str) -> dict[str, Any]:
+    """Blocks timed on the training device in the training dtype, as a worker runs them:
+    fp32 weights, the forward under autocast for bf16 and fp16."""
     import torch
 
+    from plait.device import resolve
     from plait.models import GPT
-    from plait.profile import matmul_flops, measured_device, profile_model, threads
+    from plait.profile import measured_device, profile_model, threads
+    from plait.profile.local import measure_local
 
-    torch_dtype = getattr(torch, _MEASURABLE[dtype])
+    kind = resolve(args.device)
+    where = torch.device(kind, 0) if kind != "cpu" else torch.device("cpu")
     model = spec.build()
     assert isinstance(model, torch.nn.Module)
-    model.to(torch_dtype)
     g = torch.Generator().manual_seed(0)
     shape = (args.micro_batch_size, spec.seq_len)
     ids = torch.randint(0, spec.vocab_size, shape, generator=g)
@@ -204,13 +221,18 @@ def _measure(spec: GPTSpec, args: argparse.Namespace, dtype: str) -> dict[str, A
             repeats=args.repeats,
             cache=not args.no_cache,
             cache_dir=Path(args.cache_dir) if args.cache_dir else None,
+            device=where,
+            dtype=dtype,
         )
-    flops = matmul_flops(dtype=torch_dtype, num_threads=args.threads)
+        # a CPU's bf16/fp16 matmuls take seconds to time: only the dtype asked for there
+        dtypes = ("fp32", "bf16", "fp16") if kind != "cpu" else sorted({"fp32", dtype})
+        local = measure_local(kind, dtypes=dtypes, num_threads=args.threads)
+    if kind == "cpu":
+        local = dataclasses.replace(local, memory_bytes=_memory_bytes())
+    threads_note = f" ({args.threads} thread{'s' if args.threads > 1 else ''})"
+    name = local.name if kind != "cpu" else f"cpu{threads_note}"
     device = measured_device(
-        name=f"cpu ({args.threads} thread{'s' if args.threads > 1 else ''})",
-        flops=flops,
-        dtype=dtype,
-        memory_bytes=_memory_bytes(),
+        name=name, flops=local.flops[dtype], dtype=dtype, memory_bytes=local.memory_bytes
     )
     costs = profile.costs(device, dtype)
     codec, codec_cached = _codec(args)
@@ -219,7 +241,12 @@ def _measure(spec: GPTSpec, args: argparse.Namespace, dtype: str) -> dict[str, A
         "cached": profile.cached and codec_cached,
         "device": {
             "name": device.name,
-            "flops": flops,
+            "type": kind,
+            "count": local.count,
+            "flops": local.flops[dtype],
+            "flops_per_dtype": local.flops,
+            "memory_bytes": local.memory_bytes,
+            "link": local.to_dict()["link"],
             "dtype": dtype,
             "codec_s_per_entry": codec,
         },
@@ -305,6 +332,10 @@ def run(args: argparse.Namespace) -> int:
     if args.warmup < 0:
         raise ValueError(f"--warmup {args.warmup} must be >= 0")
     _codec_methods(args.codec)
+    if not args.analytic:  # a GPU asked for and missing: said before anything is built
+        from plait.device import resolve
+
+        resolve(args.device)
     analytic = args.analytic
     if not analytic and dtype not in _MEASURABLE:
         raise ValueError(
@@ -351,6 +382,10 @@ def _fmt(value: float, unit: str) -> str:
     return f"{value:.3g}" if math.isfinite(value) else str(value)
 
 
+def _rate(flops: float) -> str:
+    return f"{flops / 1e12:.3g} TFLOP/s" if flops >= 1e12 else f"{flops / 1e9:.3g} GFLOP/s"
+
+
 def _print(out: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -384,8 +419,20 @@ def _print(out: dict[str, Any]) -> None:
     if measured:
         device = out["device"]
         console.print(
-            f"measured on {device['name']} ({device['flops'] / 1e9:.1f} GFLOP/s matmul)"
-            + (", read from the cache" if out["cached"] else "")
+            f"measured on {device['name']} ({device['flops'] / 1e9:.1f} GFLOP/s matmul in "
+            f"{out['dtype']})" + (", read from the cache" if out["cached"] else "")
+        )
+        rates = ", ".join(f"{k} {_rate(v)}" for k, v in device["flops_per_dtype"].items())
+        link = device.get("link")
+        between = (
+            f"; between two of them {link['bandwidth_Bps'] / 1e9:.1f} GB/s, "
+            f"{link['latency_s'] * 1e6:.1f} µs latency"
+            if link
+            else ""
+        )
+        console.print(
+            f"{device['count']} × {device['name']}: matmul {rates}; memory "
+            f"{device['memory_bytes'] / 2**30:.1f} GiB{between}"
         )
         codec = device.get("codec_s_per_entry", {})
         if codec:

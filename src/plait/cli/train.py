@@ -73,12 +73,16 @@ def _resolve(args: argparse.Namespace) -> dict[str, Any]:
     layout_given = any(f"parallel.{k}" in given for k in _LAYOUT_FLAGS)
     plan = overrides.pop("plan", None) or from_file.get("plan")
     plan = plan or (None if layout_given else "auto")
+    device = str(overrides.get("device") or from_file.get("device") or "auto")
+    if nproc is None and plan == "auto":  # a GPU host: one worker per GPU, unless told
+        nproc = _gpu_workers(device)
     if plan not in (None, "auto"):
         adopted = _from_plan_file(str(plan), overrides, from_file)
         overrides.update(adopted)
         given |= set(adopted)
     overrides["plan"] = plan
     cfg = _load(args.config, overrides, given)
+    _check_pretrained_shape(cfg, overrides, from_file)
     if nproc is not None and nproc != cfg.nproc:
         par = cfg.parallel
         if "parallel.pp" in given or nproc % (par.dp * par.tp):
@@ -91,7 +95,7 @@ def _resolve(args: argparse.Namespace) -> dict[str, Any]:
             )
         pp = nproc // (par.dp * par.tp)
         blocks = cfg.model.layers + 2
-        if pp * par.chunks > blocks:
+        if cfg.model.known_blocks and pp * par.chunks > blocks:
             raise ValueError(
                 f"nproc={nproc} workers would make a {pp}-stage pipeline (dp × tp = "
                 f"{par.dp * par.tp}), but the model has {blocks} blocks: use at most "
@@ -99,7 +103,41 @@ def _resolve(args: argparse.Namespace) -> dict[str, Any]:
             )
         overrides["parallel.pp"] = pp
         cfg = _load(args.config, overrides, given | {"parallel.pp"})
+    _check_devices(cfg.nproc, cfg.device, env is not None)
     return cfg.to_dict()
+
+
+def _gpu_workers(device: str) -> int | None:
+    """The worker count on a host with GPUs when none is given: one per GPU (None on CPU
+    workers, where the layout decides)."""
+    from plait.device import default_workers
+
+    return default_workers(device)
+
+
+def _check_devices(nproc: int, device: str, torchrun: bool) -> None:
+    """Each worker on this host gets a GPU of its own (checked before any worker starts)."""
+    from plait.device import check_workers
+
+    local = os.environ.get("LOCAL_WORLD_SIZE") if torchrun else None
+    check_workers(nproc, device, local=int(local) if local else None)
+
+
+def _check_pretrained_shape(cfg: Any, overrides: dict[str, Any], from_file: dict[str, Any]) -> None:
+    """Under --init-from, a model setting given (even equal to its default) that differs
+    from the folder's is an error (the config alone sees only non-default values)."""
+    if cfg.init_from is None:
+        return
+    flags = {k[6:]: v for k, v in overrides.items() if k.startswith("model.") and v is not None}
+    given = {**from_file.get("model", {}), **flags}
+    for name in ("name", "layers", "hidden", "heads", "ffn_hidden"):
+        if name in given and given[name] != getattr(cfg.model, name):
+            flag = "--model" if name == "name" else "--" + name.replace("_", "-")
+            raise ValueError(
+                f"{name}={given[name]!r} contradicts --init-from {cfg.init_from}, whose "
+                f"config.json gives {getattr(cfg.model, name)!r}: drop {flag} (the folder "
+                "decides the model's shape)"
+            )
 
 
 def _given(from_file: dict[str, Any], overrides: dict[str, Any]) -> set[str]:
@@ -199,6 +237,7 @@ def run(args: argparse.Namespace) -> int:
     from plait.train.loop import train_worker
 
     cfg = _resolve(args)  # validated here, before any worker starts
+    _check_user_model(cfg)
     env = launched_env()
     if env is not None:
         _check_torchrun_restarts(cfg)
@@ -216,6 +255,8 @@ def run(args: argparse.Namespace) -> int:
     cfg["run_dir"] = str(run_dir)
     if env is None or env.rank == 0:
         (run_dir / "config.json").write_text(json.dumps(cfg, indent=2))
+    if env is None:  # tokenize text once, here; torchrun's workers each find or make the cache
+        _prepare_data(cfg)
     if env is not None:  # inside torchrun: this process is one worker
         summary = train_worker(cfg, str(run_dir))
         if summary is not None:
@@ -248,6 +289,22 @@ def run(args: argparse.Namespace) -> int:
     _write_resolved(cfg, summary, run_dir)
     _report(summary, run_dir)
     return 0
+
+
+def _check_user_model(cfg: dict[str, Any]) -> None:
+    """A MODULE:FACTORY model can be found (it is built in the workers)."""
+    name = cfg["model"]["name"]
+    if ":" in name:
+        from plait.models.user import load_factory
+
+        load_factory(name)
+
+
+def _prepare_data(cfg: dict[str, Any]) -> None:
+    from plait.train.language import prepare_data
+    from plait.train.loop import config_from_dict
+
+    prepare_data(config_from_dict(cfg))
 
 
 def _check_memory(cfg: dict[str, Any], local_workers: int) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["CharCorpus", "stdlib_corpus"]
+__all__ = ["CharCorpus", "stdlib_corpus", "stdlib_text"]
 
 _ALPHABET = "\n" + "".join(chr(c) for c in range(32, 127))  # newline + printable ASCII
 
@@ -46,7 +46,7 @@ class CharCorpus:
         return "".join(self.alphabet[i] for i in ids.tolist())
 
 
-def stdlib_corpus(max_chars: int = 2_000_000) -> CharCorpus:
+def stdlib_text(max_chars: int = 2_000_000) -> str:
     """The standard library's .py files in sorted order, cut at `max_chars` characters.
 
     Every Python installation ships these files, so the corpus needs no download and is
@@ -63,6 +63,10 @@ def stdlib_corpus(max_chars: int = 2_000_000) -> CharCorpus:
             break
     if not parts:
         raise FileNotFoundError(f"no Python source files under {root}: is the stdlib installed?")
-    text = "".join(parts)[:max_chars]
+    return "".join(parts)[:max_chars]
+
+
+def stdlib_corpus(max_chars: int = 2_000_000) -> CharCorpus:
+    """`stdlib_text` as characters."""
     corpus = CharCorpus(torch.empty(0, dtype=torch.long), _ALPHABET)
-    return CharCorpus(corpus.encode(text), _ALPHABET)
+    return CharCorpus(corpus.encode(stdlib_text(max_chars)), _ALPHABET)

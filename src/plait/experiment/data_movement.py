@@ -201,7 +201,7 @@ def _worker(config: DataMovementConfig, model_name: str) -> dict[str, Any]:
     from plait.mesh import init_worker
 
     torch.set_num_threads(1)  # workers share this machine's cores
-    env, _ = init_worker(timeout_s=120.0)
+    env, _ = init_worker(timeout_s=120.0, device="cpu")  # CPU models: CPU workers, gloo
     try:
         return {v: _timed_steps(env.rank, env.world_size, config, model_name, v)
                 for v in ("base", "remedy")}  # fmt: skip

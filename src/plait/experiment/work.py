@@ -37,11 +37,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils import _pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from plait.cluster import Device, dtype_bytes
+from plait.compat import pytree
 from plait.cost import BlockCost
 
 __all__ = ["BlockWork", "block_costs", "count_work", "median_abs_error", "relative_error"]
@@ -130,7 +130,7 @@ class _Ops(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 count = flop_registry[func._overloadpacket]
                 self.winograd += count(*args, **(kwargs or {}), out_val=out)
         else:
-            read = _pytree.tree_leaves((args, kwargs or {}))
+            read = pytree.tree_leaves((args, kwargs or {}))
             self.memory += elems + sum(t.numel() for t in read if isinstance(t, torch.Tensor))
         return out
 

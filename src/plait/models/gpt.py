@@ -24,10 +24,13 @@ __all__ = [
 
 @dataclass(frozen=True, kw_only=True)
 class GPTConfig:
+    """The reference GPT's shape. The defaults are `plait train`'s (`plait.config.ModelConfig`:
+    4 layers, hidden 128, 4 heads, 64 tokens), with the stdlib corpus's 96 characters."""
+
     vocab_size: int = 96
     seq_len: int = 64
     num_layers: int = 4
-    hidden: int = 64
+    hidden: int = 128
     num_heads: int = 4
     ffn_hidden: int | None = None  # default 4 × hidden
     dropout: float = 0.0
@@ -228,14 +231,67 @@ def generate(
     temperature: float = 0.8,
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
-    """Sample `num_tokens` continuations of `prompt` [seq] (ids); returns prompt + sample."""
+    """Sample `num_tokens` continuations of `prompt` [seq] (ids, on the model's device);
+    returns prompt + sample.
+
+    A plait `GPT` keeps each layer's keys and values (a KV cache), so each new token costs
+    one position's forward instead of the whole window's. Positions are absolute and end
+    at `seq_len`: when the window is full, the context restarts from its newest half
+    (computed afresh), rather than sliding by one token, which would recompute the whole
+    window per token. Any other model (a MoE-GPT, a Hugging Face block stack) runs its
+    whole window per token, sliding."""
     was_training = model.training
     model.eval()
     ids = prompt.clone()
+    cached = isinstance(model, GPT)
+    cache: _KVCache | None = None
     for _ in range(num_tokens):
-        window = ids[-model.cfg.seq_len :].unsqueeze(0)
-        logits = model(window)[0, -1] / max(temperature, 1e-5)
-        probs = torch.softmax(logits, dim=-1)
+        if not cached:
+            logits = model(ids[-model.cfg.seq_len :].unsqueeze(0))[0, -1]
+        else:
+            if cache is None or cache.length >= model.cfg.seq_len:
+                context = ids[-max(1, model.cfg.seq_len // 2) :] if cache is not None else ids
+                cache = _KVCache(len(model.layers) - 2)
+                logits = _cached_forward(model, context[-model.cfg.seq_len :], cache)
+            else:
+                logits = _cached_forward(model, ids[-1:], cache)
+        probs = torch.softmax(logits / max(temperature, 1e-5), dim=-1)
         ids = torch.cat([ids, torch.multinomial(probs, 1, generator=generator)])
     model.train(was_training)
     return ids
+
+
+class _KVCache:
+    """Each transformer layer's keys and values [1, heads, positions, head_dim] so far."""
+
+    def __init__(self, layers: int) -> None:
+        self.keys: list[torch.Tensor | None] = [None] * layers
+        self.values: list[torch.Tensor | None] = [None] * layers
+        self.length = 0
+
+
+def _cached_forward(model: GPT, ids: torch.Tensor, cache: _KVCache) -> torch.Tensor:
+    """The logits [vocab] after `ids` [new] continue the cached positions (all of them at
+    once when the cache is empty); the cache takes the new keys and values."""
+    embed, *layers, head = model.layers
+    assert isinstance(embed, TokenEmbedding)
+    positions = torch.arange(cache.length, cache.length + len(ids), device=ids.device)
+    x = embed.tok(ids.unsqueeze(0)) + embed.pos(positions)  # [1, new, hidden]
+    for i, block in enumerate(layers):
+        assert isinstance(block, TransformerBlock)
+        attn = block.attn
+        h = block.ln1(x)
+        q, k, v = (
+            t.view(1, len(ids), -1, attn.head_dim).transpose(1, 2)
+            for t in (attn.q(h), attn.k(h), attn.v(h))
+        )  # [1, heads, new, head_dim]
+        before_k, before_v = cache.keys[i], cache.values[i]
+        if before_k is not None and before_v is not None:
+            k, v = torch.cat([before_k, k], dim=2), torch.cat([before_v, v], dim=2)
+        cache.keys[i], cache.values[i] = k, v
+        # a prefill attends causally; one new token attends to every cached position
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=before_k is None)
+        x = x + attn.proj(y.transpose(1, 2).reshape(1, len(ids), -1))
+        x = x + block.mlp(block.ln2(x))
+    cache.length += len(ids)
+    return head(x)[0, -1]

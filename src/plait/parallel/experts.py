@@ -71,6 +71,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from plait.device import current as current_device
+from plait.device import synchronize
 from plait.models.moe import Experts, MoEConfig, MoELayer
 
 __all__ = [
@@ -391,7 +393,7 @@ def bench_expert_parallel(
     random tokens per rank. Call it on every rank of the group at once."""
     if tokens < 1 or steps < 1 or warmup < 0:
         raise ValueError(f"tokens={tokens}, steps={steps} must be >= 1, warmup={warmup} >= 0")
-    device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = device or current_device()
     cfg = MoEConfig(hidden=hidden, num_heads=1, ffn_hidden=ffn, num_experts=num_experts,
                     top_k=top_k, capacity_factor=capacity_factor)  # fmt: skip
     torch.manual_seed(0)  # the same layer on every rank, as a model is built
@@ -421,6 +423,5 @@ def bench_expert_parallel(
 
 
 def _now(device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    synchronize(device)
     return time.perf_counter()

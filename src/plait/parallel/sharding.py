@@ -19,6 +19,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from plait.compat import fsdp_post_backward
+
 __all__ = ["FSDPGradSync", "apply_fsdp"]
 
 
@@ -86,11 +88,7 @@ class FSDPGradSync:
         module.set_is_last_backward(True)
         module.set_reshard_after_backward(True)
         module.set_requires_gradient_sync(True)
-        state = fully_shard.state(module)  # type: ignore[attr-defined]
-        for fsdp_state in state._state_ctx.all_states:
-            for group in fsdp_state._fsdp_param_groups:
-                group.post_backward()
-        state._root_post_backward_final_callback()
+        fsdp_post_backward(module)
         if self.scale != 1.0:
             for p in self.scaled.get(stage, []):
                 if p.grad is not None:

@@ -19,16 +19,17 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils import _pytree as pytree
 
 from plait.blocks import as_blocks
 from plait.cluster import Device
+from plait.compat import pytree
 from plait.cost import BlockCost
+from plait.device import device_name
 from plait.profile.measure import BlockProfile, LossFn, block_costs, profile_blocks
 
 __all__ = ["ModelProfile", "cache_key", "default_cache_dir", "profile_model"]
 
-_VERSION = 2  # bump when what a measurement means changes
+_VERSION = 3  # bump when what a measurement means changes
 
 
 def default_cache_dir() -> Path:
@@ -74,10 +75,13 @@ def cache_key(
     loss_fn: LossFn | None = None,
     warmup: int,
     repeats: int,
+    device: torch.device | None = None,
+    autocast: str = "fp32",
 ) -> dict[str, Any]:
-    """Everything a measurement depends on: model (class and config), input, dtype, device,
-    threads, torch version and machine."""
+    """Everything a measurement depends on: model (class and config), input, dtype (of the
+    weights, and the training's autocast), device, threads, torch version and machine."""
     first = next(model.parameters(), None)
+    where = device if device is not None else (first.device if first is not None else "cpu")
     config = getattr(model, "cfg", None)
     return {
         "version": _VERSION,
@@ -87,7 +91,9 @@ def cache_key(
         "target": _shapes(target),
         "loss": getattr(loss_fn, "__qualname__", repr(loss_fn)) if loss_fn else None,
         "dtype": str(first.dtype).removeprefix("torch.") if first is not None else "float32",
-        "device": str(first.device) if first is not None else "cpu",
+        "autocast": autocast,
+        "device": str(where),
+        "device_name": device_name(torch.device(where)),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "machine": f"{platform.node()} {platform.machine()} {platform.processor()}",
@@ -130,12 +136,16 @@ def profile_model(
     repeats: int = 5,
     cache: bool = True,
     cache_dir: Path | str | None = None,
+    device: torch.device | None = None,
+    dtype: str = "fp32",
 ) -> ModelProfile:
     """Measure every block of `model` (`plait.blocks.as_blocks`) on one micro-batch
     `sample`, the last with `loss_fn(output, target)`, or read the measurement from the
-    cache. `names` defaults to the blocks' class names with their index."""
+    cache. `names` defaults to the blocks' class names with their index. `device` and
+    `dtype`: measured there, in the training's dtype (`plait.profile.profile_blocks`)."""
     blocks = as_blocks(model)
-    key = cache_key(model, sample, target=target, loss_fn=loss_fn, warmup=warmup, repeats=repeats)
+    key = cache_key(model, sample, target=target, loss_fn=loss_fn, warmup=warmup,
+                    repeats=repeats, device=device, autocast=dtype)  # fmt: skip
     path = _path(Path(cache_dir) if cache_dir is not None else default_cache_dir(), key)
     if cache:
         found = _load(path, key)
@@ -150,6 +160,8 @@ def profile_model(
         names=labels,
         warmup=warmup,
         repeats=repeats,
+        device=device,
+        dtype=dtype,
     )
     if cache:
         _store(path, key, measured)

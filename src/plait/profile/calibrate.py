@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from plait.cluster import Device, Link, normalize_dtype
+from plait.device import current, timer
 
 __all__ = [
     "fit_link",
@@ -64,18 +65,14 @@ def matmul_flops(
 ) -> float:
     """FLOP/s of a `size`³ matmul in `dtype` on `device` (median of `repeats`)."""
     a = torch.randn(size, size, device=device).to(dtype)
-    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else None
+    now = timer(torch.device(device))
     times = []
     with threads(num_threads), torch.no_grad():
         for i in range(repeats + 1):  # the first one warms up
-            if sync:
-                sync()
-            start = time.perf_counter()
+            start = now()
             a @ a
-            if sync:
-                sync()
             if i:
-                times.append(time.perf_counter() - start)
+                times.append(now() - start)
     return 2.0 * size**3 / max(statistics.median(times), 1e-12)
 
 
@@ -146,39 +143,53 @@ def measured_device(
 
 
 def pingpong(
-    rank: int, *, sizes: Sequence[int] = (1 << 10, 1 << 14, 1 << 16, 1 << 18), repeats: int = 15
+    rank: int,
+    *,
+    sizes: Sequence[int] = (1 << 10, 1 << 14, 1 << 16, 1 << 18),
+    repeats: int = 15,
+    device: torch.device | None = None,
 ) -> list[tuple[float, float]]:
-    """Ranks 0 and 1 of the default process group bounce each size; every rank must call
+    """Ranks 0 and 1 of the default process group bounce each size between buffers on
+    their `device` (default: the worker's, `plait.device.current`); every rank must call
     it. Returns (bytes, median one-way seconds) pairs for `fit_link` (the same on all)."""
     import torch.distributed as dist
 
+    device = device or current()
+    now = timer(device)
     samples = []
     for size in sizes:
-        buf = torch.zeros(max(1, size // 4))
+        buf = torch.zeros(max(1, size // 4), device=device)
         times = []
         for i in range(repeats + 2):
             dist.barrier()
-            start = time.perf_counter()
+            start = now()
             if rank in (0, 1):
                 (dist.send, dist.recv)[rank](buf, 1 - rank)
                 (dist.recv, dist.send)[rank](buf, 1 - rank)
             if i >= 2:
-                times.append((time.perf_counter() - start) / 2)
+                times.append((now() - start) / 2)
         samples.append((float(size), statistics.median(times)))
     return samples
 
 
 def message_overheads(
-    rank: int, ranks: int, *, num_bytes: int, busy_s: float = 4e-3, repeats: int = 30
+    rank: int,
+    ranks: int,
+    *,
+    num_bytes: int,
+    busy_s: float = 4e-3,
+    repeats: int = 30,
+    device: torch.device | None = None,
 ) -> tuple[float, float]:
     """Median seconds this rank's thread spends in `isend` and in posting `irecv` of
     `num_bytes`, as a pipeline does them: the first `ranks` ranks pair up (0→1, 2→3, ...),
     the sender sends after computing `busy_s`, the receiver posts, computes `busy_s`, then
     waits. Every rank of the default group must call it; returns (send, receive) seconds,
-    0.0 for what this rank did not do."""
+    0.0 for what this rank did not do. The messages live on `device` (default: the
+    worker's); the compute between them is the CPU's, whose time slices this measures."""
     import torch.distributed as dist
 
-    a, buf = torch.randn(128, 128), torch.zeros(max(1, num_bytes // 4))
+    a, buf = torch.randn(128, 128), torch.zeros(max(1, num_bytes // 4), device=device or current())
     sender, peer = rank % 2 == 0, rank + 1 if rank % 2 == 0 else rank - 1
     sends, receives, works = [], [], []
     dist.barrier()

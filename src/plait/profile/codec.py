@@ -41,8 +41,8 @@ import torch
 
 from plait.cluster import Cluster
 from plait.compression import parse_compression
+from plait.device import backend_for, timer
 from plait.profile.calibrate import fit_link
-from plait.profile.measure import _Clock
 
 __all__ = [
     "DEFAULT_CODECS",
@@ -67,7 +67,7 @@ def _one_rank_group(device: torch.device) -> Any:
 
     store = dist.HashStore()  # type: ignore[attr-defined]
     timeout = datetime.timedelta(seconds=60)
-    if device.type == "cuda":
+    if backend_for(device) == "nccl":
         return dist.ProcessGroupNCCL(store, 0, 1, dist.ProcessGroupNCCL.Options())
     return dist.ProcessGroupGloo(store, 0, 1, timeout)
 
@@ -94,7 +94,7 @@ def _seconds(
     assert made is not None, "none has no codec"
     hook, state = made
     scale = float(c.value or 1.0) / _DENSITY_SIGMAS if c.method == "threshold" else 1.0
-    clock = _Clock(device)
+    clock = timer(device)
     times = []
     # PowerSGD all-reduces plainly for its first 2 steps, then allocates its factors
     for i in range(warmup + repeats + (3 if c.method == "powersgd" else 0)):

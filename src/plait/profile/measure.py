@@ -24,19 +24,20 @@ measured.
 
 from __future__ import annotations
 
+import copy
 import statistics
-import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
-from torch.utils import _pytree as pytree
 
 from plait.cluster import Device, normalize_dtype
+from plait.compat import pytree, stage_backward_input, stage_backward_weight
 from plait.cost import BlockCost
+from plait.device import autocast_context, timer
 
 __all__ = ["BlockProfile", "block_costs", "profile_blocks", "torch_dtype_name"]
 
@@ -132,25 +133,22 @@ def _fresh_input(value: object) -> tuple[object, list[torch.Tensor]]:
     return pytree.tree_unflatten(out, spec), grads
 
 
-class _Clock:
-    """Wall-clock seconds, synchronising the device first so GPU work is counted."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.sync = torch.cuda.synchronize if device.type == "cuda" else None
-
-    def __call__(self) -> float:
-        if self.sync is not None:
-            self.sync()
-        return time.perf_counter()
-
-
-def _run(block: nn.Module, x: object, loss: Callable[[object], torch.Tensor] | None) -> object:
-    out = block(x)
-    return loss(out) if loss is not None else out
+def _run(
+    block: nn.Module,
+    x: object,
+    loss: Callable[[object], torch.Tensor] | None,
+    autocast: Callable[[], AbstractContextManager[Any]],
+) -> object:
+    with autocast():  # the forward as training runs it; the backward outside, as there
+        out = block(x)
+        return loss(out) if loss is not None else out
 
 
 def _saved_bytes(
-    block: nn.Module, x: object, loss: Callable[[object], torch.Tensor] | None
+    block: nn.Module,
+    x: object,
+    loss: Callable[[object], torch.Tensor] | None,
+    autocast: Callable[[], AbstractContextManager[Any]],
 ) -> tuple[int, object]:
     """Bytes autograd saves in one forward (parameters excluded), and the output."""
     params = {p.untyped_storage().data_ptr() for p in block.parameters()}
@@ -163,18 +161,22 @@ def _saved_bytes(
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         value, _ = _fresh_input(x)
-        out = _run(block, value, loss)
+        out = _run(block, value, loss, autocast)
     return _storage_bytes(saved), out
 
 
 def _pass(
-    block: nn.Module, x: object, loss: Callable[[object], torch.Tensor] | None, clock: _Clock
+    block: nn.Module,
+    x: object,
+    loss: Callable[[object], torch.Tensor] | None,
+    clock: Callable[[], float],
+    autocast: Callable[[], AbstractContextManager[Any]],
 ) -> tuple[float, list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
     """One timed forward: seconds, the new input leaves, the outputs needing a gradient,
     and gradients for them."""
     value, inputs = _fresh_input(x)
     start = clock()
-    outs = [t for t in _leaves(_run(block, value, loss)) if t.requires_grad]
+    outs = [t for t in _leaves(_run(block, value, loss, autocast)) if t.requires_grad]
     seconds = clock() - start
     return seconds, inputs, outs, [torch.ones_like(t) for t in outs]
 
@@ -186,17 +188,18 @@ def _time_block(
     *,
     warmup: int,
     repeats: int,
-    clock: _Clock,
+    clock: Callable[[], float],
+    autocast: Callable[[], AbstractContextManager[Any]],
 ) -> tuple[float, float, float, float]:
     """Median seconds of forward, full backward, and the split's input and weight halves."""
     samples: list[tuple[float, float, float, float]] = []
     for i in range(warmup + repeats):
-        forward, inputs, outs, grads = _pass(block, x, loss, clock)
+        forward, inputs, outs, grads = _pass(block, x, loss, clock, autocast)
         start = clock()
         if outs:
             torch.autograd.backward(outs, grads)
         full = clock() - start
-        _, inputs, outs, grads = _pass(block, x, loss, clock)
+        _, inputs, outs, grads = _pass(block, x, loss, clock, autocast)
         start = clock()
         if outs and inputs:
             _, groups = stage_backward_input(outs, grads, inputs, block.parameters())
@@ -212,6 +215,12 @@ def _time_block(
     block.zero_grad(set_to_none=True)
     f, b, bi, bw = (statistics.median(column) for column in zip(*samples, strict=True))
     return f, b, bi, bw
+
+
+def _moved(value: object, device: torch.device | None) -> Any:
+    if device is None:
+        return value
+    return pytree.tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, value)
 
 
 def _check(
@@ -234,22 +243,31 @@ def profile_blocks(
     names: Sequence[str] | None = None,
     warmup: int = 2,
     repeats: int = 5,
+    device: torch.device | None = None,
+    dtype: str = "fp32",
 ) -> list[BlockProfile]:
-    """Measure `blocks` in order on one micro-batch `sample` (the first block's input, on
-    the blocks' device); the last block includes `loss_fn(output, target)` when given.
+    """Measure `blocks` in order on one micro-batch `sample`; the last block includes
+    `loss_fn(output, target)` when given.
 
-    Each block sees the previous block's output. Parameters are left without gradients.
+    Each block sees the previous block's output. With `device`, each block is measured on
+    it as a copy (one block there at a time; the blocks given stay where they are) and the
+    sample and target are moved there; without, on the blocks' own device. `dtype` is the
+    training's: the forward runs under its autocast (`plait.device.autocast_context`), with
+    the weights as they are, as training runs it. Parameters are left without gradients.
     """
     _check(blocks, names, warmup, repeats)
     first = next((p for b in blocks for p in b.parameters()), None)
-    clock = _Clock(first.device if first is not None else torch.device("cpu"))
+    where = device or (first.device if first is not None else torch.device("cpu"))
+    clock, autocast = timer(where), autocast_context(dtype, where)
     out: list[BlockProfile] = []
-    x = sample
-    for index, block in enumerate(blocks):
+    x, target = (_moved(v, device) for v in (sample, target))
+    for index, given in enumerate(blocks):
+        block = copy.deepcopy(given).to(device) if device is not None else given
         last = index == len(blocks) - 1
         loss = (lambda y: loss_fn(y, target)) if last and loss_fn is not None else None
-        saved, y = _saved_bytes(block, x, loss)
-        f, b, bi, bw = _time_block(block, x, loss, warmup=warmup, repeats=repeats, clock=clock)
+        saved, y = _saved_bytes(block, x, loss, autocast)
+        f, b, bi, bw = _time_block(block, x, loss, warmup=warmup, repeats=repeats, clock=clock,
+                                   autocast=autocast)  # fmt: skip
         params = list(block.parameters())
         out.append(
             BlockProfile(

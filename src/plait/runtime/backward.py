@@ -17,9 +17,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.pipelining._backward import (
-    _get_grad_fn_or_grad_acc,
+
+from plait.compat import (
     construct_reverse_graph,
+    get_grad_fn_or_grad_acc,
     get_param_groups,
     stage_backward_input,
     stage_backward_weight,
@@ -62,11 +63,11 @@ def split_is_exact(saved: Saved, module: nn.Module) -> bool:
     """
     if not any(t.requires_grad for t in saved.inputs) or not saved.outputs:
         return False
-    roots = [fn for fn in map(_get_grad_fn_or_grad_acc, saved.outputs) if fn is not None]
+    roots = [fn for fn in map(get_grad_fn_or_grad_acc, saved.outputs) if fn is not None]
     reverse = construct_reverse_graph(roots)
     on_graph = set(reverse) | {n for nodes in reverse.values() for n in nodes}
-    inputs = [fn for fn in map(_get_grad_fn_or_grad_acc, saved.inputs) if fn is not None]
-    weights = [fn for fn in map(_get_grad_fn_or_grad_acc, module.parameters()) if fn is not None]
+    inputs = [fn for fn in map(get_grad_fn_or_grad_acc, saved.inputs) if fn is not None]
+    weights = [fn for fn in map(get_grad_fn_or_grad_acc, module.parameters()) if fn is not None]
     covered: set[Any] = set()
     for group in get_param_groups(inputs, weights, reverse):
         covered |= group["params"]

@@ -6,16 +6,18 @@ cached, so that every later message is a bare tensor transfer into a preallocate
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils import _pytree as pytree
 
+from plait.compat import pytree
+from plait.device import fork_rng
 from plait.schedule import Schedule
 
 __all__ = ["BoundaryMeta", "NegotiationTimeout", "flatten", "negotiate", "unflatten"]
@@ -81,18 +83,20 @@ def negotiate(
     *,
     group: dist.ProcessGroup | None,
     device: torch.device,
+    forward_context: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
 ) -> dict[int, BoundaryMeta]:
     """The meta of every input boundary of this rank's stages (stage -> meta), learnt by
     probing: stages are probed along each pipeline in order with one forward each under
-    no_grad, in eval mode and with the RNG state restored, so the probe changes nothing. A
-    rank learns the input of its stage from the previous stage's rank; a first stage takes
-    `sample` (a micro-batch; needed only on ranks that hold a first stage). A collective
-    over the pipeline group."""
+    no_grad, in eval mode and with the RNG state restored, so the probe changes nothing,
+    and under the training's `forward_context` (its autocast), so that a bf16 stage's
+    boundary is described in the dtype it sends. A rank learns the input of its stage
+    from the previous stage's rank; a first stage takes `sample` (a micro-batch; needed
+    only on ranks that hold a first stage). A collective over the pipeline group."""
     meta: dict[int, BoundaryMeta] = {}
     if schedule.num_stages == 1:  # no boundary to describe
         return meta
     place, local = schedule.stage_to_rank, dict[int, object]()
-    objects = device if device.type == "cuda" else None
+    objects = device if device.type != "cpu" else None  # NCCL sends objects from the GPU
     for pipeline in schedule.graph[0]:
         for s in (s for s in pipeline if s in stages):
             before, after = schedule.prev_stage(s), schedule.next_stage(s)
@@ -106,7 +110,7 @@ def negotiate(
                     dist.recv_object_list(box, group=group, group_src=place[before], device=objects)
                 meta[s] = box[0]
                 value = unflatten(box[0], [t.zero_() for t in box[0].empty(device)])
-            local[s] = out = _probe(stages[s], value, device)
+            local[s] = out = _probe(stages[s], value, device, forward_context)
             if after is None:
                 continue
             meta[after] = BoundaryMeta.of(out)  # the boundary between s and after
@@ -132,12 +136,16 @@ def _named(what: str, peer: int) -> Iterator[None]:
         raise NegotiationTimeout(f"{what} from rank {peer}") from err
 
 
-def _probe(module: nn.Module, value: object, device: torch.device) -> object:
+def _probe(
+    module: nn.Module,
+    value: object,
+    device: torch.device,
+    forward_context: Callable[[], AbstractContextManager[Any]],
+) -> object:
     was_training = module.training
-    devices = [device] if device.type == "cuda" else []
     try:
         module.eval()
-        with torch.no_grad(), torch.random.fork_rng(devices=devices):
+        with torch.no_grad(), fork_rng(device), forward_context():
             return module(value)
     finally:
         module.train(was_training)

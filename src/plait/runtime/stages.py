@@ -8,9 +8,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils import _pytree as pytree
 
 from plait.blocks import StageModule, as_blocks, equal_split, stage_modules
+from plait.compat import pytree
 from plait.schedule import Schedule
 
 __all__ = ["local_stages", "split_microbatches"]

@@ -1,6 +1,7 @@
 """Point-to-point messages of one rank's stream: receives posted where the program says
-and waited by the action that consumes them, sends in flight until they are old enough;
-and the bounded wait every communication of a training step goes through.
+and waited by the action that consumes them, sends in flight until they are old enough,
+each on its channel's process group; and the bounded wait every communication of a
+training step goes through.
 
 A window's sends may be received by a peer's later window (an asynchronous pipeline's
 windows overlap), so a window does not wait for its own sends: `settle` waits for those of
@@ -12,9 +13,10 @@ peer that crashed is reported by the backend at once ("Connection closed by peer
 that stalls would otherwise block this rank for the process group's timeout (torch's
 default: 30 min) with an error that names neither the action nor the peer. On gloo an
 untimed wait is bounded by that same group timeout, so a timed one costs nothing extra.
-On NCCL a timed wait blocks the CPU until the message arrives (torch polls the work,
-where an untimed wait only orders the CUDA streams) and aborts the communicator on
-expiry; `timeout_s=None` keeps torch's untimed wait, bounded by the group's timeout alone.
+On NCCL a timed wait would block the CPU until the message arrives (torch polls the work,
+where an untimed wait only orders the CUDA streams), so a GPU's messages are waited on
+untimed (`Transport(stream_ordered=True)`), bounded by the group's timeout alone, which
+NCCL's watchdog enforces; `timeout_s=None` does the same on CPU workers.
 """
 
 from __future__ import annotations
@@ -23,15 +25,16 @@ import datetime
 import functools
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from plait.runtime.boundary import BoundaryMeta
+from plait.runtime.channels import Channels
 from plait.schedule import Action, Op, Schedule
+from plait.schedule.lower import Batch, Message
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
@@ -97,12 +100,12 @@ def timed_wait(work: Any, timeout_s: float | None, explain: Callable[[], str]) -
         raise PipelineTimeout(explain())
 
 
-def _rank_name(group: dist.ProcessGroup | None, rank: int) -> str:
-    """``rank g`` for `rank` of `group` (g its global rank, as in the logs), with the group
-    rank when it differs."""
-    if group is None or not dist.is_initialized():
+def _rank_name(channels: Channels | None, rank: int) -> str:
+    """``rank g`` for pipeline rank `rank` (g its global rank, as in the logs), with the
+    pipeline rank when it differs."""
+    if channels is None:
         return f"rank {rank}"
-    g = dist.get_global_rank(group, rank)
+    g = channels.global_rank(rank)
     return f"rank {g}" if g == rank else f"rank {g} (pipeline rank {rank})"
 
 
@@ -116,24 +119,82 @@ class _Pending:
 
 
 class Transport:
-    """Sends and receives of `rank` over the pipeline `group` (schedule rank = group rank);
-    each wait lasts at most `timeout_s` seconds (see the module's docstring)."""
+    """Messages of pipeline rank `rank`, on its `channels` (a process group per directed
+    pair of pipeline ranks, `plait.runtime.channels`), issued as the lowered program's
+    batches say (`plait.schedule.lower`).
+
+    On a GPU (`stream_ordered`) a wait orders the computing stream after the message and
+    returns at once: the host never blocks, and a hang surfaces as the process group's
+    timeout (NCCL's watchdog). On CPU workers every wait blocks for at most `timeout_s`
+    seconds (see the module's docstring)."""
 
     def __init__(
         self,
         schedule: Schedule,
         rank: int,
-        group: dist.ProcessGroup | None,
+        channels: Channels | None,
         *,
         timeout_s: float | None = DEFAULT_TIMEOUT_S,
+        stream_ordered: bool = False,
     ) -> None:
-        self.schedule, self.rank, self.group = schedule, rank, group
+        self.schedule, self.rank, self.channels = schedule, rank, channels
         self.timeout_s = check_timeout(timeout_s)
+        self.stream_ordered = stream_ordered
         self.received: dict[Key, _Pending] = {}
         self.sends: deque[tuple[int, Action, Any]] = deque()  # (window, SEND action, work)
 
+    def send(self, batch: Batch, tensors: list[list[torch.Tensor]], window: int) -> None:
+        """Start sending each message of `batch` (its tensors), of window `window`."""
+        ops = [
+            (m.action, (dist.isend, t.contiguous(), m))
+            for m, leaves in zip(batch.messages, tensors, strict=True)
+            for t in leaves
+        ]
+        for (a, _), work in zip(ops, self._issue([op for _, op in ops]), strict=True):
+            self.sends.append((window, a, work))
+
+    def post(self, message: Message, buffers: list[torch.Tensor]) -> None:
+        """Post the receive of `message` into `buffers` (pre-sized by the lowering)."""
+        works = self._issue([(dist.irecv, b, message) for b in buffers])
+        self.received[message.key] = _Pending(buffers, works, message.action)
+
+    def _issue(self, ops: list[tuple[Any, torch.Tensor, Message]]) -> list[Any]:
+        """Issue `ops` (isend or irecv, tensor, message) on their channels: one call, or one
+        `batch_isend_irecv` for several."""
+        assert self.channels is not None, "a pipeline of one rank sends nothing"
+        channels = self.channels
+        resolved = [
+            (fn, t, channels.global_rank(m.peer), channels.group(*m.channel)) for fn, t, m in ops
+        ]
+        if len(resolved) == 1:
+            fn, t, peer, group = resolved[0]
+            return [fn(t, peer, group)]
+        return list(dist.batch_isend_irecv([dist.P2POp(*op) for op in resolved]))
+
+    def take(self, key: Key, consumer: Action) -> tuple[list[torch.Tensor], float]:
+        """The data of a posted receive, waited for by the action `consumer` (named if the
+        wait times out): (tensors, seconds the host waited)."""
+        pending = self.received.pop(key)
+        t = time.perf_counter()
+        for work in pending.works:
+            self._wait(work, consumer, pending.action)
+        return pending.buffers, time.perf_counter() - t
+
+    def settle(self, up_to: int) -> None:
+        """Wait for the sends of windows up to `up_to` (their peers posted the receives);
+        a send that times out is named by its SEND action."""
+        while self.sends and self.sends[0][0] <= up_to:
+            _, a, work = self.sends.popleft()
+            self._wait(work, a, a)
+
+    def _wait(self, work: Any, waiter: Action, message: Action) -> None:
+        if self.stream_ordered:
+            work.wait()  # orders the current stream after it: no host sync
+            return
+        timed_wait(work, self.timeout_s, functools.partial(self._explain, waiter, message))
+
     def peer(self, a: Action) -> int:
-        """The rank at the other end of a send or receive."""
+        """The pipeline rank at the other end of a send or receive."""
         return self.schedule.stage_to_rank[self._peer_stage(a)]
 
     def _peer_stage(self, a: Action) -> int:
@@ -143,50 +204,15 @@ class Transport:
         assert neighbour is not None, f"{a} has no peer stage"
         return neighbour
 
-    def post(self, a: Action, meta: Mapping[int, BoundaryMeta], device: torch.device) -> None:
-        """Post the receive `a` into new buffers shaped as the boundary `meta` (input
-        boundary of each stage) says: a RECV_F's activations, a RECV_B's gradients."""
-        if a.op is Op.RECV_F:
-            buffers = meta[a.stage].empty(device)
-        else:
-            buffers = meta[self._peer_stage(a)].empty_grads(device)
-        peer = self.peer(a)
-        works = [dist.irecv(b, group=self.group, group_src=peer) for b in buffers]
-        self.received[(a.op, a.stage, a.microbatch)] = _Pending(buffers, works, a)
-
-    def take(self, key: Key, consumer: Action) -> tuple[list[torch.Tensor], float]:
-        """The data of a posted receive, waited for by the action `consumer` (named if the
-        wait times out): (tensors, seconds waited)."""
-        pending = self.received.pop(key)
-        t = time.perf_counter()
-        for work in pending.works:
-            explain = functools.partial(self._explain, consumer, pending.action)
-            timed_wait(work, self.timeout_s, explain)
-        return pending.buffers, time.perf_counter() - t
-
-    def send(self, a: Action, tensors: list[torch.Tensor], window: int) -> None:
-        """Start sending `tensors` (action `a` of window `window`)."""
-        peer = self.peer(a)
-        for t in tensors:
-            work = dist.isend(t.contiguous(), group=self.group, group_dst=peer)
-            self.sends.append((window, a, work))
-
-    def settle(self, up_to: int) -> None:
-        """Wait for the sends of windows up to `up_to` (their peers posted the receives);
-        a send that times out is named by its SEND action."""
-        while self.sends and self.sends[0][0] <= up_to:
-            _, a, work = self.sends.popleft()
-            timed_wait(work, self.timeout_s, functools.partial(self._explain, a, a))
-
     def _explain(self, waiter: Action, message: Action) -> str:
         """Why `waiter` timed out on the message of the SEND or RECV action `message`."""
         assert self.timeout_s is not None
         what = "activations" if message.op in (Op.SEND_F, Op.RECV_F) else "gradients"
-        peer = f"{_rank_name(self.group, self.peer(message))} (stage {self._peer_stage(message)})"
+        channels, peer = self.channels, self.peer(message)
+        peer_name = f"{_rank_name(channels, peer)} (stage {self._peer_stage(message)})"
         if message.op in (Op.SEND_F, Op.SEND_B):
-            awaited = f"{peer} to receive the {what} of stage {message.stage}"
+            awaited = f"{peer_name} to receive the {what} of stage {message.stage}"
         else:
-            awaited = f"the {what} from {peer}"
-        return timeout_message(
-            _rank_name(self.group, self.rank), str(waiter), self.timeout_s, awaited
-        )
+            awaited = f"the {what} from {peer_name}"
+        return timeout_message(_rank_name(channels, self.rank), str(waiter), self.timeout_s,
+                               awaited)  # fmt: skip

@@ -21,7 +21,13 @@ from collections.abc import Sequence
 
 from plait.schedule.ir import COMM_OPS, Action, Op, Schedule
 
-__all__ = ["add_communication", "add_reductions", "completing_backwards", "compute_only"]
+__all__ = [
+    "add_communication",
+    "add_reductions",
+    "completing_backwards",
+    "compute_only",
+    "forward_only",
+]
 
 # Data that crosses a stage boundary: activations flow forward, gradients backward.
 _ACTIVATIONS, _GRADIENTS = 0, 1
@@ -33,6 +39,35 @@ _RECV_OP = (Op.RECV_F, Op.RECV_B)
 def compute_only(schedule: Schedule) -> Schedule:
     """Strip every send, receive and reduction (what a generator returns)."""
     return schedule.with_programs([[a for a in p if a.op not in COMM_OPS] for p in schedule.ranks])
+
+
+def forward_only(schedule: Schedule, num_microbatches: int) -> Schedule:
+    """The forward-only program of evaluation over micro-batches 0..num_microbatches-1:
+    micro-batch by micro-batch along its path of stages, each stage's receive (when its
+    input comes from another rank), forward and send. Not a window of the training
+    schedule, whose windows interleave backwards and updates (and, asynchronous, overlap):
+    here every rank meets its peers in the same order and sends are asynchronous, so it
+    cannot deadlock."""
+    programs: list[list[Action]] = [[] for _ in range(schedule.num_ranks)]
+    owner = schedule.stage_to_rank
+    for m in range(num_microbatches):
+        for s in schedule.path(m):
+            before, after = schedule.prev_stage(s), schedule.next_stage(s)
+            program = programs[owner[s]]
+            if before is not None and owner[before] != owner[s]:
+                program.append(Action(Op.RECV_F, s, m))
+            program.append(Action(Op.F, s, m))
+            if after is not None and owner[after] != owner[s]:
+                program.append(Action(Op.SEND_F, s, m))
+    return Schedule(
+        kind=f"{schedule.kind}-forward",
+        num_ranks=schedule.num_ranks,
+        num_microbatches=max(1, num_microbatches),
+        stage_to_rank=schedule.stage_to_rank,
+        ranks=tuple(tuple(p) for p in programs),
+        num_chunks=schedule.num_chunks,
+        pipelines=schedule.pipelines,
+    )
 
 
 def add_reductions(schedule: Schedule) -> Schedule:

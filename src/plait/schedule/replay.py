@@ -25,6 +25,10 @@ A schedule without any communication action is also accepted ("compute-only"): c
 data then arrives `transfer` seconds after it is produced, as if sends and receives were
 placed perfectly.
 
+Time-shared processors (`sharing`) are a policy of the same interpreter: one global
+clock instead of a clock per rank, and compute actions that finish as
+`plait.schedule.sharing.SharedProcessors` says; everything else is unchanged.
+
 Peak in-flight counts, per rank, the micro-batches whose activations are held: a forward
 adds one, and the backward that frees them (`BW`, or a full `B`) removes it.
 
@@ -36,6 +40,7 @@ stage) is compiled once into a `Template` whose facts are offset by the micro-ba
 from __future__ import annotations
 
 import gc
+import heapq
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -54,11 +59,13 @@ from plait.schedule.facts import (
     describe,
 )
 from plait.schedule.ir import COMM_OPS, P2P_OPS, Action, Op, Schedule
+from plait.schedule.sharing import SharedProcessors, Sharing
 from plait.schedule.stream import unroll
 
 __all__ = ["Blocked", "Event", "Replay", "UnitSummary", "replay", "unit_duration", "unit_summary"]
 
 Duration = Callable[[int, Action], float]
+_EPS, _INF = 1e-12, float("inf")
 
 
 def unit_duration(rank: int, action: Action) -> float:
@@ -163,7 +170,13 @@ def _gc_paused() -> Iterator[None]:
 class _Machine:
     """State of one abstract execution; `execute` drives it with a ready queue of ranks."""
 
-    def __init__(self, schedule: Schedule, duration: Duration, transfer: Duration) -> None:
+    def __init__(
+        self,
+        schedule: Schedule,
+        duration: Duration,
+        transfer: Duration,
+        sharing: Sharing | None = None,
+    ) -> None:
         _check_ranges(schedule)
         self.s = schedule
         self.duration = duration
@@ -190,6 +203,10 @@ class _Machine:
         self.peak = [0] * p
         self.busy = [0.0] * p  # compute time per rank
         self.wake: deque[int] = deque(range(p))
+        # time-shared processors: one global clock, compute finishing as `shared` says
+        self.shared = SharedProcessors(sharing, p) if sharing is not None else None
+        self.now = 0.0
+        self.timers: list[tuple[float, int]] = []  # (when, rank): its data lands then
 
     def _template(self, rank: int, a: Action) -> Template:
         t = self.compiler.template(rank, a.op, a.stage)
@@ -213,6 +230,7 @@ class _Machine:
         starts, ends, channel_free = self.starts[rank], self.ends[rank], self.channel_free
         unit = self.duration is unit_duration
         no_transfer = self.transfer is _no_transfer
+        shared = self.shared
         n = len(program)
         try:
             while pc < n:
@@ -231,6 +249,13 @@ class _Machine:
                         ready = when
                 if lag is not None and not no_transfer:
                     ready = self._lagged(t, m)
+                if shared is not None:  # one clock: wait for the data, share the processor
+                    if ready > self.now + _EPS:
+                        heapq.heappush(self.timers, (ready, rank))
+                        return
+                    if code == COMPUTE:
+                        shared.start(rank, unit_cost if unit else self.duration(rank, a), clock)
+                        return
                 if code == COMPUTE:
                     start = clock if clock > ready else ready
                     end = clock = start + (unit_cost if unit else self.duration(rank, a))
@@ -271,10 +296,48 @@ class _Machine:
         return max(0.0, *local, remote + self.transfer(src, Action(op, stage, m)))
 
     def execute(self) -> None:
+        if self.shared is not None:
+            self._execute_shared(self.shared)
+            return
         while self.wake:
             rank = self.wake.popleft()
             self.waiting.pop(rank, None)
             self.run_rank(rank)
+
+    def _execute_shared(self, shared: SharedProcessors) -> None:
+        """Advance one global clock: run every rank that can go on at `now`, then move to
+        the next moment a compute action finishes or data lands."""
+        while True:
+            while self.wake:
+                rank = self.wake.popleft()
+                self.waiting.pop(rank, None)
+                self.clock[rank] = max(self.clock[rank], self.now)
+                self.run_rank(rank)
+            if not shared.running and not self.timers:
+                return
+            until = min(shared.next_finish(self.now), self.timers[0][0] if self.timers else _INF)
+            for rank, start in shared.advance(self.now, until):
+                self._finish(rank, start, until)
+                self.wake.append(rank)
+            self.now = until
+            while self.timers and self.timers[0][0] <= until + _EPS:
+                self.wake.append(heapq.heappop(self.timers)[1])
+
+    def _finish(self, rank: int, start: float, end: float) -> None:
+        """A time-shared compute action of `rank` ran from `start` to `end`."""
+        a = self.s.ranks[rank][self.pc[rank]]
+        t = self.templates[rank][a.stage].get(a.op) or self._template(rank, a)
+        self.busy[rank] += end - start
+        self.inflight[rank] += t.delta
+        self.peak[rank] = max(self.peak[rank], self.inflight[rank])
+        if t.publish >= 0:
+            fact = t.publish + a.microbatch
+            self.times[fact] = end
+            self.wake.extend(self.waiters.pop(fact, ()))
+        self.starts[rank].append(start)
+        self.ends[rank].append(end)
+        self.pc[rank] += 1
+        self.clock[rank] = end
 
     def result(self) -> Replay:
         events = tuple(
@@ -299,12 +362,21 @@ def replay(
     duration: Duration = unit_duration,
     transfer: Duration = _no_transfer,
     windows: int = 1,
+    sharing: Sharing | None = None,
 ) -> Replay:
     """Execute `windows` windows of `schedule` abstractly; `duration(rank, action)` gives
     the times of compute actions, updates, weight copies and reductions, and
-    `transfer(rank, send_action)` the time a message spends on its channel."""
+    `transfer(rank, send_action)` the time a message spends on its channel. With
+    `sharing` (`plait.schedule.sharing`), ranks time-share processors: a compute action's
+    `duration` is its work on a processor of its own, done at the speed its processor's
+    load leaves it (one global clock)."""
+    if sharing is not None and len(sharing.processor) != schedule.num_ranks:
+        raise ValueError(
+            f"sharing names {len(sharing.processor)} ranks for a schedule of "
+            f"{schedule.num_ranks}: give one processor per rank"
+        )
     with _gc_paused():
-        machine = _Machine(unroll(schedule, windows).schedule, duration, transfer)
+        machine = _Machine(unroll(schedule, windows).schedule, duration, transfer, sharing)
         machine.execute()
         return machine.result()
 

@@ -40,6 +40,7 @@ from plait.schedule.checks import (
 )
 from plait.schedule.grid import format_grid
 from plait.schedule.ir import COMPUTE_OPS, WEIGHT_OPS, Action, Op, Schedule
+from plait.schedule.lower import stream_deadlock
 from plait.schedule.replay import Replay, replay, unit_summary
 from plait.schedule.stream import Unrolled, unroll
 from plait.schedule.versions import VersionError, WeightPlanner
@@ -234,6 +235,11 @@ def _check_run(schedule: Schedule, num_windows: int) -> tuple[_Planned, Validati
     if any(messages):
         check_messages(run, messages)
     planned = _plan_versions(unrolled)
+    stuck_streams = stream_deadlock(run)
+    if stuck_streams is not None:  # the runtime's lowered programs under NCCL's rule
+        raise ScheduleError(
+            f"{schedule.kind}: its lowered programs deadlock on NCCL streams: {stuck_streams}"
+        )
     summary = unit_summary(planned.schedule)
     if not summary.completed:
         result = replay(planned.schedule)  # again, with events, to draw the grid

@@ -47,7 +47,7 @@ from plait.cost import (
 )
 from plait.offload import offloaded_blocks
 from plait.schedule import Action, Op, Replay, Schedule, Unrolled, replay, unroll, window_ends
-from plait.schedule.sharing import Sharing, replay_shared
+from plait.schedule.sharing import Sharing
 from plait.sim.plan import SimPlan
 from plait.sim.result import MemoryUse, RankReport
 
@@ -207,12 +207,8 @@ class _Replica:
             return transfers[action.op][action.stage]
 
         unrolled = unroll(self.s, self.num_windows)
-        if self.sharing is None:
-            result = replay(unrolled.schedule, duration=duration, transfer=transfer)
-        else:
-            result = replay_shared(
-                unrolled.schedule, self.sharing, duration=duration, transfer=transfer
-            )
+        result = replay(unrolled.schedule, duration=duration, transfer=transfer,
+                        sharing=self.sharing)  # fmt: skip
         if not result.completed:
             stuck = "; ".join(f"rank {b.rank} at {b.action}" for b in result.blocked)
             raise ValueError(

@@ -22,6 +22,7 @@ from torch import nn
 from plait.blocks import as_blocks
 from plait.cluster import Cluster, Link, measured_cluster
 from plait.config import ParallelPlan
+from plait.device import current, fork_rng, timer
 from plait.plan import ModelSpec, SearchSpace, scaled_spec, search
 from plait.plan.io import parallel_plan_of, plan_to_dict
 from plait.profile import block_costs, measured_device, profile_model
@@ -39,26 +40,28 @@ __all__ = [
 ]
 
 
-def measure_collectives(*, repeats: int = 8) -> Link:
+def measure_collectives(device: torch.device | None = None, *, repeats: int = 8) -> Link:
     """The link that reproduces the all-reduce times the workers measure among themselves
     (a collective: call on every worker), as the cost model's ring formula reads it:
-    t(bytes) = 2(n-1)·latency + 2(n-1)/n · bytes / bandwidth. Measured while every worker
-    takes part, so it includes gloo's and Python's per-call costs and core sharing."""
+    t(bytes) = 2(n-1)·latency + 2(n-1)/n · bytes / bandwidth. Measured on the workers'
+    `device` (default: `plait.device.current`, so NCCL between GPUs) while every worker
+    takes part, so it includes the backend's and Python's per-call costs and core sharing."""
     import statistics
-    import time
 
     n = dist.get_world_size()
     if n == 1:  # nothing to reduce among: any link; the cost model charges none at n=1
         return Link(latency_s=1e-6, bandwidth_Bps=1e9)
+    device = device or current()
+    now = timer(device)
     samples = []
     for size in (256, 64 * 1024, 1024 * 1024):
-        t = torch.zeros(size // 4)
+        t = torch.zeros(size // 4, device=device)
         times = []
         for _ in range(repeats):
             dist.barrier()
-            start = time.perf_counter()
+            start = now()
             dist.all_reduce(t)
-            times.append(time.perf_counter() - start)
+            times.append(now() - start)
         samples.append((float(size), statistics.median(times)))
     (x1, y1), (x2, y2) = samples[0], samples[-1]
     slope = max((y2 - y1) / (x2 - x1), 1e-12)
@@ -93,16 +96,19 @@ def measured_spec(
     num_heads: int,
     seq_len: int,
     dtype: str = "fp32",
+    device: torch.device | None = None,
 ) -> ModelSpec:
-    """The planner's view of `model` from its blocks measured here, at each sample's
-    micro-batch size, with the full and the split backward."""
-    device = measured_device(name="local-cpu", flops=_SPEED, dtype=dtype, memory_bytes=2**34)
+    """The planner's view of `model` from its blocks measured here on `device` (default:
+    where they are) in the training `dtype` (its autocast), at each sample's micro-batch
+    size, with the full and the split backward."""
+    rate = measured_device(name="measured", flops=_SPEED, dtype=dtype, memory_bytes=2**34)
     full, split = {}, {}
     for x, y in samples:
         # measured afresh: a cached profile may have been taken under other load
-        profile = profile_model(model, x, target=y, loss_fn=loss_fn, repeats=5, cache=False)
-        full[int(x.shape[0])] = block_costs(profile.blocks, device, dtype)
-        split[int(x.shape[0])] = block_costs(profile.blocks, device, dtype, split=True)
+        profile = profile_model(model, x, target=y, loss_fn=loss_fn, repeats=5, cache=False,
+                                device=device, dtype=dtype)  # fmt: skip
+        full[int(x.shape[0])] = block_costs(profile.blocks, rate, dtype)
+        split[int(x.shape[0])] = block_costs(profile.blocks, rate, dtype, split=True)
     sharded = [i for i, b in enumerate(as_blocks(model)) if hasattr(b, "tp_plan")]
     # with no block that shards, tensor parallelism is out: tp must divide 1
     return scaled_spec("model", full, seq_len=seq_len, num_heads=num_heads if sharded else 1,
@@ -116,15 +122,18 @@ def local_cluster(
     *,
     cores: int | None = None,
     sharing_efficiency: float = 1.0,
+    device: str = "cpu",
 ) -> Cluster:
-    """The local workers as the planner sees them: one core each, or, when they outnumber
-    the `cores` (default: those this process may use), pinned to core i mod cores as
-    `plait.mesh.init_worker` pins them and time-sharing it (`NodeGroup.processors`)."""
+    """The local workers on `device` (a device type) as the planner sees them: a GPU each,
+    or one core each, or, when they outnumber the `cores` (default: those this process may
+    use), pinned to core i mod cores as `plait.mesh.init_worker` pins them and
+    time-sharing it (`NodeGroup.processors`)."""
     from plait.train.memcheck import worker_memory_bytes
 
-    cores = cores or _cores()
+    memory = int(worker_memory_bytes(world, device))
+    cores = world if device != "cpu" else cores or _cores()
     cluster = measured_cluster(
-        name="local-workers", flops={dtype: _SPEED}, memory_bytes=int(worker_memory_bytes(world)),
+        name=f"local-workers ({device})", flops={dtype: _SPEED}, memory_bytes=memory,
         devices_per_node=world, intra_node=link,
     )  # fmt: skip
     if world <= cores:
@@ -189,11 +198,12 @@ def _search(
     global_batch: int,
     dtype: str,
     allow_staleness: bool,
+    device: torch.device,
 ) -> dict[str, Any]:
-    with torch.random.fork_rng():
+    with fork_rng(device):
         spec = measured_spec(model, samples, loss_fn, num_heads=num_heads,
-                             seq_len=seq_len, dtype=dtype)  # fmt: skip
-    cluster = local_cluster(world, link, dtype)
+                             seq_len=seq_len, dtype=dtype, device=device)  # fmt: skip
+    cluster = local_cluster(world, link, dtype, device=device.type)
     space = SearchSpace(dtype=dtype, allow_staleness=allow_staleness)
     found = search(spec, cluster, global_batch=global_batch, space=space)
     return plan_to_dict(found.best, cluster=cluster.name)
@@ -209,17 +219,20 @@ def auto_plan(
     global_batch: int,
     dtype: str = "fp32",
     allow_staleness: bool = False,
+    device: torch.device | None = None,
 ) -> dict[str, Any]:
     """The plan every worker trains under (call on every worker; a collective). `samples`
     are micro-batches of one or two sizes, to learn how block costs grow with the size;
-    `allow_staleness` lets the planner choose an asynchronous schedule."""
+    rank 0 times the blocks on its `device` (default: the worker's) in the training
+    `dtype`; `allow_staleness` lets the planner choose an asynchronous schedule."""
     world = dist.get_world_size()
-    link = measure_collectives()
+    device = device or current()
+    link = measure_collectives(device)
     box: list[Any] = [None]
     if dist.get_rank() == 0:
         box[0] = _search(model, samples, loss_fn, link, world, num_heads=num_heads,
                          seq_len=seq_len, global_batch=global_batch, dtype=dtype,
-                         allow_staleness=allow_staleness)  # fmt: skip
+                         allow_staleness=allow_staleness, device=device)  # fmt: skip
     dist.broadcast_object_list(box, src=0)
     return dict(box[0])
 
@@ -229,11 +242,15 @@ def preview_plan(cfg: Any, world: int) -> dict[str, Any]:
     planned in this process before any worker starts (`plait train --dry-run`): the blocks
     are profiled here on one thread as a worker would run them, but the collectives are
     the local-cpu preset's loopback figures, not measured; the workers measure them and
-    may choose another plan when the two plans are close."""
+    may choose another plan when the two plans are close. On a GPU host the blocks are
+    timed on GPU 0, as rank 0 times them."""
     from plait.cluster import local_cpu
+    from plait.device import resolve
     from plait.train.task import task_from_config
 
     task = task_from_config(cfg)
+    kind = resolve(cfg.device)
+    device = torch.device(kind, 0) if kind != "cpu" else torch.device("cpu")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -241,6 +258,6 @@ def preview_plan(cfg: Any, world: int) -> dict[str, Any]:
                        local_cpu(devices=1).groups[0].intra_node, world,
                        num_heads=task.num_heads, seq_len=task.seq_len,
                        global_batch=cfg.batch_size, dtype=cfg.parallel.dtype,
-                       allow_staleness=cfg.allow_staleness)  # fmt: skip
+                       allow_staleness=cfg.allow_staleness, device=device)  # fmt: skip
     finally:
         torch.set_num_threads(threads)

@@ -17,13 +17,25 @@ training loop. An asynchronous schedule updates each stage on its own, from diff
 micro-batches than the other stages at the same moment: there is no global gradient to
 clip, so each stage clips its own gradient's norm, and fp16 loss scaling (which needs a
 global inf check per update) is refused; bf16 needs none.
+
+Host reads. The clipped norm and fp16's found-inf flag stay tensors on the device until
+the window ends, where they are read in the same copy as the window's losses
+(`_Losses.exchange`): one host read per step for fp32 and bf16 on any device, and for
+fp16 when every stage's optimizer takes the flag itself (torch's fused AdamW/Adam/SGD,
+`optimizer_impl` auto's choice: it skips the update on the device, as
+`torch.amp.GradScaler.step` has it do). fp16 with any other optimizer (foreach or loop;
+ZeRO-1's `ZeroRedundancyOptimizer`; fused SGD before its momentum exists) reads the flag
+once more, at the window's first UPDATE, before stepping. The waits of the executor's
+transport and of the reducers, evaluation, and an asynchronous schedule's loss exchange
+(read windows later) are outside this count. The loss scale and the learning-rate
+schedules of a step whose skip is decided on the device change when the flag is read.
 """
 
 from __future__ import annotations
 
 import functools
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,10 +43,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.utils import _pytree as pytree
 
 from plait.checkpoint.state import block_names
+from plait.compat import pytree
 from plait.config import ParallelPlan
+from plait.device import autocast_context
+from plait.device import current as current_device
 from plait.mesh import Meshes, ParallelDims
 from plait.parallel import (
     FSDPGradSync,
@@ -50,12 +64,14 @@ from plait.parallel.compress import hook_for
 from plait.parallel.replicas import uncounted_params, with_replicas
 from plait.parallel.sync import GradSync
 from plait.runtime import PipelineExecutor, StepResult, local_stages, split_microbatches
-from plait.runtime.evaluate import MetricFn
+from plait.runtime.backend import MetricFn
+from plait.runtime.channels import Channels, build_channels
 from plait.runtime.predict import optimizer_predictor
 from plait.runtime.transport import DEFAULT_TIMEOUT_S, timed_wait, timeout_message
 from plait.schedule import Schedule, build
+from plait.train.compile import apply_compile, check_compile
 from plait.train.offload import apply_offload
-from plait.train.precision import LossScaler, autocast_context
+from plait.train.precision import LossScaler, skips_on_device, step_unless_found
 from plait.train.recompute import apply_recompute
 
 __all__ = ["Engine", "EvalReport", "StepReport", "parallelize"]
@@ -114,6 +130,7 @@ class Engine:
         timeout_s: float | None = DEFAULT_TIMEOUT_S,
         schedulers: dict[int, torch.optim.lr_scheduler.LRScheduler] | None = None,
         meshes: Meshes | None = None,
+        channels: Channels | None = None,
     ) -> None:
         self.plan, self.mesh, self.schedule = plan, mesh, schedule
         # with the expert view (ep > 1): the ep group exchanges tokens, and its ranks hold
@@ -139,6 +156,7 @@ class Engine:
             rank=mesh.get_local_rank("pp"),
             loss_fn=loss_fn,
             group=mesh.get_group("pp"),
+            channels=channels,
             device=device,
             grad_sync=grad_sync,
             forward_context=autocast_context(plan.dtype, device),
@@ -147,8 +165,11 @@ class Engine:
             timeout_s=timeout_s,
         )
         self._prepared: int | None = None  # the version whose global checks ran
-        self._skipped = False
-        self._norm: float | None = None
+        # this window's fp16 found-inf flag and clipped norm, read on the host at its end
+        self._found_inf: torch.Tensor | None = None
+        self._norm: torch.Tensor | None = None
+        self._skip_read: bool | None = None  # the flag, where an optimizer needed it early
+        self._deferred: list[int] = []  # stages whose lr schedule waits for the flag
         self._losses = _Losses(self)
 
     # ------------------------------------------------------------------ steps
@@ -172,7 +193,6 @@ class Engine:
     def drain(self) -> StepReport:
         """Finish every micro-batch begun (an asynchronous pipeline's drain; a synchronous
         one has nothing left). Call once, after the last step."""
-        self._skipped, self._norm = False, None
         result = self.executor.drain()
         return self._report(result, last=True)
 
@@ -258,7 +278,6 @@ class Engine:
     def _window(self, micro_in: list[Any] | None, micro_tg: list[Any] | None) -> StepReport:
         if self.synchronous:  # the last step's gradients stayed readable until now
             self._zero_grad()
-        self._skipped, self._norm = False, None
         scale = self.scaler.scale if self.scaler is not None else 1.0
         result = self.executor.step(micro_in, micro_tg, loss_scale=scale)
         return self._report(result)
@@ -275,15 +294,27 @@ class Engine:
         if self.synchronous:
             if self._prepared != version:  # the first update this window: global checks
                 self._prepared = version
-                self._skipped, self._norm = self._check_all()
+                self._check_all()
         else:
-            self._norm = self._clip_stage(stage)
-        if not self._skipped:
-            self.optimizers[stage].step()
-            if stage in self.schedulers:
-                self.schedulers[stage].step()
+            self._clip_stage(stage)
+        self._step(stage)
         if not self.synchronous:  # the stage's next backward comes before the window ends
             self._zero_grad(stage)
+
+    def _step(self, stage: int) -> None:
+        """`stage`'s optimizer step, unless fp16 found an inf: skipped on the device by an
+        optimizer that takes the flag, else after one host read of it per window."""
+        optimizer, found = self.optimizers[stage], self._found_inf
+        if found is not None and skips_on_device(optimizer):
+            step_unless_found(optimizer, found)
+            self._deferred.append(stage)  # the schedule steps once the flag is read
+            return
+        if found is not None and self._skip_read is None:
+            self._skip_read = bool(found.item())
+        if not self._skip_read:
+            optimizer.step()
+            if stage in self.schedulers:
+                self.schedulers[stage].step()
 
     def _zero_grad(self, stage: int | None = None) -> None:
         for s, optimizer in self.optimizers.items():
@@ -292,30 +323,45 @@ class Engine:
         if self.grad_sync is not None:  # after the optimizer: keeps bucket views alive
             self.grad_sync.zero_grad(stage)
 
-    def _check_all(self) -> tuple[bool, float | None]:
+    def _check_all(self) -> None:
         """Wait for every reduction, unscale and check fp16 gradients everywhere, clip the
-        global norm: (skip the step, the norm)."""
+        global norm; the flag and the norm stay on the device (`_flags`)."""
         if self.grad_sync is not None:
             self.grad_sync.finish()
-        skipped = False
         if self.scaler is not None:
-            skipped = self.scaler.unscale_and_check(self.params)
-            self.scaler.update(skipped)
-        if skipped or self.grad_clip is None:
-            return skipped, None
-        norm = clip_grad_norm(self.params, self.grad_clip, pp_group=self._pp_group,
-                              ep_group=self.ep_group, ep_params=self.ep_params,
-                              uncounted=self.uncounted)  # fmt: skip
-        return False, float(norm)
+            self._found_inf = self.scaler.unscale_(self.params, self.device)
+        if self.grad_clip is not None:
+            self._norm = clip_grad_norm(self.params, self.grad_clip, pp_group=self._pp_group,
+                                        ep_group=self.ep_group, ep_params=self.ep_params,
+                                        uncounted=self.uncounted)  # fmt: skip
 
-    def _clip_stage(self, stage: int) -> float | None:
+    def _clip_stage(self, stage: int) -> None:
         if self.grad_sync is not None:
             self.grad_sync.finish(stage)
-        if self.grad_clip is None:
-            return None
-        params = [p for p in self.stages[stage].parameters() if p.requires_grad]
-        return float(clip_grad_norm(params, self.grad_clip, pp_group=None,
-                                    ep_group=self.ep_group, ep_params=self.ep_params))  # fmt: skip
+        if self.grad_clip is not None:  # its norm is not reported: never read
+            params = [p for p in self.stages[stage].parameters() if p.requires_grad]
+            clip_grad_norm(params, self.grad_clip, pp_group=None, ep_group=self.ep_group,
+                           ep_params=self.ep_params)  # fmt: skip
+
+    def _flags(self) -> list[torch.Tensor]:
+        """What the host reads with the window's losses: the found-inf flag and the
+        clipped norm, each where this window has one."""
+        return [t for t in (self._found_inf, self._norm) if t is not None]
+
+    def _settle(self, values: list[float]) -> tuple[bool, float | None]:
+        """`_flags`'s values, read: (the step was skipped, the norm it reports). Updates the
+        loss scale and steps the schedules whose step waited for the flag."""
+        read = iter(values)
+        skipped = self._found_inf is not None and next(read) > 0
+        norm = next(read) if self._norm is not None else None
+        if self.scaler is not None and self._found_inf is not None:
+            self.scaler.update(skipped)
+        for stage in self._deferred if not skipped else []:
+            if stage in self.schedulers:
+                self.schedulers[stage].step()
+        self._found_inf = self._norm = self._skip_read = None
+        self._deferred = []
+        return skipped, None if skipped or not self.synchronous else norm
 
     # ---------------------------------------------------------------- reports
     @property
@@ -323,10 +369,12 @@ class Engine:
         return self.mesh.get_group("pp")
 
     def _report(self, result: StepResult, *, last: bool = False) -> StepReport:
-        ids, losses = self._losses.exchange(self.executor.windows, result, last=last)
+        ids, losses, flags = self._losses.exchange(
+            self.executor.windows, result, last=last, extra=self._flags()
+        )
+        skipped, norm = self._settle(flags)
         loss = sum(losses) / len(losses) if losses else float("nan")
-        norm = self._norm if self.synchronous else None
-        return StepReport(loss, self._skipped, norm, result, losses, ids, result.updates)
+        return StepReport(loss, skipped, norm, result, losses, ids, result.updates)
 
 
 class _Losses:
@@ -347,28 +395,38 @@ class _Losses:
         self.timeout_s = engine.timeout_s
         self.lag = 0 if engine.synchronous else schedule.reach + 1
         self.pending: deque[tuple[int, Any, torch.Tensor, int]] = deque()
+        self.reduced = dist.get_world_size() > 1
 
     def exchange(
-        self, windows: int, result: StepResult, *, last: bool
-    ) -> tuple[tuple[int, ...], tuple[float, ...]]:
+        self, windows: int, result: StepResult, *, last: bool, extra: Sequence[torch.Tensor] = ()
+    ) -> tuple[tuple[int, ...], tuple[float, ...], list[float]]:
         """Start the reduction of `result`'s losses (after `windows` windows); return the
-        losses whose reduction is due now (all of them when `last`)."""
+        losses whose reduction is due now (all of them when `last`), and the values of the
+        `extra` tensors (one element each), read in the same copy to the host."""
         first = (windows - 1 - self.reach) * self.m  # ids span the window and `reach` before
         span = (self.reach + 1) * self.m
         values = torch.zeros(2 * span, device=self.device)
         for x, loss in zip(result.microbatches, result.losses, strict=True):
             values[x - first] = loss.to(self.device) * self.weight
             values[span + x - first] = self.weight
-        work = dist.all_reduce(values, async_op=True)
+        # one worker holds every loss already (a collective of one still costs milliseconds)
+        work = dist.all_reduce(values, async_op=True) if self.reduced else None
         self.pending.append((windows, work, values, first))
-        found: list[tuple[int, float]] = []
+        due: list[tuple[torch.Tensor, int]] = []
         while self.pending and (last or self.pending[0][0] <= windows - self.lag):
             started, work, values, first = self.pending.popleft()
-            timed_wait(work, self.timeout_s, functools.partial(self._explain, started))
-            sums, counts = values[:span].tolist(), values[span:].tolist()
-            found += [(first + i, v) for i, (v, c) in enumerate(zip(sums, counts, strict=True))
-                      if c > 0.5]  # fmt: skip
-        return tuple(x for x, _ in found), tuple(v for _, v in found)
+            if work is not None:
+                timed_wait(work, self.timeout_s, functools.partial(self._explain, started))
+            due.append((values, first))
+        parts = [v for v, _ in due] + [t.reshape(1).to(self.device, torch.float32) for t in extra]
+        host = torch.cat(parts).tolist() if parts else []  # the step's one host read
+        found: list[tuple[int, float]] = []
+        for k, (_, first) in enumerate(due):
+            row = host[2 * span * k : 2 * span * (k + 1)]
+            found += [(first + i, v) for i, (v, c) in enumerate(zip(row[:span], row[span:],
+                      strict=True)) if c > 0.5]  # fmt: skip
+        rest = host[2 * span * len(due) :]
+        return tuple(x for x, _ in found), tuple(v for _, v in found), rest
 
     def _explain(self, windows: int) -> str:
         """Why the wait for the losses reduced after `windows` windows timed out."""
@@ -412,6 +470,7 @@ def parallelize(
     grad_clip: float | None = None,
     timeout_s: float | None = DEFAULT_TIMEOUT_S,
     scheduler_factory: SchedulerFactory | None = None,
+    compile: bool = False,
 ) -> Engine:
     """An `Engine` that trains `model` under `plan` on the current process group.
 
@@ -424,14 +483,18 @@ def parallelize(
     as long as the process group's timeout; see that module). `scheduler_factory(optimizer,
     updates_per_window)` builds each stage's learning-rate schedule, stepped once per
     update of that stage (an asynchronous schedule makes several updates per window).
+    `compile` torch.compiles each block after recomputation (`plait.train.compile`).
     """
     if plan.pipelines is not None or plan.wsp_staleness is not None:  # pipelines of their own
         from plait.train.hetero import parallelize_hetero
 
         return parallelize_hetero(model, plan, optimizer_factory, loss_fn, device=device,
                                   grad_clip=grad_clip, timeout_s=timeout_s,
-                                  scheduler_factory=scheduler_factory)  # fmt: skip
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+                                  scheduler_factory=scheduler_factory,
+                                  compile=compile)  # fmt: skip
+    device = torch.device(device) if device is not None else current_device()
+    if compile:
+        check_compile(ep=plan.ep)
     if mesh is not None and plan.ep > 1:
         raise ValueError(
             f"ep={plan.ep} with a mesh given: the expert view of the ranks is built with it; "
@@ -447,6 +510,7 @@ def parallelize(
     mesh = meshes.main
     names = block_names(model)
     schedule = build(plan.schedule, plan.pp, plan.microbatches, plan.chunks)
+    channels = _channels(schedule, mesh)
     pp_rank = mesh.get_local_rank("pp")
     stages: dict[int, nn.Module] = dict(
         local_stages(model, schedule, pp_rank, sizes=plan.partition, device=device)
@@ -459,6 +523,8 @@ def parallelize(
         if plan.tp > 1:
             apply_tensor_parallel(stage, mesh["tp"], sequence_parallel=plan.sequence_parallel)
         apply_recompute(stage, plan.recompute)
+        if compile:  # after recomputation, before ZeRO-2/3 (torchtitan's order)
+            apply_compile(stage)
     _sync_replicas(stages, meshes)
     grad_sync: GradSync | None = None
     if plan.zero >= 2:
@@ -523,7 +589,19 @@ def parallelize(
         block_names=names,
         timeout_s=timeout_s,
         meshes=meshes,
+        channels=channels,
     )
+
+
+def _channels(schedule: Schedule, mesh: DeviceMesh) -> Channels | None:
+    """Every pipeline's message channels (`plait.runtime.channels`), made on every rank
+    in one order; this rank's. Each pipeline is the pp column of one (dp, tp) place."""
+    if schedule.num_ranks == 1:
+        return None
+    names = mesh.mesh_dim_names or ()
+    grid = mesh.mesh.movedim(names.index("pp"), 0).reshape(mesh["pp"].size(), -1)
+    pipelines = [(schedule, [int(r) for r in grid[:, j]]) for j in range(grid.shape[1])]
+    return build_channels(pipelines)
 
 
 def _with_dgc(

@@ -35,11 +35,14 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from plait.checkpoint.state import block_names
 from plait.config import ParallelPlan
+from plait.device import current as current_device
 from plait.parallel.hetero import BlockBuckets, PipelineGroups, ShareReducer, pipeline_groups
 from plait.pipelines import PipelineLayout, pipeline_layout
 from plait.runtime import StepResult, local_stages
+from plait.runtime.channels import build_channels
 from plait.runtime.transport import DEFAULT_TIMEOUT_S
 from plait.schedule import build
+from plait.train.compile import apply_compile
 from plait.train.engine import (
     Engine,
     LossFn,
@@ -140,17 +143,18 @@ class HeteroEngine(Engine):
     def _report(self, result: StepResult, *, last: bool = False) -> StepReport:
         if last:  # a drain: a synchronous pipeline has nothing left to report
             return StepReport(float("nan"), False, None, result, (), (), result.updates)
-        loss = self._loss(result)
+        loss, *flags = self._loss(result)
+        skipped, norm = self._settle(flags)
         # one loss per micro-batch of this pipeline's step (ids as the logs count them)
         m = self.schedule.num_microbatches
         ids = tuple(range((self.executor.windows - 1) * m, self.executor.windows * m))
-        norm = self._norm if self.synchronous else None
-        return StepReport(loss, self._skipped, norm, result, (loss,) * m, ids, result.updates)
+        return StepReport(loss, skipped, norm, result, (loss,) * m, ids, result.updates)
 
-    def _loss(self, result: StepResult) -> float:
+    def _loss(self, result: StepResult) -> list[float]:
         """Synchronous: the batch's mean loss, Σ_i share_i · mean_i, from every pipeline's
         last stage. WSP: the pipeline's own (pipelines train on different weights), from
-        its last stage, without waiting for the other pipelines."""
+        its last stage, without waiting for the other pipelines. Then the values of the
+        engine's `_flags`, read in the same copy."""
         value = torch.zeros(1, device=self.device)
         if result.losses:
             value += torch.stack([x.detach().float() for x in result.losses]).mean()
@@ -161,7 +165,8 @@ class HeteroEngine(Engine):
             owner = (self.schedule.num_stages - 1) % len(layout.ranks[i])
             src = dist.get_global_rank(self.groups.pp_group, owner)
             dist.broadcast(value, src=src, group=self.groups.pp_group)
-        return float(value)
+        flags = [t.reshape(1).to(value.device, torch.float32) for t in self._flags()]
+        return torch.cat([value, *flags]).tolist()
 
 
 def parallelize_hetero(
@@ -174,10 +179,11 @@ def parallelize_hetero(
     grad_clip: float | None = None,
     timeout_s: float | None = DEFAULT_TIMEOUT_S,
     scheduler_factory: SchedulerFactory | None = None,
+    compile: bool = False,
 ) -> HeteroEngine:
     """A `HeteroEngine` for this rank's pipeline of `plan` (see the module docstring).
     Every rank passes the same model, initialised identically."""
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = torch.device(device) if device is not None else current_device()
     names = block_names(model)
     layout = layout_of(plan, len(names))
     groups = pipeline_groups(layout)
@@ -188,11 +194,17 @@ def parallelize_hetero(
         pipelines=None, wsp_staleness=None, wsp_at_most=False,
     )  # fmt: skip
     schedule = build(plan.schedule, pp, mine.microbatches, plan.chunks)
+    channels = build_channels([
+        (build(plan.schedule, len(ranks), count, plan.chunks), ranks)
+        for ranks, count in zip(layout.ranks, layout.microbatches, strict=True)
+    ])  # fmt: skip
     stages: dict[int, nn.Module] = dict(
         local_stages(model, schedule, groups.pp_rank, sizes=layout.sizes[i], device=device)
     )
     for stage in stages.values():
         apply_recompute(stage, plan.recompute)
+        if compile:
+            apply_compile(stage)
     buckets = BlockBuckets(groups, stages)
     _same_start(buckets)
     synchronous = plan.wsp_staleness is None
@@ -211,7 +223,7 @@ def parallelize_hetero(
         stages=stages, optimizers=optimizers,
         grad_sync=ShareReducer(buckets, share) if synchronous else None, loss_fn=loss_fn,
         device=device, grad_clip=grad_clip, block_names=names, timeout_s=timeout_s,
-        schedulers=schedulers,
+        schedulers=schedulers, channels=channels,
     )  # fmt: skip
     engine.groups = groups
     staleness, at_most = int(plan.wsp_staleness or 0), plan.wsp_at_most

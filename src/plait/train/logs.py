@@ -4,7 +4,14 @@
 progress bar; otherwise (CI, a batch system, `| cat`) plain lines every `log_every` steps,
 which a progress bar would hold back until the end. Workers other than rank 0 log warnings
 only, unless asked. `RunLogger` (rank 0) writes `metrics.jsonl`, `updates.jsonl`, the
-optional TensorBoard scalars and, at the end, the summary and the measured timelines.
+optional TensorBoard and W&B scalars (`plait.train.sinks`) and, at the end, the summary and
+the measured timelines.
+
+Steps are numbered from 0 everywhere: `step` in metrics.jsonl and updates.jsonl, TensorBoard
+and W&B, `--profile-steps A:B` (steps A to B-1) and the console's `step 0 (1/300)`; the
+checkpoint `step-N` holds N steps done and a run resumed from it goes on at step N. Updates
+are numbered from 0 too, and `loss_step` and `update` continue across resumes (a resumed
+engine numbers its micro-batches from 0 again: `restarted` adds the step it began at).
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from plait.config import TrainConfig
+from plait.train.sinks import open_sinks
 
 __all__ = ["LOGGER", "RecentSteps", "RunLogger", "is_terminal", "setup"]
 
@@ -122,7 +130,7 @@ class _Progress:
             self.window.clear()
             text = f"{loss:.3f}" if loss is not None else "-"
             _log.info(
-                f"step {done}/{total} | loss {text} | {self.tokens / mean:,.0f} tok/s | "
+                f"step {step} ({done}/{total}) | loss {text} | {self.tokens / mean:,.0f} tok/s | "
                 f"{mean * 1e3:.1f} ms/step"
             )
 
@@ -131,19 +139,20 @@ class _Progress:
             self.bar.stop()
 
 
-def _tensorboard(path: str | None) -> Any:
-    if path is None:
-        return None
-    from torch.utils.tensorboard import SummaryWriter
-
-    return SummaryWriter(log_dir=path)
-
-
 class RunLogger:
     """Metrics (one JSON line per step), progress, TensorBoard scalars and the summary."""
 
-    def __init__(self, run_dir: Path, cfg: TrainConfig, group: int, *, start: int = 0) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        cfg: TrainConfig,
+        group: int,
+        *,
+        start: int = 0,
+        environment: Mapping[str, Any] | None = None,
+    ) -> None:
         self.run_dir = run_dir
+        self.environment = dict(environment or {})  # versions, commit, host, device
         self.cfg = cfg
         self.tokens = cfg.batch_size * cfg.model.seq_len
         # a resumed run keeps the lines of the steps before its checkpoint, and drops those
@@ -153,27 +162,48 @@ class RunLogger:
         self.num_updates = 0
         self.pending: dict[int, list[float]] = {}  # update -> losses of its micro-batches
         self.group = group  # micro-batches per update
+        self.base_step = start  # the step at which the engine's micro-batch ids began at 0
         self.window_losses: dict[int, list[float]] = {}  # step -> its micro-batches' losses
         self.skipped = 0
-        self.writer = _tensorboard(cfg.tensorboard)
+        self.sinks = open_sinks(tensorboard=cfg.tensorboard, wandb=cfg.wandb, run_dir=run_dir,
+                                config=cfg.to_dict())  # fmt: skip
         self.progress = _Progress(cfg, start, self.tokens)
 
-    def step(self, step: int, report: Any, seconds: float, val: Any = None) -> None:
+    def restarted(self, step: int) -> None:
+        """The engine numbers its micro-batches from 0 again from step `step` on (a new
+        engine: a resume, a re-partition; an asynchronous stream restarted after a save)."""
+        self.base_step = step
+
+    def step(
+        self,
+        step: int,
+        report: Any,
+        seconds: float,
+        val: Any = None,
+        *,
+        lr: float | None = None,
+        peak_memory_bytes: int | None = None,
+    ) -> None:
         """A step's row. Its loss is that of the micro-batches the step reported: its own,
         or, for an asynchronous schedule, those of the step `loss_step` (earlier); None
-        when none were reported yet. `val` (a `plait.train.validate.Validation` of this
-        step) adds its fields to the row: one row per step, whatever is measured in it."""
+        when none were reported yet. `lr` is the learning rate the step's update used,
+        `peak_memory_bytes` this worker's peak so far (the device allocator's on CUDA, the
+        process's maximum resident set on CPU). `val` (a `plait.train.validate.Validation` of
+        this step) adds its fields to the row: one row per step, whatever is measured in it."""
         loss = report.loss if math.isfinite(report.loss) else None
         self.skipped += report.skipped
         m = self.cfg.parallel.microbatches
+        first = report.microbatches[0] // m + self.base_step if report.microbatches else None
         row = {
             "step": step,
             "loss": loss,
-            "loss_step": report.microbatches[0] // m if report.microbatches else None,
+            "loss_step": first,
+            "lr": lr,
             "step_time_s": seconds,
             "tokens_per_s": self.tokens / seconds,
             "skipped": report.skipped,
             "grad_norm": report.grad_norm,
+            "peak_memory_bytes": peak_memory_bytes,
             "time": time.time(),  # when the step ended: wall-clock gaps show stalls and restarts
         }
         extra = val.row() if val is not None else {}
@@ -185,8 +215,8 @@ class RunLogger:
         if step % self.cfg.log_every == 0 or step == self.cfg.max_steps - 1:
             self.metrics_file.flush()
             self.update_log.flush()
-        scalars = {"loss": loss, "tokens_per_s": row["tokens_per_s"], "step_time_s": seconds}
-        self._scalars(step, {**scalars, **extra})
+        names = ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "peak_memory_bytes")
+        self._scalars(step, {**{k: row[k] for k in names}, **extra})
         self.progress.step(step, loss, seconds)
         if extra:
             self._say(step, {k: v for k, v in extra.items() if k != "val_samples"})
@@ -203,27 +233,27 @@ class RunLogger:
     def _say(self, step: int, values: Mapping[str, float]) -> None:
         shown = " | ".join(f"{k} {v:.4g}" for k, v in values.items())
         # not "step N/M ...": that line is the progress line's, which scripts count
-        message = f"after step {step + 1}/{self.cfg.max_steps}: {shown}"
+        message = f"after step {step}: {shown}"
         if self.progress.bar is not None:
             self.progress.bar.console.print(message)
         else:
             _log.info(message)
 
     def _scalars(self, step: int, values: Mapping[str, float | None]) -> None:
-        if self.writer is None:
-            return
-        for name, value in values.items():
-            if value is not None:
-                self.writer.add_scalar(name, value, step)
+        given = {k: float(v) for k, v in values.items() if v is not None}
+        for sink in self.sinks:
+            sink.scalars(step, given)
 
     def updates(self, step: int, report: Any) -> None:
         """One line per optimizer update (an asynchronous schedule makes one per micro-batch,
         or one per batch), once the losses of all the micro-batches whose gradients it
         applies are in: their mean."""
         m = self.cfg.parallel.microbatches
+        # updates before the engine's first micro-batch: base_step's steps of m / group each
+        base = self.base_step * m // self.group
         for x, loss in zip(report.microbatches, report.losses, strict=True):
-            self.pending.setdefault(x // self.group, []).append(loss)
-            self.window_losses.setdefault(x // m, []).append(loss)
+            self.pending.setdefault(base + x // self.group, []).append(loss)
+            self.window_losses.setdefault(self.base_step + x // m, []).append(loss)
         for update in sorted(u for u, losses in self.pending.items() if len(losses) == self.group):
             losses = self.pending.pop(update)
             row = {"update": update, "step": step, "loss": sum(losses) / len(losses)}
@@ -244,8 +274,6 @@ class RunLogger:
         self.progress.stop()
         self.metrics_file.close()
         self.update_log.close()
-        if self.writer is not None:
-            self.writer.close()
         steady = times[len(times) // 5 :] or times
         step_time = statistics.median(steady)
         summary = {
@@ -264,12 +292,15 @@ class RunLogger:
             "skipped_steps": self.skipped,
             "updates": self.num_updates,
             "sample": sample,
+            **self.environment,
         }
         (self.run_dir / "timeline.json").write_text(json.dumps(records))
         (self.run_dir / "schedule.json").write_text(schedule.to_json())
         if self.cfg.plan != "auto":  # auto-planning wrote plan.json with its prediction
             (self.run_dir / "plan.json").write_text(json.dumps(self.cfg.to_dict()["parallel"]))
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        for sink in self.sinks:
+            sink.close(summary)
         if recent:
             from plait.trace.run import write_run_timeline
 

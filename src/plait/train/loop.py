@@ -4,21 +4,21 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import resource
 import time
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
 from plait.checkpoint import CheckpointStore
 from plait.config import ModelConfig, ParallelPlan, TrainConfig
+from plait.device import deterministic, peak_memory_bytes, tf32
 from plait.mesh import init_worker, restart_count
 from plait.runtime import StepResult
 from plait.train.checkpointing import resume, save
 from plait.train.engine import Engine, StepReport, parallelize
+from plait.train.environment import run_environment
 from plait.train.logs import RecentSteps, RunLogger, setup
 from plait.train.optim import optimizer_factory, scheduler_factory
 from plait.train.profiling import StepProfiler
@@ -46,25 +46,34 @@ def train_worker(
     and returns the summary; the other ranks return None. After a restart (or with
     `resume`) the run goes on from its newest good checkpoint."""
     cfg = config_from_dict(cfg_data)
-    env, device = init_worker(timeout_s=cfg.timeout_s)
+    if cfg.deterministic:  # before any kernel runs (cuBLAS reads its workspace setting once)
+        deterministic(True)
+    env, device = init_worker(timeout_s=cfg.timeout_s, device=cfg.device)
+    tf32(cfg.tf32, device)
     setup(cfg.verbosity, env.rank, all_ranks=cfg.log_all_ranks)
     task = custom.task(cfg) if custom is not None else task_from_config(cfg)
     model = task.model()
-    cfg = _layout(cfg, model, task, Path(run_dir), env.rank)
+    num_params = sum(p.numel() for p in model.parameters())
+    cfg = _layout(cfg, model, task, Path(run_dir), env.rank, device)
 
     def build(plan: ParallelPlan) -> Engine:
         return parallelize(model, plan, optimizer_factory(cfg), task.loss, device=device,
                            grad_clip=cfg.grad_clip, timeout_s=cfg.timeout_s,
-                           scheduler_factory=scheduler_factory(cfg))  # fmt: skip
+                           scheduler_factory=scheduler_factory(cfg),
+                           compile=cfg.compile)  # fmt: skip
 
+    record = _model_record(model)  # checkpoints carry it: exports rebuild the model from it
     engine = build(cfg.parallel)
     moving = repartitioner(cfg, model, build)
     store, start = _checkpoints(cfg, engine, Path(run_dir))
     window = engine.schedule
     group = window.num_microbatches // max(1, window.updates_per_window)
-    log = RunLogger(Path(run_dir), cfg, group, start=start) if env.rank == 0 else None
+    log = None
+    if env.rank == 0:
+        log = RunLogger(Path(run_dir), cfg, group, start=start,
+                        environment=run_environment(device))  # fmt: skip
     recent = RecentSteps(cfg.trace_steps)  # every rank: rank 0 draws them at the end
-    profiler = StepProfiler(cfg.profile_steps, Path(run_dir), env.rank)
+    profiler = StepProfiler(cfg.profile_steps, Path(run_dir), env.rank, device)
     times: list[float] = []
     slowdown = check_cluster(cfg.cluster, env.world_size)[env.rank] if cfg.cluster else 1.0
     report: StepReport | None = None
@@ -72,18 +81,22 @@ def train_worker(
     for step in range(start, cfg.max_steps):
         batch = task.batch(step)
         profiler.tick(step)
+        lr = _learning_rate(engine)  # the one this step's update uses
         t0 = time.perf_counter()
         report = padded_step(engine, batch, slowdown)  # an engine.step (padded: --cluster)
         times.append(time.perf_counter() - t0)
         if moving is not None:  # between steps: the next one may run on another partition
-            engine = moving.after_step(engine, report, step)
+            before, engine = engine, moving.after_step(engine, report, step)
+            if log is not None and engine is not before:
+                log.restarted(step + 1)
         recent.add(step, report.result)
         if due(cfg, step + 1):
             val = validate(engine, task, cfg, step, whole=step + 1 == cfg.max_steps)
         if log is not None:
-            log.step(step, report, times[-1], val if val is not None and val.step == step else None)
+            log.step(step, report, times[-1], val if val is not None and val.step == step else None,
+                     lr=lr, peak_memory_bytes=peak_memory_bytes(device))  # fmt: skip
         if store is not None:
-            _maybe_save(cfg, engine, store, step + 1, log)
+            _maybe_save(cfg, engine, store, step + 1, log, record)
     drained = engine.drain()  # an asynchronous pipeline's last backwards and updates
     profiler.close()
     if log is not None:
@@ -94,11 +107,8 @@ def train_worker(
         report = drained
     records = _gather(_records(report.result))
     traced = _gather(recent.rows())
-    memory = max(_gather(_peak_memory_bytes()))
-    sample = ""
-    if task.sample is not None:  # the text of the whole model, gathered on rank 0
-        full = gathered_model(engine, task, engine.plan.partition, env.rank)
-        sample = task.sample(full) if full is not None else ""
+    memory = max(_gather(peak_memory_bytes(device)))
+    sample = _sample(engine, task, env.rank, num_params)
     if log is None:
         return None
     summary = log.finish(engine.schedule, times, records, sample, memory, traced)
@@ -107,7 +117,7 @@ def train_worker(
 
 
 def _layout(
-    cfg: TrainConfig, model: nn.Module, task: Task, run_dir: Path, rank: int
+    cfg: TrainConfig, model: nn.Module, task: Task, run_dir: Path, rank: int, device: Any
 ) -> TrainConfig:
     """The layout to train under: as given, or planned on the workers (`plan="auto"`); a
     restarted run keeps the plan its first attempt chose (replanning could choose another
@@ -120,7 +130,7 @@ def _layout(
 
         layout = parallel_plan_from(json.loads(chosen.read_text()))
         return dataclasses.replace(cfg, parallel=layout)
-    return _planned(cfg, model, task, run_dir, rank)
+    return _planned(cfg, model, task, run_dir, rank, device)
 
 
 def _checkpoints(
@@ -137,7 +147,12 @@ def _checkpoints(
 
 
 def _maybe_save(
-    cfg: TrainConfig, engine: Engine, store: CheckpointStore, done: int, log: RunLogger | None
+    cfg: TrainConfig,
+    engine: Engine,
+    store: CheckpointStore,
+    done: int,
+    log: RunLogger | None,
+    record: dict[str, Any] | None = None,
 ) -> None:
     """Save after `done` steps when the cadence says so, and after the last step (a later
     run with more steps resumes there); otherwise publish a save that has finished."""
@@ -145,16 +160,18 @@ def _maybe_save(
     if every is None or (done % every and done < cfg.max_steps):
         store.poll()
         return
-    info = {"plan": cfg.to_dict()["parallel"], "config": cfg.to_dict()}
+    info = {"plan": cfg.to_dict()["parallel"], "config": cfg.to_dict(), "model": record}
     drained = save(engine, store, done, info)
     if drained is not None and log is not None:
         log.updates(done - 1, drained)
+        log.restarted(done)  # the stream restarted: its micro-batch ids begin at 0 again
 
 
 def _planned(
-    cfg: TrainConfig, model: nn.Module, task: Task, run_dir: Path, rank: int
+    cfg: TrainConfig, model: nn.Module, task: Task, run_dir: Path, rank: int, device: Any
 ) -> TrainConfig:
-    """`cfg` under the plan the workers agree on (profiled and searched on rank 0)."""
+    """`cfg` under the plan the workers agree on (profiled on rank 0's `device` and
+    searched there)."""
     from plait.train.autoplan import auto_plan, parallel_plan_from, plan_samples
 
     chosen = auto_plan(
@@ -166,6 +183,7 @@ def _planned(
         global_batch=cfg.batch_size,
         dtype=cfg.parallel.dtype,
         allow_staleness=cfg.allow_staleness,
+        device=device,
     )
     if rank == 0:
         (run_dir / "plan.json").write_text(json.dumps(chosen, indent=2))
@@ -192,7 +210,35 @@ def _gather(value: Any) -> list[Any]:
     return out
 
 
-def _peak_memory_bytes() -> int:
-    if torch.cuda.is_available():
-        return int(torch.cuda.max_memory_allocated())
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+#: Parameters above which no text is sampled after training, by device: gathering the
+#: whole model onto one worker and generating with it would take longer than it is worth
+SAMPLE_MAX_PARAMS = {"cpu": 10**8, "cuda": 10**9}
+
+
+def _sample(engine: Engine, task: Task, rank: int, num_params: int) -> str:
+    """A text sample of the trained model, generated on rank 0's device from the stages
+    gathered there (a collective); a note instead when the model is too large for it."""
+    if task.sample is None:
+        return ""
+    limit = SAMPLE_MAX_PARAMS.get(engine.device.type, SAMPLE_MAX_PARAMS["cpu"])
+    if num_params > limit:
+        return (
+            f"(no sample: the model's {num_params / 1e6:,.0f}M parameters exceed the "
+            f"{limit / 1e6:,.0f}M above which plait skips sampling on {engine.device.type})"
+        )
+    full = gathered_model(engine, task, engine.plan.partition, rank, device=engine.device)
+    return task.sample(full) if full is not None else ""
+
+
+def _model_record(model: nn.Module) -> dict[str, Any] | None:
+    from plait.models.record import model_record
+
+    return model_record(model)
+
+
+def _learning_rate(engine: Engine) -> float | None:
+    """The learning rate of this rank's first stage (every stage follows one schedule)."""
+    for stage in sorted(engine.optimizers):
+        groups = engine.optimizers[stage].param_groups
+        return float(groups[0]["lr"]) if groups else None
+    return None

@@ -41,13 +41,16 @@ class MemoryEstimate:
     layout: str  # the layout predicted (the frugal one under --plan auto)
 
 
-def worker_memory_bytes(nproc: int) -> float:
-    """What one of `nproc` local workers may use: a GPU's memory, or an even share of the
-    memory available now (the workers share it)."""
-    import torch
+def worker_memory_bytes(nproc: int, device: str = "auto") -> float:
+    """What one of `nproc` local workers on `--device device` may use: a GPU's memory, or
+    an even share of the memory available now (CPU workers share it)."""
+    from plait.device import resolve, total_memory_bytes
 
-    if torch.cuda.is_available():
-        return float(torch.cuda.get_device_properties(0).total_memory)
+    kind = resolve(device)
+    if kind != "cpu":
+        import torch
+
+        return float(total_memory_bytes(torch.device(kind, 0)) or 0)
     return _available_bytes() / max(1, nproc)
 
 
@@ -68,18 +71,22 @@ def _available_bytes() -> float:
 def estimate_memory(cfg: TrainConfig, nproc: int) -> MemoryEstimate | None:
     """The largest worker's predicted peak under `cfg` on `nproc` workers; None for a
     model the cost model does not describe."""
-    import torch
-
     from plait.cli.simulate import predict
     from plait.cluster import local_cpu
+    from plait.device import resolve
     from plait.profile import GPTSpec
     from plait.sim import SimPlan
 
     m, par = cfg.model, cfg.parallel
     if m.name not in ("gpt", "hf-gpt2", "hf-llama") or cfg.data not in _VOCAB:
         return None
+    vocab = _VOCAB[cfg.data]
+    if cfg.init_from is not None:  # the pretrained model's vocabulary, however small the data's
+        from plait.pretrained import read_pretrained
+
+        vocab = read_pretrained(cfg.init_from).vocab_size
     spec = GPTSpec(num_layers=m.layers, hidden=m.hidden, num_heads=m.heads, seq_len=m.seq_len,
-                   vocab_size=_VOCAB[cfg.data], ffn_hidden=m.ffn_hidden or 0,
+                   vocab_size=vocab, ffn_hidden=m.ffn_hidden or 0,
                    dropout=m.dropout)  # fmt: skip
     optimizer: Optimizer = "adam" if cfg.optimizer == "adamw" else "sgd"
     if cfg.plan == "auto":
@@ -93,7 +100,7 @@ def estimate_memory(cfg: TrainConfig, nproc: int) -> MemoryEstimate | None:
         plan = SimPlan.of(replace(par, partition=None),
                           micro_batch_size=max(1, cfg.batch_size // (par.dp * par.microbatches)),
                           optimizer=optimizer, seq_len=m.seq_len)  # fmt: skip
-    device_type = "cuda" if torch.cuda.is_available() else "cpu"  # where the workers train
+    device_type = resolve(cfg.device)  # where the workers train
     blocks = spec.block_costs(micro_batch_size=plan.micro_batch_size, dtype=plan.dtype,
                               layout=plan, device_type=device_type)  # fmt: skip
     cluster = local_cpu(devices=plan.world_size)  # memory is judged here, not by the cluster
@@ -111,7 +118,7 @@ def check_memory(cfg: TrainConfig, nproc: int, available: float | None = None) -
     found = estimate_memory(cfg, nproc)
     if found is None:
         return
-    have = worker_memory_bytes(nproc) if available is None else available
+    have = worker_memory_bytes(nproc, cfg.device) if available is None else available
     if found.peak_bytes <= have:
         return
     m = cfg.model

@@ -56,7 +56,6 @@ class ActivationOffload(saved_tensors_hooks):
 
     def __init__(self, params: Iterable[torch.Tensor], counter: OffloadCounter) -> None:
         resident = {p.untyped_storage().data_ptr() for p in params}
-        pin = torch.cuda.is_available()
 
         def pack(t: torch.Tensor) -> Any:
             if t.untyped_storage().data_ptr() in resident:
@@ -65,15 +64,16 @@ class ActivationOffload(saved_tensors_hooks):
             counter.tensors += 1
             if t.device.type == "cpu":  # already in host memory
                 return t
-            host = torch.empty(t.size(), dtype=t.dtype, layout=t.layout, pin_memory=pin)
-            host.copy_(t, non_blocking=pin)
+            # pinned host memory: the copy runs beside the compute, not in its way
+            host = torch.empty(t.size(), dtype=t.dtype, layout=t.layout, pin_memory=True)
+            host.copy_(t, non_blocking=True)
             return (t.device, host)
 
         def unpack(packed: Any) -> torch.Tensor:
             if isinstance(packed, torch.Tensor):
                 return packed
             device, host = packed
-            return host.to(device, non_blocking=pin)
+            return host.to(device, non_blocking=True)
 
         super().__init__(pack, unpack)
 

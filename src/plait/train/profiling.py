@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from plait.device import profiler_activities
+
 __all__ = ["StepProfiler", "parse_steps"]
 
 
@@ -26,8 +28,11 @@ def parse_steps(text: str) -> tuple[int, int]:
 class StepProfiler:
     """Call `tick(step)` before each step and `close()` after the loop."""
 
-    def __init__(self, steps: str | None, run_dir: Path, rank: int) -> None:
+    def __init__(
+        self, steps: str | None, run_dir: Path, rank: int, device: torch.device | None = None
+    ) -> None:
         self.window = parse_steps(steps) if steps else None
+        self.device = device or torch.device("cpu")
         self.path = run_dir / f"profile-rank{rank}.json"
         self.prof: Any = None
 
@@ -36,9 +41,7 @@ class StepProfiler:
             return
         first, last = self.window
         if step == first and self.prof is None:
-            activities = [torch.profiler.ProfilerActivity.CPU]
-            if torch.cuda.is_available():
-                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            activities = profiler_activities(self.device)
             self.prof = torch.profiler.profile(activities=activities, record_shapes=False)
             self.prof.__enter__()
         elif step == last:

@@ -9,10 +9,8 @@ attention core, which holds most activation memory for the least compute.
 from __future__ import annotations
 
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-    CheckpointImpl,
-    checkpoint_wrapper,
-)
+
+from plait.compat import CheckpointImpl, checkpoint_wrapper
 
 __all__ = ["apply_recompute"]
 

@@ -53,13 +53,14 @@ def stage_seconds(engine: Engine, report: StepReport) -> list[float]:
     """Compute seconds of every stage in the step `report` describes, as every rank sees
     them (one all-reduce over the pipeline group)."""
     program = engine.schedule.ranks[engine.executor.rank]
-    times = torch.zeros(engine.schedule.num_stages, dtype=torch.float64)
+    times = [0.0] * engine.schedule.num_stages
     for record in report.result.records:
         action = program[record.index]
         if action.op in _COMPUTE:
             times[action.stage] += record.end - record.start
-    dist.all_reduce(times, group=engine.mesh.get_group("pp"))
-    return times.tolist()
+    found = torch.tensor(times, dtype=torch.float64, device=engine.device)
+    dist.all_reduce(found, group=engine.mesh.get_group("pp"))
+    return [float(t) for t in found.tolist()]
 
 
 @dataclass

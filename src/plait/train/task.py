@@ -74,33 +74,61 @@ def task_from_config(cfg: TrainConfig) -> Task:
 
 
 def _language_task(cfg: TrainConfig) -> Task:
-    from plait.data import SyntheticTokens, stdlib_corpus
+    from plait.train.language import language_data
 
     m = cfg.model
-    data: Any = (
-        stdlib_corpus()
-        if cfg.data == "stdlib"
-        else SyntheticTokens(vocab=64, seq_len=m.seq_len, size=4096, seed=cfg.seed)
-    )
-    vocab = data.vocab_size
-    build = _language_model(cfg, vocab)
+    found = language_data(cfg)
+    data = found.data
+    loss: Callable[..., torch.Tensor] = _moe_loss if m.name == "moe-gpt" else _lm_loss
+    if m.is_user_model:
+        user = _UserModel(m.name, found.vocab_size, m.seq_len)
+        build, loss = user.build, user.loss
+    else:
+        build = _language_model(cfg, found.vocab_size)
 
     def batch(step: int) -> Batch:
-        if cfg.data == "stdlib":  # the reference run's batches, unchanged
-            return data.batch(step, cfg.batch_size, m.seq_len, seed=cfg.seed)
-        return data.batch(step, cfg.batch_size)
+        if cfg.data == "synthetic":
+            return data.batch(step, cfg.batch_size)
+        return data.batch(step, cfg.batch_size, m.seq_len, seed=cfg.seed)
 
-    def validation() -> Iterator[Batch]:  # the corpus's held-out tail, by index
+    def validation() -> Iterator[Batch]:  # the data's held-out tail, by index
         for index in range(cfg.eval_batches):
             yield data.batch(index, cfg.batch_size, m.seq_len, seed=cfg.seed, split="validation")
 
     sample = None
-    if cfg.data == "stdlib" and cfg.sample_chars > 0:
-        sample = _text_sample(cfg, data)
-    loss = _moe_loss if m.name == "moe-gpt" else _lm_loss
+    if found.characters and cfg.sample_chars > 0 and m.known_blocks:
+        sample = _text_sample(cfg, data if cfg.data == "stdlib" else _corpus_codec())
     return Task(build=build, batch=batch, loss=loss, seed=cfg.seed, sample=sample,
                 num_heads=m.heads, seq_len=m.seq_len,
-                validation=validation if cfg.data == "stdlib" else None)  # fmt: skip
+                validation=validation if found.has_validation else None)  # fmt: skip
+
+
+def _corpus_codec() -> Any:
+    """The character corpus's encode/decode (a sample of a model trained on characters)."""
+    from plait.data import CharCorpus
+    from plait.data.corpus import _ALPHABET
+
+    return CharCorpus(torch.empty(0, dtype=torch.long), _ALPHABET)
+
+
+class _UserModel:
+    """A MODULE:FACTORY model (`plait.models.user`): `build` makes it, `loss` is the loss the
+    factory gave with the last model built (next-token cross-entropy when none)."""
+
+    def __init__(self, spec: str, vocab_size: int, seq_len: int) -> None:
+        self.spec, self.vocab_size, self.seq_len = spec, vocab_size, seq_len
+        self.own_loss: Callable[..., torch.Tensor] | None = None
+
+    def build(self) -> nn.Module:
+        from plait.models.user import build_user_model
+
+        model, self.own_loss = build_user_model(
+            self.spec, vocab_size=self.vocab_size, seq_len=self.seq_len
+        )
+        return model
+
+    def loss(self, output: Any, targets: torch.Tensor) -> torch.Tensor:
+        return (self.own_loss or _lm_loss)(output, targets)
 
 
 def _lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -117,6 +145,11 @@ def _moe_loss(out: tuple[torch.Tensor, torch.Tensor], targets: torch.Tensor) -> 
 
 def _language_model(cfg: TrainConfig, vocab: int) -> Callable[[], nn.Module]:
     m = cfg.model
+    if cfg.init_from is not None:  # the folder's model and weights, whole before any cut
+        from plait.models.hf_io import load_pretrained
+
+        path = cfg.init_from
+        return lambda: load_pretrained(path)
     if m.name == "gpt":
         from plait.models import GPT
 
@@ -168,15 +201,17 @@ def _text_sample(cfg: TrainConfig, corpus: Any) -> Callable[[nn.Module], str]:
     def sample(model: nn.Module) -> str:
         from plait.models.gpt import generate
 
-        g = torch.Generator().manual_seed(cfg.seed)
+        device = next(model.parameters()).device
+        g = torch.Generator(device=device).manual_seed(cfg.seed)
         if cfg.model.name == "moe-gpt":  # `generate` wants logits, not (logits, aux)
             from plait.models.moe import LogitsOnly
 
             model = LogitsOnly(model)  # type: ignore[arg-type]
         if not hasattr(model, "cfg"):  # `generate` reads the window from a GPT's config
             model.cfg = dataclasses.make_dataclass("Window", [("seq_len", int)])(cfg.model.seq_len)
-        ids = generate(model, corpus.encode("def "), cfg.sample_chars, generator=g)  # type: ignore[arg-type]
-        return str(corpus.decode(ids))
+        prompt = corpus.encode("def ").to(device)
+        ids = generate(model, prompt, cfg.sample_chars, generator=g)  # type: ignore[arg-type]
+        return str(corpus.decode(ids.cpu()))
 
     return sample
 
@@ -283,9 +318,12 @@ def _in_order(dataset: Any, batch_size: int) -> Iterator[Batch]:
         yield inputs, targets
 
 
-def gathered_model(engine: Any, task: Task, partition: Any, rank: int) -> nn.Module | None:
-    """The whole trained model on rank 0 (None elsewhere): every rank's stages gathered
-    (whole tensors of tp- or FSDP-sharded ones) into a freshly built model. A collective.
+def gathered_model(
+    engine: Any, task: Task, partition: Any, rank: int, *, device: torch.device | None = None
+) -> nn.Module | None:
+    """The whole trained model on rank 0, on `device` (default the CPU); None elsewhere:
+    every rank's stages (whole tensors of tp- or FSDP-sharded ones) gathered to rank 0 and
+    loaded into a model built there. A collective.
 
     Under expert parallelism each rank of an ep group holds a slice of every expert
     tensor, under the same name: the whole tensor is their slices in ep-rank order, so
@@ -299,11 +337,13 @@ def gathered_model(engine: Any, task: Task, partition: Any, rank: int) -> nn.Mod
     expert = getattr(getattr(engine, "meshes", None), "expert", None)
     ep_index = expert.get_local_rank("ep") if expert is not None else 0
     sliced = {parts[s]: expert_param_names(m) for s, m in engine.stages.items()} if expert else {}
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (ep_index, states, sliced))
-    if rank != 0:
+    gathered: list[Any] | None = [None] * dist.get_world_size() if rank == 0 else None
+    dist.gather_object((ep_index, states, sliced), gathered, dst=0)
+    if gathered is None:
         return None
-    full = task.model()
+    torch.manual_seed(task.seed)
+    with torch.device(device or "cpu"):  # initialised where it runs: the weights follow
+        full = task.build()
     blocks = as_blocks(full)
     sizes = partition or equal_split(len(blocks), _num_stages([g[1] for g in gathered]))
     stages = stage_modules(blocks, sizes)
@@ -314,10 +354,10 @@ def gathered_model(engine: Any, task: Task, partition: Any, rank: int) -> nn.Mod
         for s, state in per_rank.items():
             by_stage.setdefault(s, {}).setdefault(index, state)
             names.setdefault(s, set()).update(experts.get(s, ()))
-    for s, parts in by_stage.items():
-        state = dict(parts[0])
+    for s, held in by_stage.items():
+        state = dict(held[0])
         for name in names.get(s, ()):
-            state[name] = torch.cat([parts[i][name] for i in sorted(parts)])
+            state[name] = torch.cat([held[i][name] for i in sorted(held)])
         stages[s].load_state_dict(state)
     return full
 

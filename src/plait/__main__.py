@@ -1,0 +1,7 @@
+"""`python -m plait`: the `plait` command."""
+
+import sys
+
+from plait.cli.main import main
+
+sys.exit(main())

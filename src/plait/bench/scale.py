@@ -1,0 +1,104 @@
+"""Scale: CPU seconds the simulator and the planner take on the largest cases plait promises.
+
+Two measurements, each the best of `--repeats` runs in this process (CPU time, which other
+jobs on a shared machine disturb less than wall time):
+
+- the simulator replaying a 64-stage, 512-micro-batch 1F1B step with its communication
+  (about 66 000 actions; target under 1 s);
+- the planner searching every layout of a 1-trillion-parameter GPT on 3072 A100s
+  (384 DGX nodes; target under 15 s).
+
+These were unit-test thresholds once; a loaded CI machine stretched them past their bound
+without anything being slower, so they are measured here and reported against the targets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+from typing import Any
+
+from plait.bench import _common as common
+
+__all__ = ["add_arguments", "plan_trillion", "run", "run_bench", "simulate_64x512"]
+
+SIM_TARGET_S = 1.0
+PLAN_TARGET_S = 15.0
+
+
+def simulate_64x512() -> Any:
+    """The 64×512 1F1B step on unit devices (1 FLOP/s, free links)."""
+    from plait.cluster import Cluster, Device, Link, NodeGroup
+    from plait.cost import BlockCost
+    from plait.schedule import add_communication, one_f_one_b
+    from plait.sim import SimPlan, simulate
+
+    free = Link(latency_s=0.0, bandwidth_Bps=1e30)
+    unit = Device(name="unit", peak_flops={"fp32": 1.0}, memory_bytes=1 << 50)
+    cluster = Cluster(
+        name="unit", groups=(NodeGroup(device=unit, devices_per_node=64, intra_node=free),),
+        inter_node=free,
+    )  # fmt: skip
+    block = BlockCost(name="unit", forward_flops=1.0, backward_input_flops=1.0,
+                      backward_weight_flops=1.0, saved_bytes=1.0, num_params=0)  # fmt: skip
+    schedule = add_communication(one_f_one_b(64, 512))
+    return simulate(schedule, [block] * 64, cluster, SimPlan(pp=64, microbatches=512, dtype="fp32"))
+
+
+def plan_trillion() -> Any:
+    """Every layout of a 128-layer, hidden-25600 GPT on 384 DGX A100 nodes, batch 3072."""
+    from plait.cluster import load_cluster
+    from plait.plan import gpt_spec, search
+
+    model = gpt_spec(num_layers=128, hidden=25600, num_heads=160, seq_len=2048, vocab_size=51200)
+    return search(model, load_cluster("dgx-a100-80gb", num_nodes=384), global_batch=3072)
+
+
+def _best_cpu(fn: Callable[[], Any], repeats: int) -> tuple[float, list[float]]:
+    times = []
+    for _ in range(repeats):
+        start = time.process_time()
+        fn()
+        times.append(time.process_time() - start)
+    return min(times), times
+
+
+def run_bench(repeats: int = 3) -> dict[str, Any]:
+    sim_s, sim_all = _best_cpu(simulate_64x512, repeats)
+    plan_s, plan_all = _best_cpu(plan_trillion, repeats)
+    return {
+        "simulate_64x512_cpu_s": sim_s,
+        "simulate_64x512_all_s": sim_all,
+        "simulate_target_s": SIM_TARGET_S,
+        "simulate_met": sim_s < SIM_TARGET_S,
+        "plan_3072_cpu_s": plan_s,
+        "plan_3072_all_s": plan_all,
+        "plan_target_s": PLAN_TARGET_S,
+        "plan_met": plan_s < PLAN_TARGET_S,
+    }
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each; the best counts")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.repeats < 1:
+        raise SystemExit(f"plait bench scale: --repeats {args.repeats}: give 1 or more")
+    result = run_bench(args.repeats)
+    if args.json:
+        common.print_json(result)
+        return 0
+    common.print_table(
+        "CPU seconds, best of " + str(args.repeats),
+        ["case", "seconds", "target", "met"],
+        [
+            ["simulate 64 stages x 512 micro-batches (1F1B)", result["simulate_64x512_cpu_s"],
+             SIM_TARGET_S, result["simulate_met"]],
+            ["plan a 1T GPT on 3072 A100s", result["plan_3072_cpu_s"], PLAN_TARGET_S,
+             result["plan_met"]],
+        ],
+    )  # fmt: skip
+    return 0
