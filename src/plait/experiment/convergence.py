@@ -71,9 +71,11 @@ class ConvergenceConfig:
     remedy_stages: int = 4
     remedy_schedules: tuple[str, ...] = ("pipedream", "pipedream-vs", "2bw")
     compress: CompressBenchConfig = field(default_factory=_compress)
+    # the SGD run again at D = 0, the ablation that parts staleness from per-pipeline momentum
     wsp: tuple[HetPipeBenchConfig, ...] = (
         HetPipeBenchConfig(),
         HetPipeBenchConfig(optimizer="sgd", lr=0.1),
+        HetPipeBenchConfig(optimizer="sgd", lr=0.1, staleness=0),
     )
 
     def __post_init__(self) -> None:
@@ -144,7 +146,11 @@ def _run(config: ConvergenceConfig, section: str, *, quiet: bool) -> dict[str, A
         return {"result": run_bench(config.compress)}
     from plait.bench.hetpipe import run_bench as run_hetpipe
 
-    return {"results": [run_hetpipe(c) for c in config.wsp]}
+    results = []
+    for i, bench in enumerate(config.wsp, 1):
+        _say(quiet, f"wsp: {bench.optimizer}, D={bench.staleness} ({i} of {len(config.wsp)})")
+        results.append(run_hetpipe(bench))
+    return {"results": results}
 
 
 def _staleness(
