@@ -34,14 +34,16 @@ def test_a_tiny_run_writes_the_report_and_resumes(tmp_path: Path, capsys: Any) -
     assert "image: kept" in capsys.readouterr().err
 
 
-def _run(kind: str, epochs: float | None) -> dict[str, Any]:
-    return {"schedule": kind, "stages": 4, "epochs_to_target": epochs}
+def _run(kind: str, epochs: float | None, budget: float) -> dict[str, Any]:
+    return {"schedule": kind, "stages": 4, "epochs_to_target": epochs, "best_val_loss": 3.1,
+            "curve": [{"epochs": 0.0}, {"epochs": budget}]}  # fmt: skip
 
 
-def _result(**epochs: float | None) -> dict[str, Any]:
-    runs = [_run(k, e) for k, e in epochs.items()]
+def _result(budget: float = 10.0, **epochs: float | None) -> dict[str, Any]:
+    runs = [_run(k, e, budget) for k, e in epochs.items()]
     config = {"stages": [1, 4], "schedules": list(epochs)}
-    return {"main": {"runs": runs, "config": config}, "remedies": {}}
+    main = {"runs": runs, "config": config, "metric": "val_loss", "target": 2.5}
+    return {"main": main, "remedies": {}}
 
 
 def test_the_checks_follow_their_definitions() -> None:
@@ -52,6 +54,12 @@ def test_the_checks_follow_their_definitions() -> None:
     assert "20% of PipeDream's extra epochs recovered (**fails**)" in said[2]  # (3.5-3.2)/1.5
     late = checks("image", _result(**{"1f1b": 2.0, "pipedream": 4.5, "spectrain": None}))
     assert "(2.25×): within 2× **fails**" in late[0] and "recovers none" in late[1]
+    # a PipeDream run that misses the target fails 2× only where the budget covers 2×
+    missed = checks("gpt", _result(5.0, **{"1f1b": 2.0, "pipedream": None, "xpipe": None}))
+    assert "best loss 3.100 against 2.500" in missed[0] and "(**fails**)" in missed[0]
+    assert "neither it nor PipeDream reached the target in the budget (best loss 3.100" in missed[1]
+    short = checks("gpt", _result(3.0, **{"1f1b": 2.0, "pipedream": None}))
+    assert "the budget is 1.50× that" in short[0] and "(**not shown**)" in short[0]
 
 
 def test_unknown_sections_are_refused(capsys: Any) -> None:

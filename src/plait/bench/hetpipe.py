@@ -29,9 +29,10 @@ rank's end of it:
 Every configuration trains with `--optimizer`: AdamW (default) or SGD with momentum 0.9.
 Under WSP each pipeline's AdamW normalises its own, noisier gradient, and the summed
 updates partly cancel where the pipelines disagree: smaller steps than AdamW on the
-averaged gradient, which costs WSP updates. (SGD without momentum would make WSP with
-D = 0 exactly synchronous; with momentum each pipeline's momentum sees only its own
-gradients, and a stale one.)
+averaged gradient, which costs WSP updates. SGD makes WSP with D = 0 exactly synchronous,
+momentum included: momentum is linear, so the pipelines' share-weighted momenta sum to the
+momentum of the averaged gradient. At D ≥ 1 each pipeline applies its own update at once
+and the others' D waves late.
 
 Reported per configuration: `samples_per_s` (steps × batch over the turn's time),
 `updates_to_target` (the first step whose loss, averaged over the last `--window` steps,

@@ -41,15 +41,15 @@ _KINDS = ("1f1b", *_ASYNC)
 def _image() -> StalenessConfig:
     # PipeDream's VGG-16 runs: lr 0.01 at minibatch 128, momentum 0.9; linearly scaled to
     # this minibatch of 32, 0.0025
-    return StalenessConfig(regime="image", schedules=_KINDS, stages=(1, 4, 8),
-                           num_microbatches=4, micro_batch_size=32, width=8, lr=0.0025,
+    return StalenessConfig(regime="image", schedules=_KINDS, stages=(1, 4),
+                           num_microbatches=2, micro_batch_size=32, width=8, lr=0.0025,
                            budget=600, eval_every=16, equal_updates=True)  # fmt: skip
 
 
 def _gpt() -> StalenessConfig:
-    return StalenessConfig(regime="gpt", schedules=_KINDS, stages=(1, 4, 8),
-                           num_microbatches=4, micro_batch_size=16, num_layers=6, hidden=48,
-                           seq_len=32, budget=320, eval_every=16, train_sequences=1024,
+    return StalenessConfig(regime="gpt", schedules=_KINDS, stages=(1, 4),
+                           num_microbatches=2, micro_batch_size=16, num_layers=6, hidden=48,
+                           seq_len=32, budget=240, eval_every=16, train_sequences=1024,
                            equal_updates=True)  # fmt: skip
 
 
@@ -71,9 +71,11 @@ class ConvergenceConfig:
     remedy_stages: int = 4
     remedy_schedules: tuple[str, ...] = ("pipedream", "pipedream-vs", "2bw")
     compress: CompressBenchConfig = field(default_factory=_compress)
+    # the SGD run again at D = 0, the ablation that parts staleness from per-pipeline momentum
     wsp: tuple[HetPipeBenchConfig, ...] = (
         HetPipeBenchConfig(),
         HetPipeBenchConfig(optimizer="sgd", lr=0.1),
+        HetPipeBenchConfig(optimizer="sgd", lr=0.1, staleness=0),
     )
 
     def __post_init__(self) -> None:
@@ -144,7 +146,11 @@ def _run(config: ConvergenceConfig, section: str, *, quiet: bool) -> dict[str, A
         return {"result": run_bench(config.compress)}
     from plait.bench.hetpipe import run_bench as run_hetpipe
 
-    return {"results": [run_hetpipe(c) for c in config.wsp]}
+    results = []
+    for i, bench in enumerate(config.wsp, 1):
+        _say(quiet, f"wsp: {bench.optimizer}, D={bench.staleness} ({i} of {len(config.wsp)})")
+        results.append(run_hetpipe(bench))
+    return {"results": results}
 
 
 def _staleness(

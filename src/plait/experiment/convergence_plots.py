@@ -70,15 +70,15 @@ def _compress(plt: Any, res: dict[str, Any], out: Path) -> list[str]:
 def _wsp(plt: Any, results: list[dict[str, Any]], out: Path) -> list[str]:
     names = []
     for res in results:
-        opt = res["config"]["optimizer"]
+        opt, d = res["config"]["optimizer"], res["config"]["staleness"]
         confs = ("equal_dp", "hetero_sync", "wsp")
         steps: Series = {n: (_count(res[n]["curve"]["loss"]), res[n]["curve"]["loss"])
                          for n in confs}  # fmt: skip
         seconds = {n: (res[n]["curve"]["end_s"], res[n]["curve"]["loss"]) for n in confs}
-        name = f"convergence-wsp-{opt}.png"
+        name = f"convergence-wsp-{opt}-d{d}.png"
         _panels(plt, {"against updates": steps, "against seconds": seconds},
                 "updates | seconds", "training loss", res["target_loss"], out / name,
-                title=f"HetPipe bench ({opt}): training loss, target dashed")  # fmt: skip
+                title=f"HetPipe bench ({opt}, D={d}): training loss, target dashed")  # fmt: skip
         names.append(name)
     return names
 
