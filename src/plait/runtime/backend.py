@@ -71,7 +71,8 @@ class Window:
     microbatches: list[int] = field(default_factory=list)
     updates: int = 0
     # per step: (program index, label, start mark, ready mark, end mark)
-    marks: list[tuple[int, str, Any, Any, Any]] = field(default_factory=list)
+    # (position, action, start, ready, end): the action is formatted only when read
+    marks: list[tuple[int, Any, Any, Any, Any]] = field(default_factory=list)
     waits: list[float] = field(default_factory=list)  # host seconds waiting, per step
     sums: torch.Tensor | None = None  # evaluation: [loss × samples, samples, metric sums]
     metrics: Mapping[str, MetricFn] = field(default_factory=dict)
@@ -108,15 +109,14 @@ class Backend:
         labelled = profiler_enabled()
         evaluating = window.sums is not None
         for step in program.steps:
-            label = str(step.action)
-            context = record_function(f"{'EVAL' if evaluating else 'PP'}:{label}") if labelled \
-                else contextlib.nullcontext()  # fmt: skip
+            context = record_function(f"{'EVAL' if evaluating else 'PP'}:{step.action}") \
+                if labelled else contextlib.nullcontext()  # fmt: skip
             with context:
                 start = self.clock.mark()
                 wait, ready = self._step(step, state, transport, window)
                 end = self.clock.mark()
-            window.marks.append((step.position, label, start, ready if ready is not None else start,
-                                 end))  # fmt: skip
+            window.marks.append((step.position, step.action, start,
+                                 ready if ready is not None else start, end))  # fmt: skip
             window.waits.append(wait)
         return window
 

@@ -304,9 +304,9 @@ class PipelineExecutor:
             marks = [m for _, _, *three in window.marks for m in three]
             times = iter(clock.seconds(marks, start))
             out = []
-            for (index, label, *_), wait in zip(window.marks, window.waits, strict=True):
+            for (index, action, *_), wait in zip(window.marks, window.waits, strict=True):
                 begun, ready, end = next(times), next(times), next(times)
-                out.append(ActionRecord(rank, index, label, max(begun + wait, ready), end,
+                out.append(ActionRecord(rank, index, str(action), max(begun + wait, ready), end,
                                         max(wait, ready - begun)))  # fmt: skip
             return out
 
