@@ -49,7 +49,6 @@ DATA = DATA_FORMS
 DEVICES = ("auto", "cpu", "cuda")
 #: `--optimizer-impl` values (`plait.train.optim.implementation` chooses for `auto`)
 OPTIMIZER_IMPLS = ("auto", "fused", "foreach", "loop")
-_LANGUAGE_DATA = ("stdlib", "synthetic")
 _IMAGE_DATA = ("digits", "cifar100", "synthetic")
 
 

@@ -14,22 +14,20 @@ import hashlib
 import importlib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 __all__ = ["Sink", "TensorBoardSink", "WandbSink", "open_sinks"]
 
 
-class Sink:
+class Sink(Protocol):
     """Scalars of a step, and the run's summary at its end."""
 
-    def scalars(self, step: int, values: Mapping[str, float]) -> None:
-        raise NotImplementedError
+    def scalars(self, step: int, values: Mapping[str, float]) -> None: ...
 
-    def close(self, summary: Mapping[str, Any] | None = None) -> None:
-        raise NotImplementedError
+    def close(self, summary: Mapping[str, Any] | None = None) -> None: ...
 
 
-class TensorBoardSink(Sink):
+class TensorBoardSink:
     def __init__(self, folder: str) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
@@ -43,7 +41,7 @@ class TensorBoardSink(Sink):
         self.writer.close()
 
 
-class WandbSink(Sink):
+class WandbSink:
     def __init__(self, project: str, run_dir: Path, config: dict[str, Any]) -> None:
         wandb: Any = importlib.import_module("wandb")
         ident = hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:16]
