@@ -12,10 +12,14 @@ __all__ = ["Engine", "ParallelPlan", "parallelize"]
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("parallelize", "Engine"):
-        from plait.train import engine
+    if name == "parallelize":
+        from plait.train.parallelize import parallelize
 
-        return getattr(engine, name)
+        return parallelize
+    if name == "Engine":
+        from plait.train.engine import Engine
+
+        return Engine
     if name == "ParallelPlan":
         from plait.config import ParallelPlan
 

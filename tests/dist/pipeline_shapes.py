@@ -15,7 +15,8 @@ import torch.distributed as dist
 from plait.blocks import as_blocks
 from plait.config import ParallelPlan
 from plait.models import GPT, GPTConfig
-from plait.train.engine import Engine, parallelize
+from plait.train.engine import Engine
+from plait.train.parallelize import parallelize
 
 TOL = {"rtol": 1e-5, "atol": 1e-5}
 VOCAB, SEQ, BATCH = 19, 8, 8

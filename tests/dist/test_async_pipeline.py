@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from plait.config import ParallelPlan
 from plait.models import GPT, GPTConfig, SkipMLP
-from plait.train.engine import parallelize
+from plait.train.parallelize import parallelize
 
 from .harness import run_world
 

@@ -15,7 +15,8 @@ from plait.checkpoint import CheckpointStore, find, published
 from plait.config import ParallelPlan
 from plait.models import GPT, GPTConfig
 from plait.train.checkpointing import resume, save
-from plait.train.engine import Engine, parallelize
+from plait.train.engine import Engine
+from plait.train.parallelize import parallelize
 from plait.train.optim import param_groups
 
 from .harness import run_world

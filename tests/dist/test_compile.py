@@ -19,7 +19,7 @@ from plait.blocks import as_blocks
 from plait.config import ParallelPlan
 from plait.models import GPT
 from plait.schedule import KINDS
-from plait.train.engine import parallelize
+from plait.train.parallelize import parallelize
 
 from .harness import run_world
 from .test_async_pipeline import _check as _async_check

@@ -21,7 +21,7 @@ from plait.config import ParallelPlan
 from plait.models import GPT
 from plait.parallel.dgc import DGCState
 from plait.train.checkpointing import resume, save
-from plait.train.engine import parallelize
+from plait.train.parallelize import parallelize
 
 from .harness import run_world
 from .test_compress import _dgc_share

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from plait.blocks import as_blocks
 from plait.config import ParallelPlan
 from plait.models import GPT
-from plait.train.engine import parallelize
+from plait.train.parallelize import parallelize
 
 from .harness import run_world
 from .test_hybrid import BATCH, _batch, _full, _model

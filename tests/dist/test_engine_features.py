@@ -15,7 +15,7 @@ from plait.blocks import as_blocks
 from plait.config import ParallelPlan
 from plait.data import SyntheticTokens
 from plait.models import GPT, GPTConfig
-from plait.train.engine import parallelize
+from plait.train.parallelize import parallelize
 
 from .harness import run_world
 from .test_hybrid import TOL, _batch, _full, _model

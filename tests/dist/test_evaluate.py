@@ -21,7 +21,8 @@ from plait.blocks import equal_split, stage_modules
 from plait.cli.main import main
 from plait.config import ParallelPlan, TrainConfig
 from plait.models import GPT
-from plait.train.engine import Engine, parallelize
+from plait.train.engine import Engine
+from plait.train.parallelize import parallelize
 from plait.train.optim import optimizer_factory, scheduler_factory
 from torch.optim.lr_scheduler import CosineAnnealingLR, LinearLR, LRScheduler, SequentialLR
 

@@ -11,7 +11,7 @@ import torch
 
 from plait.blocks import as_blocks
 from plait.config import ParallelPlan
-from plait.train.engine import parallelize
+from plait.train.parallelize import parallelize
 
 from .harness import run_world
 

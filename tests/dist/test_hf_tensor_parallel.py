@@ -20,7 +20,8 @@ from plait.cli.main import main
 from plait.config import ParallelPlan, load_config
 from plait.models.hf import HFBlocksModel
 from plait.train.checkpointing import resume, save
-from plait.train.engine import Engine, parallelize
+from plait.train.engine import Engine
+from plait.train.parallelize import parallelize
 
 from .harness import run_world
 

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from plait.config import ParallelPlan
 from plait.models import GPT
-from plait.train.engine import parallelize
+from plait.train.parallelize import parallelize
 
 from .harness import run_world
 from .test_hybrid import _batch, _model

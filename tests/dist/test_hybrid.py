@@ -13,7 +13,7 @@ import torch.distributed as dist
 from plait.blocks import as_blocks
 from plait.config import ParallelPlan
 from plait.models import GPT, GPTConfig
-from plait.train.engine import parallelize
+from plait.train.parallelize import parallelize
 
 from .harness import run_world
 

@@ -14,7 +14,8 @@ import torch.distributed as dist
 from plait.blocks import as_blocks
 from plait.config import ParallelPlan
 from plait.models import GPT
-from plait.train.engine import Engine, parallelize
+from plait.train.engine import Engine
+from plait.train.parallelize import parallelize
 from plait.train.optim import param_groups
 from plait.train.repartition import Repartitioner
 

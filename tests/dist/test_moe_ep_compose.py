@@ -63,7 +63,7 @@ def _world(rank: int, world: int, out: str) -> None:
     from plait.config import ParallelPlan
     from plait.data import SyntheticTokens
     from plait.models import MoEGPT
-    from plait.train.engine import parallelize
+    from plait.train.parallelize import parallelize
     from plait.train.task import Task, gathered_model
 
     data = SyntheticTokens(vocab=64, seq_len=32, size=4096, seed=0)

@@ -131,7 +131,7 @@ def _engine_world(rank: int, world: int, out: str, clip: float) -> None:
     from plait.config import ParallelPlan
     from plait.data import SyntheticTokens
     from plait.models import MoEGPT
-    from plait.train.engine import parallelize
+    from plait.train.parallelize import parallelize
     from plait.train.task import Task, gathered_model
 
     plan = ParallelPlan(dp=2, pp=2, ep=2, microbatches=M, schedule="1f1b")

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from plait.blocks import as_blocks
 from plait.config import ParallelPlan, TrainConfig
 from plait.models import GPT
-from plait.train.engine import parallelize
+from plait.train.parallelize import parallelize
 from plait.train.optim import optimizer_factory
 
 from .harness import run_world

@@ -62,7 +62,7 @@ def _engine_against_plain_loop(dtype: str, tol: dict[str, float]) -> None:
     from plait.blocks import as_blocks
     from plait.config import ParallelPlan
     from plait.models import GPT, GPTConfig
-    from plait.train.engine import parallelize
+    from plait.train.parallelize import parallelize
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -176,7 +176,7 @@ def test_more_workers_than_gpus_is_one_line_before_any_worker_starts() -> None:
 def _event_times_against_the_profiler() -> None:
     from plait.config import ParallelPlan
     from plait.models import GPT, GPTConfig
-    from plait.train.engine import parallelize
+    from plait.train.parallelize import parallelize
 
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=VOCAB, seq_len=256, num_layers=4, hidden=512, num_heads=8)

@@ -17,7 +17,7 @@ from plait.runtime.channels import Channels
 from plait.runtime.transport import Transport, timed_wait, timeout_message
 from plait.schedule import Action, Op, build
 from plait.schedule.lower import Batch, Message, lower
-from plait.train.engine import parallelize
+from plait.train.parallelize import parallelize
 
 # what gloo's Work.wait raises when a receive outlasts its timeout (torch 2.13)
 GLOO_TIMEOUT = (

@@ -75,7 +75,7 @@ class _Plait:
         from plait.config import ParallelPlan
         from plait.device import fused_optimizers
         from plait.models import GPT
-        from plait.train.engine import parallelize
+        from plait.train.parallelize import parallelize
 
         config = context.config
         plan = ParallelPlan(dp=1, tp=1, pp=1, microbatches=1, dtype=config.dtype)

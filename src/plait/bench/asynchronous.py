@@ -146,7 +146,7 @@ def _engine(config: AsyncBenchConfig, kind: str, device: torch.device) -> Any:
 
     from plait.config import ParallelPlan
     from plait.models import GPT, GPTConfig
-    from plait.train.engine import parallelize
+    from plait.train.parallelize import parallelize
 
     plan = ParallelPlan(pp=config.num_stages, schedule=kind, microbatches=config.num_microbatches)
     torch.manual_seed(config.seed)

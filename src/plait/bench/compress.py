@@ -291,7 +291,7 @@ class _Plait:
 
         from plait.config import ParallelPlan
         from plait.models import GPT, GPTConfig
-        from plait.train.engine import parallelize
+        from plait.train.parallelize import parallelize
 
         torch.manual_seed(config.seed)
         self.model = GPT(GPTConfig(vocab_size=corpus.vocab_size, seq_len=config.seq_len,

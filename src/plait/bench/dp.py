@@ -248,7 +248,7 @@ class _PlaitRunner(_Runner):
     def __init__(self, config: DPBenchConfig, rank: int, device: torch.device) -> None:
         from plait.config import ParallelPlan
         from plait.models import GPT
-        from plait.train.engine import parallelize
+        from plait.train.parallelize import parallelize
 
         super().__init__(config, rank, device)
         plan = ParallelPlan(dp=config.num_workers, tp=1, pp=1, microbatches=1, zero=0)

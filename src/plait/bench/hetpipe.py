@@ -294,8 +294,8 @@ def _trainer(config: HetPipeBenchConfig, plan: dict[str, Any], name: str, device
 
     from plait.models import GPT, GPTConfig
     from plait.runtime.slowdown import EmulatedCompute
-    from plait.train.engine import parallelize
     from plait.train.hetero import layout_of
+    from plait.train.parallelize import parallelize
 
     layout = _layouts(config, plan, name)
     rank = dist.get_rank()

@@ -119,7 +119,7 @@ def _measure(cfg: PlannerBenchConfig, plan: dict[str, Any], corpus: Any) -> floa
 
     from plait.models import GPT
     from plait.train.autoplan import parallel_plan_from
-    from plait.train.engine import parallelize
+    from plait.train.parallelize import parallelize
 
     model = _model(cfg, corpus)
     engine = parallelize(

@@ -129,7 +129,8 @@ def _setup(
     from plait.config import ParallelPlan
     from plait.models import GPT, GPTConfig
     from plait.runtime.slowdown import EmulatedCompute
-    from plait.train.engine import Engine, parallelize
+    from plait.train.engine import Engine
+    from plait.train.parallelize import parallelize
 
     torch.manual_seed(config.seed)
     model = GPT(GPTConfig(vocab_size=config.vocab_size, seq_len=config.seq_len,

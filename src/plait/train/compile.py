@@ -27,7 +27,7 @@ from torch import nn
 
 from plait.compat import keep_compiled_backward_graphs
 
-__all__ = ["apply_compile", "check_compile"]
+__all__ = ["apply_compile", "check_compile", "compile_refusal"]
 
 
 def apply_compile(stage: nn.Module) -> None:
@@ -44,10 +44,18 @@ def apply_compile(stage: nn.Module) -> None:
         block.compile()
 
 
-def check_compile(*, ep: int) -> None:
-    """Refuse what `apply_compile` is not known to compose with, naming the fix."""
+def compile_refusal(*, ep: int) -> str | None:
+    """What `apply_compile` is not known to compose with, and the fix; None if nothing."""
     if ep > 1:
-        raise ValueError(
+        return (
             f"compile with ep={ep}: the experts' all-to-all inside the blocks is not "
             "compiled by plait yet; use ep=1 or drop compile"
         )
+    return None
+
+
+def check_compile(*, ep: int) -> None:
+    """Raise `compile_refusal`'s reason, if any."""
+    why = compile_refusal(ep=ep)
+    if why is not None:
+        raise ValueError(why)

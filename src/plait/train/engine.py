@@ -20,7 +20,7 @@ global inf check per update) is refused; bf16 needs none.
 
 Host reads. The clipped norm and fp16's found-inf flag stay tensors on the device until
 the window ends, where they are read in the same copy as the window's losses
-(`_Losses.exchange`): one host read per step for fp32 and bf16 on any device, and for
+(`plait.train.losses.LossExchange`): one host read per step for fp32 and bf16 on any device, and for
 fp16 when every stage's optimizer takes the flag itself (torch's fused AdamW/Adam/SGD,
 `optimizer_impl` auto's choice: it skips the update on the device, as
 `torch.amp.GradScaler.step` has it do). fp16 with any other optimizer (foreach or loop;
@@ -33,9 +33,7 @@ schedules of a step whose skip is decided on the device change when the flag is 
 
 from __future__ import annotations
 
-import functools
-from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,37 +42,23 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from plait.checkpoint.state import block_names
 from plait.compat import pytree
 from plait.config import ParallelPlan
 from plait.device import autocast_context
-from plait.device import current as current_device
-from plait.mesh import Meshes, ParallelDims
-from plait.parallel import (
-    FSDPGradSync,
-    GradReducer,
-    apply_fsdp,
-    apply_tensor_parallel,
-    clip_grad_norm,
-    expert_grad_scale,
-    expert_params,
-    shard_experts,
-)
-from plait.parallel.compress import hook_for
-from plait.parallel.replicas import uncounted_params, with_replicas
+from plait.mesh import Meshes
+from plait.parallel import clip_grad_norm, expert_params
+from plait.parallel.replicas import uncounted_params
 from plait.parallel.sync import GradSync
-from plait.runtime import PipelineExecutor, StepResult, local_stages, split_microbatches
+from plait.runtime import PipelineExecutor, StepResult, split_microbatches
 from plait.runtime.backend import MetricFn
-from plait.runtime.channels import Channels, build_channels
+from plait.runtime.channels import Channels
 from plait.runtime.predict import optimizer_predictor
-from plait.runtime.transport import DEFAULT_TIMEOUT_S, timed_wait, timeout_message
-from plait.schedule import Schedule, build
-from plait.train.compile import apply_compile, check_compile
-from plait.train.offload import apply_offload
+from plait.runtime.transport import DEFAULT_TIMEOUT_S
+from plait.schedule import Schedule
+from plait.train.losses import LossExchange
 from plait.train.precision import LossScaler, skips_on_device, step_unless_found
-from plait.train.recompute import apply_recompute
 
-__all__ = ["Engine", "EvalReport", "StepReport", "parallelize"]
+__all__ = ["Engine", "EvalReport", "StepReport"]
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 # (a stage's optimizer, optimizer updates per window) -> its learning-rate schedule
@@ -170,7 +154,7 @@ class Engine:
         self._norm: torch.Tensor | None = None
         self._skip_read: bool | None = None  # the flag, where an optimizer needed it early
         self._deferred: list[int] = []  # stages whose lr schedule waits for the flag
-        self._losses = _Losses(self)
+        self._losses = LossExchange(plan, schedule, device, timeout_s)
 
     # ------------------------------------------------------------------ steps
     def step(self, batch: tuple[Any, Any]) -> StepReport:
@@ -377,271 +361,8 @@ class Engine:
         return StepReport(loss, skipped, norm, result, losses, ids, result.updates)
 
 
-class _Losses:
-    """Every finished micro-batch's global id and loss, on every rank. Only the ranks of
-    last stages have them: one all-reduce over all workers sums them (each tensor- and
-    data-parallel replica counts 1/(dp·tp), so data-parallel losses are averaged).
-
-    A synchronous window's losses are exchanged at its end (its UPDATEs synchronised the
-    workers anyway). An asynchronous stream must not wait: its stages run windows apart,
-    so a window's reduction is started at its end and collected `lag` windows later (or
-    at the drain), when every worker has long passed that window.
-    """
-
-    def __init__(self, engine: Engine) -> None:
-        plan, schedule = engine.plan, engine.schedule
-        self.device, self.m, self.reach = engine.device, plan.microbatches, schedule.reach
-        self.weight = 1.0 / (plan.dp * plan.tp)
-        self.timeout_s = engine.timeout_s
-        self.lag = 0 if engine.synchronous else schedule.reach + 1
-        self.pending: deque[tuple[int, Any, torch.Tensor, int]] = deque()
-        self.reduced = dist.get_world_size() > 1
-
-    def exchange(
-        self, windows: int, result: StepResult, *, last: bool, extra: Sequence[torch.Tensor] = ()
-    ) -> tuple[tuple[int, ...], tuple[float, ...], list[float]]:
-        """Start the reduction of `result`'s losses (after `windows` windows); return the
-        losses whose reduction is due now (all of them when `last`), and the values of the
-        `extra` tensors (one element each), read in the same copy to the host."""
-        first = (windows - 1 - self.reach) * self.m  # ids span the window and `reach` before
-        span = (self.reach + 1) * self.m
-        values = torch.zeros(2 * span, device=self.device)
-        for x, loss in zip(result.microbatches, result.losses, strict=True):
-            values[x - first] = loss.to(self.device) * self.weight
-            values[span + x - first] = self.weight
-        # one worker holds every loss already (a collective of one still costs milliseconds)
-        work = dist.all_reduce(values, async_op=True) if self.reduced else None
-        self.pending.append((windows, work, values, first))
-        due: list[tuple[torch.Tensor, int]] = []
-        while self.pending and (last or self.pending[0][0] <= windows - self.lag):
-            started, work, values, first = self.pending.popleft()
-            if work is not None:
-                timed_wait(work, self.timeout_s, functools.partial(self._explain, started))
-            due.append((values, first))
-        parts = [v for v, _ in due] + [t.reshape(1).to(self.device, torch.float32) for t in extra]
-        host = torch.cat(parts).tolist() if parts else []  # the step's one host read
-        found: list[tuple[int, float]] = []
-        for k, (_, first) in enumerate(due):
-            row = host[2 * span * k : 2 * span * (k + 1)]
-            found += [(first + i, v) for i, (v, c) in enumerate(zip(row[:span], row[span:],
-                      strict=True)) if c > 0.5]  # fmt: skip
-        rest = host[2 * span * len(due) :]
-        return tuple(x for x, _ in found), tuple(v for _, v in found), rest
-
-    def _explain(self, windows: int) -> str:
-        """Why the wait for the losses reduced after `windows` windows timed out."""
-        assert self.timeout_s is not None
-        return timeout_message(
-            f"rank {dist.get_rank()}",
-            f"the loss exchange of window {windows - 1}",
-            self.timeout_s,
-            "the all-reduce of the losses over every rank",
-            peers=dist.get_world_size() - 1,
-        )
-
-
 def _to(value: Any, device: torch.device) -> Any:
     return pytree.tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, value)
-
-
-def _sync_replicas(stages: dict[int, nn.Module], meshes: Meshes) -> None:
-    """Make every dp replica start from dp rank 0's weights (and buffers); expert weights
-    from their replica group's first rank (the ranks of an ep group hold different ones)."""
-    mesh = meshes.main
-    if mesh.size(mesh.mesh_dim_names.index("dp")) == 1:  # type: ignore[union-attr]
-        return
-    group, experts = mesh.get_group("dp"), meshes.expert_dp_group()
-    for stage in stages.values():
-        own = {id(p) for p in expert_params(stage)} if meshes.expert is not None else set()
-        for t in [*stage.parameters(), *stage.buffers()]:
-            local = t.to_local() if hasattr(t, "to_local") else t
-            g = experts if id(t) in own else group
-            dist.broadcast(local.data, src=dist.get_global_rank(g, 0), group=g)
-
-
-def parallelize(
-    model: nn.Module,
-    plan: ParallelPlan,
-    optimizer_factory: OptimizerFactory,
-    loss_fn: LossFn,
-    *,
-    mesh: DeviceMesh | None = None,
-    device: torch.device | str | None = None,
-    grad_clip: float | None = None,
-    timeout_s: float | None = DEFAULT_TIMEOUT_S,
-    scheduler_factory: SchedulerFactory | None = None,
-    compile: bool = False,
-) -> Engine:
-    """An `Engine` that trains `model` under `plan` on the current process group.
-
-    Every rank passes the same model, initialised identically (same seed); the engine
-    keeps only this rank's stages, sharded as the plan says. `optimizer_factory(params)`
-    builds an optimizer over one stage's local parameters (with ZeRO-1 it is wrapped in
-    torch's ZeroRedundancyOptimizer so each dp rank keeps 1/dp of the optimizer state).
-    A wait for a peer's message or reduction longer than `timeout_s` seconds raises
-    `plait.runtime.transport.PipelineTimeout` naming the action and the peer (None: wait
-    as long as the process group's timeout; see that module). `scheduler_factory(optimizer,
-    updates_per_window)` builds each stage's learning-rate schedule, stepped once per
-    update of that stage (an asynchronous schedule makes several updates per window).
-    `compile` torch.compiles each block after recomputation (`plait.train.compile`).
-    """
-    if plan.pipelines is not None or plan.wsp_staleness is not None:  # pipelines of their own
-        from plait.train.hetero import parallelize_hetero
-
-        return parallelize_hetero(model, plan, optimizer_factory, loss_fn, device=device,
-                                  grad_clip=grad_clip, timeout_s=timeout_s,
-                                  scheduler_factory=scheduler_factory,
-                                  compile=compile)  # fmt: skip
-    device = torch.device(device) if device is not None else current_device()
-    if compile:
-        check_compile(ep=plan.ep)
-    if mesh is not None and plan.ep > 1:
-        raise ValueError(
-            f"ep={plan.ep} with a mesh given: the expert view of the ranks is built with it; "
-            "pass mesh=None"
-        )
-    meshes = (
-        Meshes(main=mesh)
-        if mesh is not None
-        else ParallelDims(
-            dp=plan.dp, tp=plan.tp, pp=plan.pp, ep=plan.ep, rank_order=plan.rank_order
-        ).build_mesh(device.type, experts=bool(expert_params(model)))
-    )
-    mesh = meshes.main
-    names = block_names(model)
-    schedule = build(plan.schedule, plan.pp, plan.microbatches, plan.chunks)
-    channels = _channels(schedule, mesh)
-    pp_rank = mesh.get_local_rank("pp")
-    stages: dict[int, nn.Module] = dict(
-        local_stages(model, schedule, pp_rank, sizes=plan.partition, device=device)
-    )
-    ep_group = meshes.ep_group()
-    tp_group = mesh.get_group("tp") if plan.tp > 1 else None
-    for stage in stages.values():
-        if ep_group is not None or tp_group is not None:  # same seed everywhere: keep ours
-            shard_experts(stage, ep_group, tp_group=tp_group)
-        if plan.tp > 1:
-            apply_tensor_parallel(stage, mesh["tp"], sequence_parallel=plan.sequence_parallel)
-        apply_recompute(stage, plan.recompute)
-        if compile:  # after recomputation, before ZeRO-2/3 (torchtitan's order)
-            apply_compile(stage)
-    _sync_replicas(stages, meshes)
-    grad_sync: GradSync | None = None
-    if plan.zero >= 2:
-        reduce = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(plan.compress)
-        edp = meshes.expert["edp"] if meshes.expert is not None else None
-        sharded = {
-            s: apply_fsdp(m, mesh["dp"], zero=plan.zero, reduce_dtype=reduce, expert_mesh=edp)
-            for s, m in stages.items()
-        }
-        scaled = {s: expert_params(m) for s, m in stages.items()} if edp is not None else None
-        grad_sync = FSDPGradSync(sharded, scaled=scaled, scale=expert_grad_scale(plan.ep, plan.tp))
-    elif plan.dp > 1 or meshes.expert is not None:
-        per_stage = {s: list(m.parameters()) for s, m in stages.items()}
-        group = mesh.get_group("dp")
-        hook, state = hook_for(plan.compress, group) or (None, None)
-        # expert gradients: averaged over the ranks holding the same experts, then × tp/ep
-        # (their replica sum / dp; see plait.parallel.experts)
-        experts = {p: meshes.expert_dp_group() for m in stages.values() for p in expert_params(m)}
-        grad_sync = GradReducer(
-            per_stage,
-            group,
-            param_groups=experts if meshes.expert is not None else None,
-            group_scale=expert_grad_scale(plan.ep, plan.tp),
-            timeout_s=timeout_s,
-            hook=hook,
-            hook_state=state,
-        )
-    grad_sync = with_replicas(grad_sync, schedule, stages, mesh)  # Chimera's replica sums
-    optimizers = {
-        s: _optimizer(
-            optimizer_factory,
-            [p for p in m.parameters() if p.requires_grad],
-            plan,
-            mesh,
-            meshes,
-            expert_params(m),
-        )
-        for s, m in stages.items()
-    }
-    apply_offload(stages, optimizers, activations=plan.offload_activations,
-                  optimizer=plan.offload_optimizer, num_blocks=len(names))  # fmt: skip
-    grad_clip = _with_dgc(grad_sync, optimizers, grad_clip)
-    schedulers = (
-        {
-            s: scheduler_factory(o, max(1, schedule.updates_per_window))
-            for s, o in optimizers.items()
-        }
-        if scheduler_factory is not None
-        else None
-    )
-    return Engine(
-        schedulers=schedulers,
-        plan=plan,
-        mesh=mesh,
-        schedule=schedule,
-        stages=stages,
-        optimizers=optimizers,
-        grad_sync=grad_sync,
-        loss_fn=loss_fn,
-        device=device,
-        grad_clip=grad_clip,
-        block_names=names,
-        timeout_s=timeout_s,
-        meshes=meshes,
-        channels=channels,
-    )
-
-
-def _channels(schedule: Schedule, mesh: DeviceMesh) -> Channels | None:
-    """Every pipeline's message channels (`plait.runtime.channels`), made on every rank
-    in one order; this rank's. Each pipeline is the pp column of one (dp, tp) place."""
-    if schedule.num_ranks == 1:
-        return None
-    names = mesh.mesh_dim_names or ()
-    grid = mesh.mesh.movedim(names.index("pp"), 0).reshape(mesh["pp"].size(), -1)
-    pipelines = [(schedule, [int(r) for r in grid[:, j]]) for j in range(grid.shape[1])]
-    return build_channels(pipelines)
-
-
-def _with_dgc(
-    grad_sync: GradSync | None, optimizers: dict[int, Any], grad_clip: float | None
-) -> float | None:
-    """Under DGC the hook takes SGD's momentum (momentum correction) and, with its local
-    clipping, the clip threshold: nothing is clipped after the reduction then."""
-    from plait.parallel.dgc import DGCState, take_momentum
-
-    state = getattr(grad_sync, "hook_state", None)
-    if not isinstance(state, DGCState):
-        return grad_clip
-    take_momentum(state, optimizers.values(), grad_clip)
-    return None if state.options.clipping else grad_clip
-
-
-def _optimizer(
-    factory: OptimizerFactory,
-    params: list[nn.Parameter],
-    plan: ParallelPlan,
-    mesh: DeviceMesh,
-    meshes: Meshes | None = None,
-    experts: list[nn.Parameter] | None = None,
-) -> torch.optim.Optimizer:
-    if plan.zero != 1 or plan.dp == 1:
-        return factory(params)
-    if plan.tp > 1:
-        raise ValueError(
-            "zero=1 with tp > 1 is not supported (torch's ZeroRedundancyOptimizer takes plain "
-            "tensors): use zero=2 or zero=3, which shard optimizer state too, or tp=1"
-        )
-    from plait.parallel.expert_zero import ExpertZero, partitioned
-
-    if meshes is None or meshes.expert is None or not experts:
-        return partitioned(factory(params), mesh.get_group("dp"))
-    # experts partitioned over the ranks holding the same ones, the rest over dp
-    ids = {id(p) for p in experts}
-    rest, mine = [p for p in params if id(p) not in ids], [p for p in params if id(p) in ids]
-    return ExpertZero([partitioned(factory(rest), mesh.get_group("dp")),
-                       partitioned(factory(mine), meshes.expert_dp_group())])  # fmt: skip
 
 
 def _batch_size(value: Any) -> int:

@@ -18,10 +18,11 @@ from plait.device import deterministic, peak_memory_bytes, tf32
 from plait.mesh import init_worker, restart_count
 from plait.runtime import StepResult
 from plait.train.checkpointing import resume, save
-from plait.train.engine import Engine, StepReport, parallelize
+from plait.train.engine import Engine, StepReport
 from plait.train.environment import run_environment
 from plait.train.logs import LOGGER, RecentSteps, RunLogger, describe_layout, setup
 from plait.train.optim import optimizer_factory, scheduler_factory
+from plait.train.parallelize import parallelize
 from plait.train.profiling import StepProfiler
 from plait.train.repartition import repartitioner
 from plait.train.slowdown import check_cluster, padded_step
