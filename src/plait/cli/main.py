@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 import warnings
 
@@ -20,6 +21,7 @@ _SUBCOMMANDS = {
     "simulate": "plait.cli.simulate",
     "plan": "plait.cli.plan",
     "experiment": "plait.cli.experiment",
+    "capabilities": "plait.cli.capabilities",
 }
 
 
@@ -51,6 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("plait: stopped by SIGINT", file=sys.stderr)
         return 128 + 2
+    except BrokenPipeError:  # `plait ... | head`: the reader left; say nothing more
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 def _main(argv: list[str] | None) -> int:

@@ -1,9 +1,7 @@
-"""`parallelize`: one model, one plan, and an engine that trains under it window by window.
+"""`Engine`: this rank's share of a model, trained under a plan window by window.
 
-The order of construction follows torchtitan's: cut the model into this rank's pipeline
-stages, shard them for tensor parallelism, wrap blocks for recomputation, shard them
-for ZeRO-2/3, then build one optimizer per stage over what remains local. The engine owns
-nothing the layers below do not already offer; it wires them together. Each window (one
+`plait.train.parallelize` builds it (its passes shard, wrap and compile the stages and
+build the gradient sync and optimizers); the engine wires the layers below. Each window (one
 `step`) runs the rank's program, which holds the optimizer steps (`UPDATE`) itself:
 
     per micro-batch forward/backward -> each stage's gradient reduction launched during
