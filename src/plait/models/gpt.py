@@ -10,6 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from plait.keyed import Draw, KeyedDropout, assign_keys, current, mask_like
+
 __all__ = [
     "GPT",
     "MLP",
@@ -61,7 +63,7 @@ class TokenEmbedding(nn.Module):
         super().__init__()
         self.tok = nn.Embedding(cfg.vocab_size, cfg.hidden)
         self.pos = nn.Embedding(cfg.seq_len, cfg.hidden)
-        self.drop = nn.Dropout(cfg.dropout)
+        self.drop = KeyedDropout(cfg.dropout)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(ids.shape[1], device=ids.device)
@@ -80,14 +82,33 @@ class Attention(nn.Module):
         self.v = nn.Linear(cfg.hidden, cfg.hidden)
         self.proj = nn.Linear(cfg.hidden, cfg.hidden)
         self.dropout = cfg.dropout
+        # keyed attention dropout (plait.keyed): its site, and which of the model's heads
+        # this rank's projections compute (tensor parallelism sets the offset)
+        self.num_heads, self.head_offset, self.site = cfg.num_heads, 0, 0
         # selective recomputation (Korthikanti et al. 2022): keep q, k, v, recompute the
         # attention core in backward instead of storing its intermediates
         self.recompute_core = False
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        draw = current()
+        if draw is not None and self.training and self.dropout > 0.0:
+            return self._keyed_core(q, k, v, draw)
         return F.scaled_dot_product_attention(
             q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
         )
+
+    def _keyed_core(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, draw: Draw
+    ) -> torch.Tensor:
+        """Attention with the dropout of its probabilities keyed by global head (SDPA
+        draws its mask from the process's generator)."""
+        b, _, s, d = q.shape
+        scores = (q @ k.transpose(-2, -1)) * d**-0.5
+        causal = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
+        probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)
+        keep = mask_like(probs, draw, self.site, self.dropout, offsets=(0, self.head_offset, 0, 0),
+                         global_shape=(b, self.num_heads, s, s))  # fmt: skip
+        return (probs * keep / (1.0 - self.dropout)) @ v
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
@@ -123,11 +144,12 @@ class TransformerBlock(nn.Module):
         self.attn = Attention(cfg)
         self.ln2 = nn.LayerNorm(cfg.hidden)
         self.mlp = MLP(cfg)
-        self.drop = nn.Dropout(cfg.dropout)
+        self.drop = KeyedDropout(cfg.dropout)
+        self.drop_mlp = KeyedDropout(cfg.dropout)  # its own site: another mask than attn's
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.drop(self.attn(self.ln1(x)))
-        return x + self.drop(self.mlp(self.ln2(x)))
+        return x + self.drop_mlp(self.mlp(self.ln2(x)))
 
     @staticmethod
     def tp_plan(sequence_parallel: bool) -> dict[str, Any]:
@@ -194,6 +216,7 @@ class GPT(nn.Module):
             ]
         )
         self.apply(self._init)
+        assign_keys(self)  # dropout sites by name in the whole model, whatever the layout
 
     @staticmethod
     def _init(module: nn.Module) -> None:

@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from plait.keyed import KeyedDropout, assign_keys
 from plait.models.gpt import GPT, MLP, Attention, GPTConfig, TokenEmbedding
 from plait.models.grouped_ffn import grouped_ffn
 
@@ -291,7 +292,8 @@ class MoEBlock(nn.Module):
         self.attn = Attention(cfg)
         self.ln2 = nn.LayerNorm(cfg.hidden)
         self.ffn: nn.Module = MoELayer(cfg) if moe else MLP(cfg)
-        self.drop = nn.Dropout(cfg.dropout)
+        self.drop = KeyedDropout(cfg.dropout)
+        self.drop_mlp = KeyedDropout(cfg.dropout)
 
     def forward(self, carry: Carry) -> Carry:
         x, aux = carry
@@ -301,7 +303,7 @@ class MoEBlock(nn.Module):
             aux = aux + loss.reshape(1)
         else:
             y = self.ffn(self.ln2(x))
-        return x + self.drop(y), aux
+        return x + self.drop_mlp(y), aux
 
     def tp_plan(self, sequence_parallel: bool) -> dict[str, Any]:
         """Megatron's sharding of the attention and of a dense or shared-expert FFN (q, k,
@@ -353,6 +355,7 @@ class MoEGPT(nn.Module):
             ]
         )
         self.apply(GPT._init)  # the stacked expert weights keep their own init
+        assign_keys(self)
 
     def blocks(self) -> list[nn.Module]:
         return list(self.layers)

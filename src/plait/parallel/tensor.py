@@ -40,6 +40,7 @@ def apply_tensor_parallel(
             if prepare is not None:
                 prepare(tp_mesh.size())
             parallelize_module(block, tp_mesh, plan)
+            _place_keyed_dropout(block, tp_mesh, sequence_parallel)
         elif getattr(block, "replicated_under_tp", False) or not any(
             p.requires_grad for p in block.parameters()
         ):
@@ -50,3 +51,14 @@ def apply_tensor_parallel(
                 "`tp_plan(sequence_parallel)` method returning a parallelize_module plan, mark "
                 "it `replicated_under_tp = True` to compute it whole on every tp rank, or use tp=1"
             )
+
+
+def _place_keyed_dropout(block: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    """Tell keyed dropout (plait.keyed) which part of the keyed tensor this rank holds:
+    its heads in attention, its sequence shard in a sequence-parallel block's dropouts."""
+    rank, size = tp_mesh.get_local_rank(), tp_mesh.size()
+    for module in block.modules():
+        if hasattr(module, "head_offset") and hasattr(module, "num_heads"):
+            module.head_offset = rank * (module.num_heads // size)
+        if sequence_parallel and hasattr(module, "split") and hasattr(module, "site"):
+            module.split = (1, rank, size)

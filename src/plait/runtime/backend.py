@@ -102,6 +102,9 @@ class Backend:
         self.first_stage = min(stages)
         self.meta: dict[int, BoundaryMeta] = {}  # stage -> meta of its input boundary
         self._exact_split: dict[int, bool] = {}
+        # micro-batch id -> the context its forward and backward run in (the engine's
+        # keyed dropout, `plait.keyed`); None: nothing to enter
+        self.draw: Callable[[int], AbstractContextManager[Any]] | None = None
 
     # ---------------------------------------------------------------- running
     def run(self, program: Program, state: State, transport: Transport, window: Window) -> Window:
@@ -126,17 +129,20 @@ class Backend:
         """Run one step: (host seconds waited for data, the clock mark once it was there)."""
         a, op = step.action, step.action.op
         if op is Op.F:
-            return self._forward(step, state, transport, window)
+            with self._drawing(a.microbatch):
+                return self._forward(step, state, transport, window)
         if op is Op.B or op is Op.BI:
             self._sync(True, a.stage, step.completes)
-            found = self._backward(step, state, transport)
+            with self._drawing(a.microbatch):  # a recomputed forward draws as the first
+                found = self._backward(step, state, transport)
             self._sync(False, a.stage, step.completes)
             return found
         if op is Op.BW:
             self._sync(True, a.stage, step.completes)
             saved = state.saved.pop((a.stage, a.microbatch))
             assert saved.module is not None
-            backward_weight(saved, saved.module)
+            with self._drawing(a.microbatch):
+                backward_weight(saved, saved.module)
             self.weights.accumulate(a.stage, saved.module)
             self._sync(False, a.stage, step.completes)
         elif step.batch is not None:
@@ -144,6 +150,9 @@ class Backend:
         elif op not in (Op.SEND_F, Op.SEND_B, Op.RECV_F, Op.RECV_B):
             self._weights(a, window)
         return 0.0, None
+
+    def _drawing(self, microbatch: int) -> AbstractContextManager[Any]:
+        return _NULL if self.draw is None else self.draw(microbatch)
 
     def _messages(self, step: Step, state: State, transport: Transport, window: Window) -> None:
         """Issue the batch that starts at `step`: its sends, or its receive."""
@@ -325,6 +334,9 @@ class Backend:
         ]
         self._hand_on(step, grads, state, Op.B)
         return wait, ready
+
+
+_NULL = contextlib.nullcontext()
 
 
 def _samples(target: Any) -> int:

@@ -40,9 +40,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from plait.compat import pytree
 from plait.config import ParallelPlan
 from plait.device import autocast_context
+from plait.keyed import StepDraws, has_keyed_dropout
 from plait.mesh import Meshes
 from plait.parallel import clip_grad_norm, expert_params
 from plait.parallel.replicas import uncounted_params
@@ -53,6 +53,10 @@ from plait.runtime.channels import Channels
 from plait.runtime.predict import optimizer_predictor
 from plait.runtime.transport import DEFAULT_TIMEOUT_S
 from plait.schedule import Schedule
+from plait.train.batches import batch_size as _batch_size
+from plait.train.batches import eval_parts as _eval_parts
+from plait.train.batches import rows as _rows
+from plait.train.batches import to_device as _to
 from plait.train.losses import LossExchange
 from plait.train.precision import LossScaler, skips_on_device, step_unless_found
 
@@ -113,6 +117,7 @@ class Engine:
         schedulers: dict[int, torch.optim.lr_scheduler.LRScheduler] | None = None,
         meshes: Meshes | None = None,
         channels: Channels | None = None,
+        seed: int = 0,
     ) -> None:
         self.plan, self.mesh, self.schedule = plan, mesh, schedule
         # with the expert view (ep > 1): the ep group exchanges tokens, and its ranks hold
@@ -153,11 +158,19 @@ class Engine:
         self._skip_read: bool | None = None  # the flag, where an optimizer needed it early
         self._deferred: list[int] = []  # stages whose lr schedule waits for the flag
         self._losses = LossExchange(plan, schedule, device, timeout_s)
+        # dropout keyed by (seed, step, sample, site), the same under any layout
+        self.draws = StepDraws(seed, plan.microbatches, self.dp_index * plan.microbatches)
+        self.executor.backend.draw = (
+            self.draws if has_keyed_dropout(list(stages.values())) else None
+        )
 
     # ------------------------------------------------------------------ steps
-    def step(self, batch: tuple[Any, Any]) -> StepReport:
+    def step(self, batch: tuple[Any, Any], *, index: int | None = None) -> StepReport:
         """One window on the global `batch` = (inputs, targets); every rank may pass the
-        same batch; each dp rank trains on its own slice of dim 0, in m micro-batches."""
+        same batch; each dp rank trains on its own slice of dim 0, in m micro-batches.
+        `index`: the run's step number (keys dropout; default: this engine's windows)."""
+        if index is not None:
+            self.draws.offset = index - self.executor.windows
         inputs, targets = batch
         m = self.plan.microbatches
         micro_in = (
@@ -357,43 +370,3 @@ class Engine:
         skipped, norm = self._settle(flags)
         loss = sum(losses) / len(losses) if losses else float("nan")
         return StepReport(loss, skipped, norm, result, losses, ids, result.updates)
-
-
-def _to(value: Any, device: torch.device) -> Any:
-    return pytree.tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, value)
-
-
-def _batch_size(value: Any) -> int:
-    """Samples in a batch: dim 0 of its first tensor."""
-    leaves = [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
-    if not leaves:
-        raise ValueError("a batch must hold at least one tensor (its dim 0 counts samples)")
-    return int(leaves[0].shape[0])
-
-
-def _eval_parts(size: int, dp: int, index: int, m: int) -> list[tuple[int, int, int, bool]]:
-    """(first sample, micro-batches, samples each, counted) of each forward-only program
-    that replica `index` of `dp` runs to evaluate `size` samples with `m` micro-batches.
-    Every replica runs as many forwards (ZeRO-3 gathers weights in each): replica 0 takes
-    the `size % dp` samples left over into its last micro-batch; with fewer samples than
-    replicas, each replica computes them all and only replica 0 counts them."""
-    share, tail = divmod(size, dp)
-    if share == 0:
-        return [(0, 1, size, index == 0)] if size else []
-    each = -(-share // m)
-    count = -(-share // each)
-    first = index * share + (tail if index else 0)
-    if not tail and share % each == 0:
-        return [(first, count, each, True)]
-    # two programs on every replica, whatever its own last size: each describes its
-    # boundaries anew, and ZeRO-3's probes gather weights there
-    last = share - (count - 1) * each + (0 if index else tail)
-    full = [(first, count - 1, each, True)] if count > 1 else []
-    return [*full, (first + (count - 1) * each, 1, last, True)]
-
-
-def _rows(value: Any, start: int, count: int) -> Any:
-    """Samples start..start+count of every tensor of `value` (dim 0)."""
-    return pytree.tree_map(
-        lambda t: t[start : start + count] if isinstance(t, torch.Tensor) else t, value
-    )

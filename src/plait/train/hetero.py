@@ -36,12 +36,15 @@ from torch.distributed.device_mesh import DeviceMesh
 from plait.checkpoint.state import block_names
 from plait.config import ParallelPlan
 from plait.device import current as current_device
+from plait.keyed import StepDraws, agreed_seed
 from plait.parallel.hetero import BlockBuckets, PipelineGroups, ShareReducer, pipeline_groups
 from plait.pipelines import PipelineLayout, pipeline_layout
 from plait.runtime import StepResult, local_stages
 from plait.runtime.channels import build_channels
 from plait.runtime.transport import DEFAULT_TIMEOUT_S
 from plait.schedule import build
+from plait.train.batches import batch_size as _batch_size
+from plait.train.batches import rows as _rows
 from plait.train.compile import apply_compile
 from plait.train.engine import (
     Engine,
@@ -49,8 +52,6 @@ from plait.train.engine import (
     OptimizerFactory,
     SchedulerFactory,
     StepReport,
-    _batch_size,
-    _rows,
 )
 from plait.train.recompute import apply_recompute
 from plait.train.wsp import WaveExchange
@@ -104,10 +105,10 @@ class HeteroEngine(Engine):
     groups: PipelineGroups
     waves: WaveExchange | None
 
-    def step(self, batch: tuple[Any, Any]) -> StepReport:
+    def step(self, batch: tuple[Any, Any], *, index: int | None = None) -> StepReport:
         if self.waves is not None:
             self.waves.before_step()
-        report = super().step(batch)
+        report = super().step(batch, index=index)
         if self.waves is not None:
             self.waves.after_step()
         return report
@@ -226,6 +227,10 @@ def parallelize_hetero(
         schedulers=schedulers, channels=channels,
     )  # fmt: skip
     engine.groups = groups
+    if engine.executor.backend.draw is not None:  # keyed dropout: this pipeline's rows
+        engine.draws = StepDraws(agreed_seed(device), layout.microbatches[i],
+                                 sum(layout.microbatches[:i]))  # fmt: skip
+        engine.executor.backend.draw = engine.draws
     staleness, at_most = int(plan.wsp_staleness or 0), plan.wsp_at_most
     engine.waves = (
         None

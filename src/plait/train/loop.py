@@ -91,7 +91,7 @@ def train_worker(
         profiler.tick(step)
         lr = _learning_rate(engine)  # the one this step's update uses
         t0 = time.perf_counter()
-        report = padded_step(engine, batch, slowdown)  # an engine.step (padded: --cluster)
+        report = padded_step(engine, batch, slowdown, index=step)  # padded: --cluster
         times.append(time.perf_counter() - t0)
         if moving is not None:  # between steps: the next one may run on another partition
             before, engine = engine, moving.after_step(engine, report, step)

@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from plait.checkpoint.state import block_names
 from plait.config import ParallelPlan
 from plait.device import current as current_device
+from plait.keyed import agreed_seed, has_keyed_dropout
 from plait.mesh import Meshes, ParallelDims
 from plait.parallel import expert_params
 from plait.runtime import local_stages
@@ -107,6 +108,7 @@ def parallelize(
         timeout_s=timeout_s,
         meshes=meshes,
         channels=channels,
+        seed=agreed_seed(device) if has_keyed_dropout([model]) else 0,
     )
 
 

@@ -41,9 +41,11 @@ def check_cluster(name: str, world_size: int) -> tuple[float, ...]:
 
 
 def padded_step(
-    engine: Any, batch: Any, slowdown: float, sleep: Callable[[float], None] = time.sleep
-) -> Any:
-    """`engine.step(batch)`, then a sleep of (slowdown − 1) × its compute time; the report."""
-    report = engine.step(batch)
+    engine: Any, batch: Any, slowdown: float, sleep: Callable[[float], None] = time.sleep,
+    *, index: int | None = None,
+) -> Any:  # fmt: skip
+    """`engine.step(batch)` (as step `index` of the run, if given), then a sleep of
+    (slowdown − 1) × its compute time; the report."""
+    report = engine.step(batch) if index is None else engine.step(batch, index=index)
     pad_step(report.result.records, slowdown, sleep)
     return report

@@ -1,0 +1,207 @@
+"""Dropout whose masks depend on (seed, step, sample, layer, position), not on the rank.
+
+torch's dropout draws from the generator of the process that runs it, so the same run
+laid out another way (more data-parallel ranks, another pipeline cut, a resume under a
+new layout) drops other units and follows another trajectory. Here each element's keep
+decision is a hash of its coordinates: the run's seed, the optimizer step, the sample's
+index in the step's global batch, the dropout site (a hash of its name in the whole
+model) and its position inside the sample. Any layout that computes an element computes
+the same decision; two layouts of one run train the same model, up to reduction order.
+
+The engine says which step and micro-batch a forward belongs to (`drawing`); outside of
+it (a plain loop, evaluation) `KeyedDropout` is torch's dropout. torch has no
+counter-based generator addressable per element (its Philox offsets follow the order of
+the draws), hence this small one: a 32-bit integer hash (two multiply-xorshift rounds
+over 32-bit halves, multipliers below 2**31 so int64 products never overflow).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import zlib
+from collections.abc import Iterator, Sequence
+from contextvars import ContextVar
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = [
+    "Draw",
+    "KeyedDropout",
+    "StepDraws",
+    "agreed_seed",
+    "assign_keys",
+    "current",
+    "drawing",
+    "has_keyed_dropout",
+    "hash32",
+    "keep_mask",
+    "mask_like",
+]
+
+_M32 = 0xFFFFFFFF
+_C1, _C2, _C3 = 0x7FEB352D, 0x1B873593, 0x2C1B3C6D  # odd, < 2**31
+
+
+@dataclass(frozen=True)
+class Draw:
+    """The coordinates of the forward being run: the seed, the optimizer step and the
+    micro-batch's place among the step's micro-batches (its first sample is `index`
+    times its rows: micro-batches of one step have equal rows)."""
+
+    seed: int
+    step: int
+    index: int
+
+
+_current: ContextVar[Draw | None] = ContextVar("plait_keyed_draw", default=None)
+
+
+def current() -> Draw | None:
+    return _current.get()
+
+
+@contextlib.contextmanager
+def drawing(seed: int, step: int, index: int) -> Iterator[None]:
+    """Run the body as micro-batch `index` of optimizer step `step`."""
+    token = _current.set(Draw(seed, step, index))
+    try:
+        yield
+    finally:
+        _current.reset(token)
+
+
+def _mix32(v: torch.Tensor) -> torch.Tensor:
+    v = v & _M32
+    v = v ^ (v >> 16)
+    v = (v * _C1) & _M32
+    v = v ^ (v >> 15)
+    v = (v * _C2) & _M32
+    return v ^ (v >> 16)
+
+
+def hash32(key: int, counter: torch.Tensor) -> torch.Tensor:
+    """A 32-bit hash (int64 tensor in [0, 2**32)) of each int64 `counter` under `key`."""
+    k = _mix32(torch.tensor(key & ((1 << 62) - 1), dtype=torch.int64))
+    lo, hi = counter & _M32, counter >> 32
+    return _mix32(lo ^ _mix32(hi ^ (k * _C3)) ^ k)
+
+
+def _site_key(seed: int, step: int, site: int) -> int:
+    return (seed * 1_000_003 + step) * 2_654_435_761 + site
+
+
+def keep_mask(
+    draw: Draw, site: int, p: float, global_shape: Sequence[int], offsets: Sequence[int],
+    local_shape: Sequence[int], device: torch.device,
+) -> torch.Tensor:  # fmt: skip
+    """Which elements of a local block (`local_shape` at `offsets` within a tensor of
+    `global_shape` [samples, ...]) are kept with probability 1 - `p`."""
+    rows = int(global_shape[0])
+    counter = torch.zeros((), dtype=torch.int64, device=device)
+    stride = 1
+    for dim in reversed(range(len(global_shape))):
+        start = int(offsets[dim]) + (draw.index * rows if dim == 0 else 0)
+        axis = torch.arange(start, start + int(local_shape[dim]), device=device)
+        view = [1] * len(global_shape)
+        view[dim] = -1
+        counter = counter + axis.view(view) * stride
+        stride *= int(global_shape[dim])
+    bits = hash32(_site_key(draw.seed, draw.step, site), counter) >> 8  # 24 bits: exact
+    return bits.to(torch.float32) * (1.0 / (1 << 24)) >= p
+
+
+class KeyedDropout(nn.Module):
+    """`nn.Dropout(p)` whose mask is keyed by `drawing` (see the module docstring); its
+    `site` is set by `assign_keys` from its name in the whole model."""
+
+    def __init__(self, p: float = 0.5) -> None:
+        super().__init__()
+        if not 0.0 <= p < 1.0:
+            raise ValueError(f"dropout p={p} must be in [0, 1)")
+        self.p, self.site = p, 0
+        # (dim, index, parts): x is part `index` of `parts` equal parts along `dim` of the
+        # tensor the mask is keyed over (sequence parallelism sets it); None: x is whole
+        self.split: tuple[int, int, int] | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        draw = current()
+        if not self.training or self.p == 0.0:
+            return x
+        if draw is None:
+            return F.dropout(x, self.p, training=True)
+        offsets, shape = None, None
+        if self.split is not None:
+            dim, index, parts = self.split
+            shape = [*x.shape[:dim], x.shape[dim] * parts, *x.shape[dim + 1 :]]
+            offsets = [0] * x.dim()
+            offsets[dim] = index * x.shape[dim]
+        return x * (mask_like(x, draw, self.site, self.p, offsets, shape) / (1.0 - self.p))
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}, site={self.site}"
+
+
+def mask_like(
+    x: torch.Tensor, draw: Draw, site: int, p: float, offsets: Sequence[int] | None = None,
+    global_shape: Sequence[int] | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """`x`'s keep mask as a tensor of its dtype (a DTensor's: its local block, wrapped
+    alike). `offsets`/`global_shape` place a plain local `x` (e.g. tensor-parallel heads)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(x, DTensor):
+        from plait.compat import local_shape_and_offset
+
+        shape, offset = local_shape_and_offset(x.shape, x.device_mesh, x.placements)
+        local = keep_mask(draw, site, p, x.shape, offset, shape, x.device).to(x.dtype)
+        return DTensor.from_local(local, x.device_mesh, x.placements, run_check=False)
+    shape = tuple(x.shape) if global_shape is None else tuple(global_shape)
+    at = offsets if offsets is not None else (0,) * x.dim()
+    return keep_mask(draw, site, p, shape, at, x.shape, x.device).to(x.dtype)
+
+
+def assign_keys(model: nn.Module) -> None:
+    """Give every keyed dropout (and keyed attention) of `model` a site from its name in
+    the whole model: call before the model is cut into stages."""
+    for name, module in model.named_modules():
+        if hasattr(module, "site"):
+            module.site = zlib.crc32(name.encode())
+
+
+class StepDraws:
+    """An engine's micro-batch ids -> their `drawing` context: micro-batch `x` (counted
+    from the engine's first window) is micro-batch `first + x % m` of step
+    `offset + x // m`, where this replica's `m` micro-batches of a step come after
+    `first` others (of the same size) in the global batch."""
+
+    def __init__(self, seed: int, microbatches: int, first: int) -> None:
+        self.seed, self.m, self.first, self.offset = seed, microbatches, first, 0
+
+    def __call__(self, x: int) -> contextlib.AbstractContextManager[None]:
+        return drawing(self.seed, self.offset + x // self.m, self.first + x % self.m)
+
+
+def has_keyed_dropout(modules: Sequence[nn.Module]) -> bool:
+    """Whether any keyed dropout (or keyed attention) in `modules` drops anything."""
+    return any(
+        getattr(m, "p", 0.0) > 0.0 or getattr(m, "dropout", 0.0) > 0.0
+        for module in modules
+        for m in module.modules()
+        if hasattr(m, "site")
+    )
+
+
+def agreed_seed(device: torch.device) -> int:
+    """This process's initial seed, as rank 0 has it (every rank must key alike: tensor-
+    parallel ranks drop the same units of their replicated activations)."""
+    import torch.distributed as dist
+
+    seed = torch.initial_seed() & ((1 << 62) - 1)
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return seed
+    value = torch.tensor([seed], dtype=torch.int64, device=device)
+    dist.broadcast(value, src=0)
+    return int(value.item())

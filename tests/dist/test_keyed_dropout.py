@@ -1,0 +1,71 @@
+"""With dropout, every layout trains the GPT to the losses and gradients of one process on
+the whole batch: masks keyed by (seed, step, sample, site) do not depend on which rank
+draws them (plait.keyed). torch's dropout would give each layout other masks."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from plait.blocks import as_blocks
+from plait.config import ParallelPlan
+from plait.keyed import drawing
+from plait.models import GPT, GPTConfig
+from plait.train.parallelize import parallelize
+
+from .harness import run_world
+from .test_hybrid import TOL, _batch, _full
+
+pytestmark = pytest.mark.dist
+
+SEED = 11
+
+
+def _model() -> GPT:
+    torch.manual_seed(SEED)  # the engine keys its masks by this seed (rank 0's)
+    return GPT(GPTConfig(vocab_size=19, seq_len=8, num_layers=2, hidden=16, num_heads=4,
+                         dropout=0.2))  # fmt: skip
+
+
+def _check(plan: ParallelPlan, steps: int = 2) -> None:
+    model = _model()
+    ref = copy.deepcopy(model)
+    sgd = lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)  # noqa: E731
+    engine = parallelize(model, plan, sgd, GPT.loss, device="cpu")
+    ref_opt, ref_blocks = sgd(ref.parameters()), as_blocks(ref)
+    for step in range(steps):
+        x, y = _batch(step)
+        ref_opt.zero_grad()
+        with drawing(SEED, step, 0):  # one micro-batch: the whole batch
+            ref_loss = GPT.loss(ref(x), y)
+            ref_loss.backward()
+        report = engine.step((x, y), index=step)
+        where = f"{plan} step {step} rank {dist.get_rank()}"
+        torch.testing.assert_close(torch.tensor(report.loss), ref_loss.detach(), **TOL, msg=where)
+        for stage in engine.stages.values():
+            for j, block in enumerate(stage.blocks):
+                theirs = list(ref_blocks[stage.first_block + j].parameters())
+                for p, q in zip(block.parameters(), theirs, strict=True):
+                    torch.testing.assert_close(_full(p.grad), q.grad, **TOL, msg=where)
+        ref_opt.step()
+
+
+def _layouts(rank: int, world: int) -> None:
+    torch.use_deterministic_algorithms(True)
+    for plan in (
+        ParallelPlan(dp=2, pp=1, microbatches=2),
+        ParallelPlan(pp=2, microbatches=4, schedule="1f1b", recompute="full"),
+        ParallelPlan(pp=2, microbatches=2, schedule="zb-h1"),
+        ParallelPlan(tp=2, pp=1, microbatches=2),
+        ParallelPlan(tp=2, pp=1, microbatches=2, sequence_parallel=True),
+        ParallelPlan(dp=2, pp=1, microbatches=1, zero=3, recompute="selective"),
+    ):
+        _check(plan)
+
+
+def test_dropout_is_the_same_under_every_layout(tmp_path: Path) -> None:
+    run_world(tmp_path, 2, _layouts)
