@@ -59,6 +59,7 @@ def _place_keyed_dropout(block: nn.Module, tp_mesh: DeviceMesh, sequence_paralle
     rank, size = tp_mesh.get_local_rank(), tp_mesh.size()
     for module in block.modules():
         if hasattr(module, "head_offset") and hasattr(module, "num_heads"):
-            module.head_offset = rank * (module.num_heads // size)
+            heads: int = getattr(module, "num_heads")  # noqa: B009
+            setattr(module, "head_offset", rank * (heads // size))  # noqa: B010
         if sequence_parallel and hasattr(module, "split") and hasattr(module, "site"):
-            module.split = (1, rank, size)
+            setattr(module, "split", (1, rank, size))  # noqa: B010
