@@ -69,3 +69,30 @@ def _layouts(rank: int, world: int) -> None:
 
 def test_dropout_is_the_same_under_every_layout(tmp_path: Path) -> None:
     run_world(tmp_path, 2, _layouts)
+
+
+def _train(run: Path, *flags: str) -> list[float]:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    small = ["--layers", "2", "--hidden", "16", "--heads", "2", "--seq-len", "16",
+             "--batch-size", "8", "--dropout", "0.2", "--sample-chars", "0",
+             "--eval-batches", "0", "--device", "cpu", "-q", "--run-dir", str(run)]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "plait", "train", *small, *flags]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows if "loss" in r]
+
+
+def test_a_resume_under_another_layout_continues_the_same_run(tmp_path: Path) -> None:
+    whole = _train(tmp_path / "a", "--nproc", "2", "--dp", "2", "--max-steps", "4")
+    half = tmp_path / "b"
+    first = _train(half, "--nproc", "2", "--pp", "2", "--max-steps", "2", "--checkpoint-every", "2")
+    second = _train(half, "--nproc", "2", "--dp", "2", "--max-steps", "4", "--resume", "auto")
+    assert len(whole) == 4 and len(first) == 2
+    torch.testing.assert_close(torch.tensor(first + second[-2:]), torch.tensor(whole),
+                               rtol=1e-5, atol=1e-5)  # fmt: skip
