@@ -9,15 +9,18 @@ model) and its position inside the sample. Any layout that computes an element c
 the same decision; two layouts of one run train the same model, up to reduction order.
 
 The engine says which step and micro-batch a forward belongs to (`drawing`); outside of
-it (a plain loop, evaluation) `KeyedDropout` is torch's dropout. torch has no
-counter-based generator addressable per element (its Philox offsets follow the order of
-the draws), hence this small one: a 32-bit integer hash (two multiply-xorshift rounds
-over 32-bit halves, multipliers below 2**31 so int64 products never overflow).
+it (a plain loop, evaluation) `KeyedDropout` is torch's dropout. Each sample's mask is
+`torch.rand` from a generator seeded by a hash of (seed, step, sample, site), drawn whole
+for the sample and cut to the part this rank holds (its heads under tensor parallelism,
+its sequence shard under sequence parallelism): torch has no generator addressable per
+element (Philox offsets follow the order of the draws), and one seeded generator per
+sample costs microseconds where hashing every element costs a dozen passes over it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import zlib
 from collections.abc import Iterator, Sequence
 from contextvars import ContextVar
@@ -36,13 +39,10 @@ __all__ = [
     "current",
     "drawing",
     "has_keyed_dropout",
-    "hash32",
     "keep_mask",
     "mask_like",
+    "sample_seed",
 ]
-
-_M32 = 0xFFFFFFFF
-_C1, _C2, _C3 = 0x7FEB352D, 0x1B873593, 0x2C1B3C6D  # odd, < 2**31
 
 
 @dataclass(frozen=True)
@@ -73,24 +73,10 @@ def drawing(seed: int, step: int, index: int) -> Iterator[None]:
         _current.reset(token)
 
 
-def _mix32(v: torch.Tensor) -> torch.Tensor:
-    v = v & _M32
-    v = v ^ (v >> 16)
-    v = (v * _C1) & _M32
-    v = v ^ (v >> 15)
-    v = (v * _C2) & _M32
-    return v ^ (v >> 16)
-
-
-def hash32(key: int, counter: torch.Tensor) -> torch.Tensor:
-    """A 32-bit hash (int64 tensor in [0, 2**32)) of each int64 `counter` under `key`."""
-    k = _mix32(torch.tensor(key & ((1 << 62) - 1), dtype=torch.int64))
-    lo, hi = counter & _M32, counter >> 32
-    return _mix32(lo ^ _mix32(hi ^ (k * _C3)) ^ k)
-
-
-def _site_key(seed: int, step: int, site: int) -> int:
-    return (seed * 1_000_003 + step) * 2_654_435_761 + site
+def sample_seed(seed: int, step: int, site: int, sample: int) -> int:
+    """The seed of one sample's mask at one dropout site (63 bits of a BLAKE2 hash)."""
+    digest = hashlib.blake2b(f"{seed}:{step}:{site}:{sample}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
 def keep_mask(
@@ -100,17 +86,15 @@ def keep_mask(
     """Which elements of a local block (`local_shape` at `offsets` within a tensor of
     `global_shape` [samples, ...]) are kept with probability 1 - `p`."""
     rows = int(global_shape[0])
-    counter = torch.zeros((), dtype=torch.int64, device=device)
-    stride = 1
-    for dim in reversed(range(len(global_shape))):
-        start = int(offsets[dim]) + (draw.index * rows if dim == 0 else 0)
-        axis = torch.arange(start, start + int(local_shape[dim]), device=device)
-        view = [1] * len(global_shape)
-        view[dim] = -1
-        counter = counter + axis.view(view) * stride
-        stride *= int(global_shape[dim])
-    bits = hash32(_site_key(draw.seed, draw.step, site), counter) >> 8  # 24 bits: exact
-    return bits.to(torch.float32) * (1.0 / (1 << 24)) >= p
+    cut = tuple(slice(int(o), int(o) + int(n)) for o, n in zip(offsets[1:], local_shape[1:],
+                                                               strict=True))  # fmt: skip
+    masks = []
+    for r in range(int(local_shape[0])):
+        sample = draw.index * rows + int(offsets[0]) + r
+        g = torch.Generator(device=device).manual_seed(sample_seed(draw.seed, draw.step, site,
+                                                                   sample))  # fmt: skip
+        masks.append(torch.rand(tuple(global_shape[1:]), generator=g, device=device)[cut])
+    return torch.stack(masks) >= p
 
 
 class KeyedDropout(nn.Module):

@@ -1,36 +1,25 @@
-"""Keyed dropout: the hash against a pure-Python one written here, masks of any block of a
-tensor equal to that block of the whole tensor's mask, and a GPT's forward the same however
-its batch is cut into micro-batches."""
+"""Keyed dropout: a sample's mask as its seed's `torch.rand` (written out here), masks of
+any block of a tensor equal to that block of the whole tensor's mask, and a GPT's forward
+the same however its batch is cut into micro-batches."""
 
 from __future__ import annotations
 
 import torch
 
-from plait.keyed import Draw, KeyedDropout, drawing, hash32, keep_mask
+from plait.keyed import Draw, KeyedDropout, drawing, keep_mask
 from plait.models import GPT, GPTConfig
 
-M32 = 0xFFFFFFFF
 
+def test_a_sample_mask_is_torch_rand_from_its_own_seeded_generator() -> None:
+    import hashlib
 
-def _mix(v: int) -> int:  # the 32-bit mixer, in plain Python integers
-    v &= M32
-    v ^= v >> 16
-    v = (v * 0x7FEB352D) & M32
-    v ^= v >> 15
-    v = (v * 0x1B873593) & M32
-    return v ^ (v >> 16)
-
-
-def _hash(key: int, counter: int) -> int:
-    k = _mix(key & ((1 << 62) - 1))
-    return _mix((counter & M32) ^ _mix((counter >> 32) ^ (k * 0x2C1B3C6D)) ^ k)
-
-
-def test_hash_equals_the_written_out_one() -> None:
-    counters = [0, 1, 2, 12345, 2**32 - 1, 2**32, 2**40 + 17, 2**62 - 5]
-    for key in (0, 1, 987654321987, 2**61 + 3):
-        got = hash32(key, torch.tensor(counters, dtype=torch.int64)).tolist()
-        assert got == [_hash(key, c) for c in counters]
+    draw, shape = Draw(seed=3, step=5, index=2), (4, 3, 5)
+    mask = keep_mask(draw, 7, 0.4, shape, (0, 0, 0), shape, torch.device("cpu"))
+    for r in range(4):  # sample 2 * 4 + r of the step, written out
+        text = f"3:5:7:{2 * 4 + r}".encode()
+        seed = int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> 1
+        expected = torch.rand((3, 5), generator=torch.Generator().manual_seed(seed)) >= 0.4
+        assert torch.equal(mask[r], expected)
 
 
 def test_a_block_of_the_mask_is_the_mask_of_the_block() -> None:
