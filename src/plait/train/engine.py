@@ -44,7 +44,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from plait.checkpoint.state import block_names
+from plait.blocks import block_names
 from plait.compat import pytree
 from plait.config import ParallelPlan
 from plait.device import autocast_context
@@ -62,17 +62,17 @@ from plait.parallel import (
 )
 from plait.parallel.compress import hook_for
 from plait.parallel.replicas import uncounted_params, with_replicas
-from plait.parallel.sync import GradSync
 from plait.runtime import PipelineExecutor, StepResult, local_stages, split_microbatches
 from plait.runtime.backend import MetricFn
 from plait.runtime.channels import Channels, build_channels
 from plait.runtime.predict import optimizer_predictor
-from plait.runtime.transport import DEFAULT_TIMEOUT_S, timed_wait, timeout_message
+from plait.runtime.sync import GradSync
 from plait.schedule import Schedule, build
 from plait.train.compile import apply_compile, check_compile
 from plait.train.offload import apply_offload
 from plait.train.precision import LossScaler, skips_on_device, step_unless_found
 from plait.train.recompute import apply_recompute
+from plait.wait import DEFAULT_TIMEOUT_S, timed_wait, timeout_message
 
 __all__ = ["Engine", "EvalReport", "StepReport", "parallelize"]
 

@@ -33,14 +33,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from plait.checkpoint.state import block_names
+from plait.blocks import block_names
 from plait.config import ParallelPlan
 from plait.device import current as current_device
 from plait.parallel.hetero import BlockBuckets, PipelineGroups, ShareReducer, pipeline_groups
 from plait.pipelines import PipelineLayout, pipeline_layout
 from plait.runtime import StepResult, local_stages
 from plait.runtime.channels import build_channels
-from plait.runtime.transport import DEFAULT_TIMEOUT_S
 from plait.schedule import build
 from plait.train.compile import apply_compile
 from plait.train.engine import (
@@ -54,6 +53,7 @@ from plait.train.engine import (
 )
 from plait.train.recompute import apply_recompute
 from plait.train.wsp import WaveExchange
+from plait.wait import DEFAULT_TIMEOUT_S
 
 __all__ = ["HeteroEngine", "layout_of", "parallelize_hetero"]
 
