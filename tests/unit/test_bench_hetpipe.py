@@ -8,7 +8,8 @@ import tomllib
 
 import pytest
 
-from plait.bench.hetpipe import HetPipeBenchConfig, Run, planned_pipelines
+from plait.bench.hetpipe import Run, planned_pipelines
+from plait.bench.hetpipe_config import HetPipeBenchConfig
 from plait.presets import cluster_from_toml
 
 

@@ -41,7 +41,7 @@ from plait.bench.compress_config import PEERS, CompressBenchConfig
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["CompressBenchConfig", "add_arguments", "run", "run_bench"]
+__all__ = ["add_arguments", "run", "run_bench"]
 
 
 def run_bench(config: CompressBenchConfig) -> dict[str, Any]:

@@ -64,7 +64,7 @@ from typing import Any
 from plait.bench import _common as common
 from plait.bench.hetpipe_config import CONFIGS, HetPipeBenchConfig
 
-__all__ = ["HetPipeBenchConfig", "add_arguments", "run", "run_bench"]
+__all__ = ["Run", "add_arguments", "planned_pipelines", "run", "run_bench"]
 
 
 def planned_pipelines(config: HetPipeBenchConfig, vocab_size: int) -> dict[str, Any]:

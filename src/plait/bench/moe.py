@@ -47,21 +47,13 @@ from typing import TYPE_CHECKING, Any
 from plait.bench import _common as common
 from plait.bench.moe_config import MoEBenchConfig
 from plait.bench.moe_peer import INSTALL, PEER, peer_layer, peer_loss, peer_version, routing_agrees
-from plait.bench.moe_share import Probe, all_to_all_share, predict_share
+from plait.bench.moe_share import Probe, all_to_all_share
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
 
-__all__ = [
-    "PEER",
-    "MoEBenchConfig",
-    "add_arguments",
-    "peer_version",
-    "predict_share",
-    "run",
-    "run_bench",
-]
+__all__ = ["add_arguments", "run", "run_bench"]
 
 
 def run_bench(config: MoEBenchConfig) -> dict[str, Any]:

@@ -37,7 +37,7 @@ from plait.device import synchronize
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["PipelineBenchConfig", "PipelineBenchResult", "add_arguments", "run", "run_bench"]
+__all__ = ["add_arguments", "run", "run_bench"]
 
 
 def run_bench(config: PipelineBenchConfig) -> PipelineBenchResult:

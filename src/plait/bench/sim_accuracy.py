@@ -48,7 +48,7 @@ from plait.bench import _common as common
 from plait.bench.accuracy_model import device, fit_efficiency, predict
 from plait.bench.accuracy_plans import AccuracyConfig, PlanRun
 
-__all__ = ["AccuracyConfig", "PlanRun", "add_arguments", "run", "run_bench"]
+__all__ = ["add_arguments", "run", "run_bench"]
 
 _TIMES = ("forward_s", "backward_s", "backward_input_s", "backward_weight_s")
 

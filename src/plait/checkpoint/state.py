@@ -44,7 +44,6 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from plait.blocks import block_names
 from plait.device import rng_state, set_rng_state
 from plait.parallel.experts import expert_param_names
 
@@ -52,13 +51,7 @@ if TYPE_CHECKING:
     from plait.mesh import Meshes
     from plait.runtime.sync import GradSync
 
-__all__ = [
-    "Engine",
-    "block_names",
-    "drop_unsaved_comm",
-    "engine_state",
-    "load_engine_state",
-]
+__all__ = ["Engine", "drop_unsaved_comm", "engine_state", "load_engine_state"]
 
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 _STAGE_KEY = re.compile(r"^(state\.|param_groups\.)?blocks\.(\d+)\.(.+)$")
