@@ -5,7 +5,7 @@ devices joined by an intra-node link; nodes talk over one inter-node link. Globa
 numbered node by node, groups in order, so a cluster may mix device kinds (two nodes of
 A100 followed by two nodes of V100). Presets (`local-cpu`, `dgx-a100-80gb`, `dgx-h100`)
 describe one node; `Cluster.with_nodes(n)` scales them; TOML files (read and written by
-`plait.presets`) describe anything else; `load_cluster` takes either.
+`plait.presets`) describe anything else; `plait.presets.load_cluster` takes either.
 
 Limits: one flat inter-node link (no rail-optimised or fat-tree oversubscription model);
 a link's bandwidth is per device and per direction.
@@ -17,7 +17,6 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 
 __all__ = [
     "DTYPE_BYTES",
@@ -28,11 +27,9 @@ __all__ = [
     "NodeGroup",
     "calibrate_local_cpu",
     "dtype_bytes",
-    "load_cluster",
     "local_cpu",
     "measured_cluster",
     "normalize_dtype",
-    "preset_names",
 ]
 
 GIB = 1 << 30
@@ -88,7 +85,7 @@ class Device:
     codec_s_per_entry: Mapping[str, float] = field(default_factory=dict, hash=False)
     # a device this many times slower than its numbers say: its achievable FLOP/s are
     # divided by it, and plait's runtime pads its ranks' compute to that many times its
-    # time (`plait.runtime.slowdown`), so heterogeneous plans can be tried on one CPU
+    # time (`plait.emulate.slowdown`), so heterogeneous plans can be tried on one CPU
     slowdown: float = 1.0
 
     def __post_init__(self) -> None:
@@ -368,19 +365,3 @@ def calibrate_local_cpu(*, size: int = 512, repeats: int = 5) -> float:
         a @ a
         best = min(best, time.perf_counter() - start)
     return 2.0 * size**3 / max(best, 1e-9)
-
-
-def load_cluster(name_or_path: str | Path, num_nodes: int | None = None) -> Cluster:
-    """A preset by name (`preset_names()`), or a cluster TOML file (see `plait.presets`);
-    `num_nodes` rescales a one-kind cluster."""
-    from plait.presets import read_cluster  # the TOML form lives beside the preset files
-
-    cluster = read_cluster(name_or_path)
-    return cluster if num_nodes is None else cluster.with_nodes(num_nodes)
-
-
-def preset_names() -> list[str]:
-    """Names `load_cluster` accepts besides file paths."""
-    from plait.presets import preset_names as names
-
-    return names()

@@ -10,12 +10,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["DGC_OPTIONS", "METHODS", "Compression", "DGCOptions", "check_zero",
-           "parse_compression"]  # fmt: skip
+__all__ = ["DEFAULT_CODECS", "DGC_OPTIONS", "METHODS", "Compression", "DGCOptions",
+           "check_zero", "parse_compression"]  # fmt: skip
 
 METHODS = ("none", "fp16", "bf16", "powersgd", "threshold", "topk", "sign", "dgc")
 # DGC's remedies that `dgc:RATIO:no-NAME` turns off (Lin et al., ICLR 2018, §3)
 DGC_OPTIONS = ("correction", "masking", "clipping", "warmup")
+#: What `plait profile` measures: each method, PowerSGD at two ranks (a line through them
+#: gives the others, `plait.cost.compress.codec_figure`).
+DEFAULT_CODECS = ("fp16", "bf16", "powersgd:1", "powersgd:4", "threshold:0.01", "topk:0.01", "sign")
 _DGC_WARMUP = 20  # steps of the sparsity warm-up unless `warmup=STEPS` says otherwise
 
 

@@ -900,10 +900,6 @@ class TrainConfig:
                 f"nproc={self.nproc} workers but dp × tp × pp = {par.dp} × {par.tp} × {par.pp} = "
                 f"{par.world_size}: make them equal"
             )
-        if self.cluster is not None:  # read now: a bad file fails before any worker starts
-            from plait.train.slowdown import check_cluster
-
-            check_cluster(self.cluster, par.world_size)
         blocks = self.model.num_blocks
         if self.model.known_blocks and par.num_stages > blocks:
             what = (

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from plait.bench.moe import peer_version
+from plait.bench.moe_peer import peer_version
 from plait.cli.main import main
 
 pytestmark = pytest.mark.dist

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from plait.bench.pipeline import PipelineBenchConfig
+from plait.bench.pipeline_config import PipelineBenchConfig
 from plait.cli.main import main
 
 TINY = ["--layers", "2", "--hidden", "16", "--heads", "2", "--seq-len", "8", "--batch-size", "8"]

@@ -27,7 +27,7 @@ from plait.models.gpt import GPT, GPTConfig
 from plait.models.vgg_small import SmallVGG
 from plait.schedule import build
 from plait.train import run
-from plait.train.emulate import Emulator, version_plan
+from plait.emulate.versions import Emulator, version_plan
 
 pytestmark = pytest.mark.dist
 

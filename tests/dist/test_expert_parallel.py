@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from plait.models import MoEConfig, MoEGPT
 from plait.models.moe import MoELayer
 from plait.parallel.clip import clip_grad_norm
+from plait.profile.experts import bench_expert_parallel
 from plait.parallel.experts import (
-    bench_expert_parallel,
     expert_grad_scale,
     expert_params,
     TokenSplit,

@@ -8,7 +8,8 @@ import tomllib
 
 import pytest
 
-from plait.bench.hetpipe import HetPipeBenchConfig, Run, planned_pipelines
+from plait.bench.hetpipe import Run, planned_pipelines
+from plait.bench.hetpipe_config import HetPipeBenchConfig
 from plait.presets import cluster_from_toml
 
 
@@ -54,8 +55,8 @@ def test_bad_input_is_refused_before_workers_start(
 
 
 def test_the_pad_counts_forward_and_backward_actions_only() -> None:
+    from plait.emulate.slowdown import compute_seconds
     from plait.runtime.executor import ActionRecord
-    from plait.runtime.slowdown import compute_seconds
 
     records = [ActionRecord(0, 0, "0F0", 0.0, 1.0), ActionRecord(0, 1, "0SEND_F0", 1.0, 3.0),
                ActionRecord(0, 2, "1BI2v1", 3.0, 3.5), ActionRecord(0, 3, "0B0", 4.0, 6.0),
@@ -67,7 +68,7 @@ def test_emulated_compute_sleeps_per_block_and_sample_and_twice_in_backward() ->
     import torch
     from torch import nn
 
-    from plait.runtime.slowdown import EmulatedCompute
+    from plait.emulate.slowdown import EmulatedCompute
 
     class TwoBlocks(nn.Module):
         def __init__(self) -> None:

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from plait.bench.moe import MoEBenchConfig, predict_share
+from plait.bench.moe_config import MoEBenchConfig
+from plait.bench.moe_share import predict_share
 
 
 def _closed_form(c: MoEBenchConfig, ep: int, compute_s: float, alpha: float, bw: float) -> float:

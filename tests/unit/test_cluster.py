@@ -16,13 +16,11 @@ from plait.cluster import (
     NodeGroup,
     calibrate_local_cpu,
     dtype_bytes,
-    load_cluster,
     local_cpu,
     measured_cluster,
     normalize_dtype,
-    preset_names,
 )
-from plait.presets import cluster_from_toml, cluster_to_toml
+from plait.presets import cluster_from_toml, cluster_to_toml, load_cluster, preset_names
 
 MIXED = """
 name = "mixed"

@@ -71,7 +71,7 @@ def test_figures_are_found_by_value_method_or_neighbours() -> None:
 
 
 def test_the_simulated_step_grows_by_the_codec_term() -> None:
-    from plait.cli.simulate import predict
+    from plait.plan.predict import predict
     from plait.profile import GPTSpec
     from plait.sim import SimPlan
 

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from plait.cluster import Device, Link, load_cluster
+from plait.cluster import Device, Link
 from plait.config import ParallelPlan
 from plait.cost import (
     AxisLinks,
@@ -30,6 +30,7 @@ from plait.cost import (
     tree_all_reduce_time,
 )
 from plait.cost.transformer import TransformerShape
+from plait.presets import load_cluster
 
 ALPHA, BW = 1e-5, 1e10
 LINK = Link(latency_s=ALPHA, bandwidth_Bps=BW)

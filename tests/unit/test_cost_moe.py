@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from plait.cluster import Cluster, Device, Link, NodeGroup, load_cluster
+from plait.cluster import Cluster, Device, Link, NodeGroup
 from plait.cost import Collective, MoEShape, StageCost, moe_block_costs
+from plait.presets import load_cluster
 from plait.profile import MoESpec
 from plait.sim import SimPlan, SimResult, build_schedule, simulate
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from plait.cli.main import build_parser
-from plait.cli.train import _resolve
+from plait.cli.train_config import resolve as _resolve
 
 
 def _gpus(monkeypatch: pytest.MonkeyPatch, count: int) -> None:

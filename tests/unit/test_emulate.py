@@ -8,8 +8,8 @@ import pytest
 import torch
 from tests.dist.test_async_pipeline import _microbatch, _model, _optimizer, emulate
 
+from plait.emulate.versions import Emulator, version_plan
 from plait.schedule import build, kind_names
-from plait.train.emulate import Emulator, version_plan
 
 TOL = {"rtol": 1e-5, "atol": 1e-5}
 

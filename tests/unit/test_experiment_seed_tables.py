@@ -13,13 +13,13 @@ import pytest
 import torch
 from torch import nn
 
-from plait.cluster import load_cluster
 from plait.experiment import data_movement as dm
 from plait.experiment import dp_vs_gpipe as dg
 from plait.experiment import dp_vs_gpipe_predict as dgp
 from plait.experiment.work import count_work, median_abs_error, relative_error
 from plait.models.imagenet import build_imagenet_model
 from plait.models.resnet import ResNet18
+from plait.presets import load_cluster
 
 
 def _reference_forward_flops(model: nn.Module, shape: tuple[int, ...]) -> float:

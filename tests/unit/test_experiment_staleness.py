@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 
 from plait.cli.main import main
-from plait.experiment.staleness import StalenessConfig, StalenessResult, plot, run_experiment
+from plait.experiment.staleness import StalenessConfig, StalenessResult, run_experiment
+from plait.experiment.staleness_plot import plot
 
 TINY: dict[str, Any] = {
     "schedules": ("1f1b", "pipedream"),

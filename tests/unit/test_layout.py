@@ -189,7 +189,7 @@ def test_a_hand_written_plan_file_reads_the_same_to_training_and_the_simulator()
 
 
 def test_plait_train_takes_every_field_of_a_plan_file(tmp_path: Path) -> None:
-    from plait.cli.train import _from_plan_file
+    from plait.cli.train_config import from_plan_file as _from_plan_file
 
     plan = SimPlan(dp=2, pp=2, microbatches=2, micro_batch_size=2, rank_order="tp-pp-dp")
     model = {"layers": 2, "hidden": 64, "heads": 4, "seq_len": 32}
@@ -223,7 +223,7 @@ def test_a_heterogeneous_plan_file_trains_its_pipelines(tmp_path: Path) -> None:
 
 
 def test_plait_train_adopts_a_moe_plans_model(tmp_path: Path) -> None:
-    from plait.cli.train import _from_plan_file
+    from plait.cli.train_config import from_plan_file as _from_plan_file
 
     plan = SimPlan(dp=2, pp=1, ep=2, microbatches=2, micro_batch_size=2)
     model = {"name": "moe-gpt", "layers": 2, "hidden": 64, "heads": 4, "seq_len": 32,

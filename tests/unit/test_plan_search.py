@@ -9,12 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from plait.cluster import Cluster, Device, Link, NodeGroup, load_cluster
+from plait.cluster import Cluster, Device, Link, NodeGroup
 from plait.cost import StageCost
 from plait.plan import NoFeasiblePlan, SearchSpace, describe, gpt_spec, partition_blocks, search
 from plait.plan.estimate import inflight
 from plait.plan.explain import explain
 from plait.plan.hetero import plan_replicas, shares
+from plait.presets import load_cluster
 from plait.sim import SimPlan, build_schedule, simulate
 
 GIB = 2**30

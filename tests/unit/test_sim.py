@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from plait.cluster import GIB, Cluster, Device, Link, NodeGroup, load_cluster
+from plait.cluster import GIB, Cluster, Device, Link, NodeGroup
 from plait.cost import BlockCost, stage_costs, transformer_block_costs
 from plait.plan import partition_blocks
+from plait.presets import load_cluster
 from plait.schedule import build, compute_only
 from plait.sim import SimPlan, build_schedule, simulate
 

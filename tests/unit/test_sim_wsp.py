@@ -64,7 +64,7 @@ def test_bad_replays_are_refused() -> None:
 def test_plait_plan_chooses_d_within_the_allowance_into_the_plan_file(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from plait.bench.hetpipe import HetPipeBenchConfig
+    from plait.bench.hetpipe_config import HetPipeBenchConfig
     from plait.cli.main import main
     from plait.plan.io import parallel_plan_of, read_plan
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from plait.blocks import as_blocks
+from plait.emulate.versions import version_plan
 from plait.experiment.stale_train import _remedy, update_times
 from plait.models.vgg_small import SmallVGG
 from plait.schedule import build
-from plait.train.emulate import version_plan
 
 
 def test_small_vgg_is_eight_blocks_from_digits_to_logits() -> None:

@@ -14,10 +14,11 @@ from plait.parallel import GradReducer
 from plait.runtime import DEFAULT_TIMEOUT_S, PipelineExecutor, PipelineTimeout
 from plait.runtime.boundary import BoundaryMeta
 from plait.runtime.channels import Channels
-from plait.runtime.transport import Transport, timed_wait, timeout_message
+from plait.runtime.transport import Transport
 from plait.schedule import Action, Op, build
 from plait.schedule.lower import Batch, Message, lower
 from plait.train.parallelize import parallelize
+from plait.wait import timed_wait, timeout_message
 
 # what gloo's Work.wait raises when a receive outlasts its timeout (torch 2.13)
 GLOO_TIMEOUT = (

@@ -10,7 +10,7 @@ import pytest
 
 from plait.config import ParallelPlan, TrainConfig
 from plait.runtime.executor import ActionRecord
-from plait.train.slowdown import check_cluster, padded_step
+from plait.train.slowdown import check_cluster, check_config, padded_step
 
 _CLUSTER = """name = "mixed"
 inter_node = { latency_s = 2e-5, bandwidth_Bps = 4e9 }
@@ -41,16 +41,23 @@ def test_ranks_take_their_devices_slowdown_in_rank_order(cluster: str) -> None:
     assert check_cluster(cluster, 2) == (1.0, 1.0)  # fewer workers: the first devices
 
 
-def test_a_cluster_of_too_few_devices_or_no_file_is_refused_by_the_config(
+def test_a_cluster_of_too_few_devices_or_no_file_is_refused_before_training(
     cluster: str, tmp_path: Path
 ) -> None:
-    ok = TrainConfig(parallel=ParallelPlan(dp=3, pp=1), batch_size=12, cluster=cluster)
-    assert ok.cluster == cluster
+    check_config(TrainConfig(parallel=ParallelPlan(dp=3, pp=1), batch_size=12, cluster=cluster))
     with pytest.raises(ValueError, match="3 devices for 4 workers"):
-        TrainConfig(parallel=ParallelPlan(dp=4, pp=1), batch_size=16, cluster=cluster)
+        check_config(TrainConfig(parallel=ParallelPlan(dp=4, pp=1), batch_size=16, cluster=cluster))
     missing = str(tmp_path / "nope.toml")
     with pytest.raises(ValueError, match=r"nope\.toml"):
-        TrainConfig(parallel=ParallelPlan(dp=2, pp=1), batch_size=8, cluster=missing)
+        check_config(TrainConfig(parallel=ParallelPlan(dp=2, pp=1), batch_size=8, cluster=missing))
+
+
+def test_plait_train_refuses_a_cluster_of_too_few_devices(cluster: str) -> None:
+    from plait.cli.main import main
+
+    argv = ["train", "--cluster", cluster, "--dp", "4", "--pp", "1", "--batch-size", "16",
+            "--dry-run"]  # fmt: skip
+    assert main(argv) == 2
 
 
 class _Engine:

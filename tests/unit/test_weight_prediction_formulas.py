@@ -10,9 +10,9 @@ import math
 import torch
 from torch import nn
 
+from plait.emulate.versions import Emulator, version_plan
 from plait.runtime.predict import optimizer_predictor
 from plait.schedule import build
-from plait.train.emulate import Emulator, version_plan
 
 GRADS = [torch.tensor([0.5, -1.0]), torch.tensor([0.25, 2.0])]
 

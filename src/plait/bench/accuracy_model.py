@@ -7,7 +7,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from plait.bench.sim_accuracy import AccuracyConfig, PlanRun
+    from plait.bench.accuracy_plans import AccuracyConfig, PlanRun
 
 __all__ = ["device", "fit_efficiency", "predict"]
 

@@ -41,89 +41,19 @@ from __future__ import annotations
 import argparse
 import functools
 import statistics
-import warnings
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from typing import TYPE_CHECKING, Any
 
 from plait.bench import _common as common
-from plait.bench.moe_share import Probe, all_to_all_share, predict_share
+from plait.bench.moe_config import MoEBenchConfig
+from plait.bench.moe_peer import INSTALL, PEER, peer_layer, peer_loss, peer_version, routing_agrees
+from plait.bench.moe_share import Probe, all_to_all_share
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
 
-__all__ = [
-    "PEER",
-    "MoEBenchConfig",
-    "add_arguments",
-    "peer_version",
-    "predict_share",
-    "run",
-    "run_bench",
-]
-
-PEER = "torchtitan"
-INSTALL = (
-    "pip install --no-deps -c constraints.txt torchtitan==0.3.0 spmd_types==0.2.3 "
-    "tyro==1.0.17 docstring_parser==0.18.0 triton==3.9.0"
-)
-
-
-def peer_version() -> str | None:
-    """torchtitan's version when its MoE layer imports here, else None."""
-    try:
-        import importlib.metadata
-
-        from torchtitan.models.common.moe import MoE  # noqa: F401
-    except ImportError:
-        return None
-    return importlib.metadata.version(PEER)
-
-
-@dataclass(frozen=True, kw_only=True)
-class MoEBenchConfig:
-    workers: tuple[int, ...] = (1, 2)
-    tokens: int = 512  # per rank
-    hidden: int = 256
-    ffn: int = 768
-    num_experts: int = 8
-    top_k: int = 2
-    capacity_factor: float = 0.0  # dropless, as torchtitan routes
-    num_steps: int = 20
-    num_warmup: int = 3
-    # plait's precision: bf16 autocast (its `--dtype bf16`) computes the experts in bf16
-    # and keeps the router in fp32, as the peer always does; fp32 computes all in fp32
-    dtype: str = "bf16"
-    peer: bool = True
-
-    def __post_init__(self) -> None:
-        from plait.models.moe import MoEConfig
-        from plait.parallel.experts import check_expert_parallel
-
-        if not self.workers or min(self.workers) < 1:
-            raise ValueError(f"workers={self.workers}: give worker counts >= 1")
-        if self.tokens < 1 or self.num_steps < 1 or self.num_warmup < 0:
-            raise ValueError(
-                f"tokens={self.tokens}, steps={self.num_steps} must be >= 1, "
-                f"warmup={self.num_warmup} >= 0"
-            )
-        if self.dtype not in ("fp32", "bf16"):
-            raise ValueError(f"dtype={self.dtype!r}: give fp32 or bf16")
-        for w in self.workers:
-            check_expert_parallel(self.num_experts, w)
-        if self.peer and (self.hidden % 8 or self.peer_ffn < 8):
-            raise ValueError(
-                f"hidden={self.hidden}, ffn={self.ffn}: torchtitan's grouped GEMM needs a "
-                "hidden size that is a multiple of 8 and ffn >= 12 (or give --no-peer)"
-            )
-        MoEConfig(hidden=self.hidden, num_heads=1, ffn_hidden=self.ffn,
-                  num_experts=self.num_experts, top_k=self.top_k,
-                  capacity_factor=self.capacity_factor)  # fmt: skip
-
-    @property
-    def peer_ffn(self) -> int:
-        """The peer's SwiGLU width: 2/3 of `ffn`, a multiple of 8 (same parameters, FLOPs)."""
-        return 2 * self.ffn // 3 // 8 * 8
+__all__ = ["add_arguments", "run", "run_bench"]
 
 
 def run_bench(config: MoEBenchConfig) -> dict[str, Any]:
@@ -220,9 +150,9 @@ def _measure(
         exchange.timings = []
         runners["plait"].timings = timings, exchange.timings
     if with_peer:
-        peer = _peer_layer(config, plait.router.gate.weight, rank, world, device)
+        peer = peer_layer(config, plait.router.gate.weight, rank, world, device)
         inner = peer.routed_experts.inner_experts
-        runners["peer"] = _Turn(peer, inner, _peer_loss)
+        runners["peer"] = _Turn(peer, inner, peer_loss)
     torch.manual_seed(1 + rank)  # but each rank its own tokens
     x = torch.randn(config.tokens, config.hidden, device=device, requires_grad=True)
     names = list(runners)
@@ -244,7 +174,7 @@ def _measure(
         out["probes"] = runners["link"].samples[config.num_warmup :]
     if with_peer:
         out["same_output_shape"] = outputs["plait"] == outputs["peer"] == x.shape
-        out["routing_agrees"] = _routing_agrees(plait, runners["peer"].layer, x)
+        out["routing_agrees"] = routing_agrees(plait, runners["peer"].layer, x)
     return out
 
 
@@ -277,79 +207,6 @@ def _plait_loss(autocast: Any, layer: nn.Module, x: torch.Tensor) -> torch.Tenso
         y, aux = layer(x)  # [tokens, hidden]
     (y.float().square().mean() + aux).backward()
     return y.detach()
-
-
-def _peer_loss(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    y = layer(x.unsqueeze(0))  # torchtitan takes [batch, seq, hidden]
-    y.square().mean().backward()
-    return y.detach().squeeze(0)
-
-
-def _peer_layer(
-    config: MoEBenchConfig, gate: torch.Tensor, rank: int, world: int, device: torch.device
-) -> Any:
-    """torchtitan's MoE with `gate` as its router weight and this rank's slice of experts,
-    wired to an ep mesh of all workers (none for one worker: its local dispatcher)."""
-    import torch
-    from torch import nn
-    from torch.distributed.device_mesh import init_device_mesh
-    from torchtitan.distributed.utils import set_spmd_backend
-    from torchtitan.models.common.linear import Linear
-    from torchtitan.models.common.moe import (
-        GroupedExperts,
-        MoE,
-        RoutedExperts,
-        TokenChoiceTopKRouter,
-    )
-    from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
-
-    # plain process groups and tensors, as torch.compile'd torchtitan runs; its default
-    # backend wants the typed SPMD meshes its trainer sets up
-    set_spmd_backend("plain")
-    # its router asks CPU autocast for fp32, which CPU autocast declines with a warning
-    # each call; the gate runs in fp32 either way
-    warnings.filterwarnings("ignore", "In CPU autocast, but the target dtype", UserWarning)
-    e, k = config.num_experts, config.top_k
-    layer_cfg = MoE.Config(
-        num_experts=e,
-        load_balance_coeff=None,
-        routed_experts=RoutedExperts.Config(
-            inner_experts=GroupedExperts.Config(
-                dim=config.hidden, hidden_dim=config.peer_ffn, num_experts=e
-            ),
-            token_dispatcher=AllToAllTokenDispatcher.Config(num_experts=e, top_k=k),
-        ),
-        router=TokenChoiceTopKRouter.Config(
-            num_experts=e,
-            top_k=k,
-            score_func="softmax",
-            route_norm=True,
-            gate=Linear.Config(in_features=config.hidden, out_features=e),
-        ),
-    )
-    torch.manual_seed(2)
-    layer = layer_cfg.build().to(device)
-    with torch.no_grad():
-        layer.router.gate.weight.copy_(gate)
-    inner = layer.routed_experts.inner_experts
-    per_rank = e // world
-    for name in ("w1_EFD", "w2_EDF", "w3_EFD"):
-        full = torch.randn(e, *getattr(inner, name).shape[1:], device=device) * 0.02
-        setattr(inner, name, nn.Parameter(full[rank * per_rank : (rank + 1) * per_rank]))
-    if world > 1:
-        mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("ep",))
-        layer.routed_experts.token_dispatcher.wire_meshes(ep_mesh=mesh)
-    return layer
-
-
-def _routing_agrees(plait: Any, peer: Any, x: torch.Tensor) -> float:
-    """The fraction of this rank's tokens that both routers send to the same experts."""
-    import torch
-
-    with torch.no_grad():
-        mine = plait.router(x).expert.sort(dim=-1).values
-        theirs = peer.router(x.unsqueeze(0), None)[1].squeeze(0).sort(dim=-1).values
-    return float((mine == theirs).all(dim=-1).float().mean())
 
 
 # ------------------------------------------------------------------ command line

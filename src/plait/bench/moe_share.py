@@ -25,7 +25,7 @@ from plait.bench import _common as common
 if TYPE_CHECKING:
     import torch
 
-    from plait.bench.moe import MoEBenchConfig
+    from plait.bench.moe_config import MoEBenchConfig
     from plait.sim import SimResult
 
 __all__ = ["Probe", "all_to_all_share", "predict_share"]

@@ -33,7 +33,7 @@ from plait.bench import _common as common
 if TYPE_CHECKING:
     import torch
 
-    from plait.runtime.slowdown import EmulatedCompute
+    from plait.emulate.slowdown import EmulatedCompute
 
 __all__ = ["RepartitionBenchConfig", "add_arguments", "run", "run_bench"]
 
@@ -127,8 +127,8 @@ def _setup(
     import torch.distributed as dist
 
     from plait.config import ParallelPlan
+    from plait.emulate.slowdown import EmulatedCompute
     from plait.models import GPT, GPTConfig
-    from plait.runtime.slowdown import EmulatedCompute
     from plait.train.engine import Engine
     from plait.train.parallelize import parallelize
 

@@ -48,8 +48,8 @@ def simulate_64x512() -> Any:
 
 def plan_trillion() -> Any:
     """Every layout of a 128-layer, hidden-25600 GPT on 384 DGX A100 nodes, batch 3072."""
-    from plait.cluster import load_cluster
     from plait.plan import gpt_spec, search
+    from plait.presets import load_cluster
 
     model = gpt_spec(num_layers=128, hidden=25600, num_heads=160, seq_len=2048, vocab_size=51200)
     return search(model, load_cluster("dgx-a100-80gb", num_nodes=384), global_batch=3072)

@@ -12,7 +12,14 @@ from collections.abc import Sequence
 
 from torch import nn
 
-__all__ = ["BlockChain", "StageModule", "as_blocks", "equal_split", "stage_modules"]
+__all__ = [
+    "BlockChain",
+    "StageModule",
+    "as_blocks",
+    "block_names",
+    "equal_split",
+    "stage_modules",
+]
 
 
 def as_blocks(model: nn.Module) -> list[nn.Module]:
@@ -29,6 +36,13 @@ def as_blocks(model: nn.Module) -> list[nn.Module]:
         f"{type(model).__name__} cannot be cut into pipeline stages: pass an nn.Sequential, "
         "or give the model a `blocks()` method returning its layers in order"
     )
+
+
+def block_names(model: nn.Module) -> list[str]:
+    """The name each block of `model` has in the whole model (`layers.3`, or `3` for an
+    `nn.Sequential`): the prefix of its parameters' global names."""
+    names = {id(module): name for name, module in model.named_modules()}
+    return [names[id(block)] for block in as_blocks(model)]
 
 
 class BlockChain(nn.Module):

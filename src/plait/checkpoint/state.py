@@ -32,7 +32,7 @@ import re
 import sys
 from collections.abc import Collection, Iterator, Mapping
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
@@ -44,24 +44,40 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from plait.blocks import as_blocks
 from plait.device import rng_state, set_rng_state
 from plait.parallel.experts import expert_param_names
 
 if TYPE_CHECKING:
-    from plait.train.engine import Engine
+    from plait.mesh import Meshes
+    from plait.runtime.sync import GradSync
 
-__all__ = ["block_names", "drop_unsaved_comm", "engine_state", "load_engine_state"]
+__all__ = ["Engine", "drop_unsaved_comm", "engine_state", "load_engine_state"]
 
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 _STAGE_KEY = re.compile(r"^(state\.|param_groups\.)?blocks\.(\d+)\.(.+)$")
 
 
-def block_names(model: nn.Module) -> list[str]:
-    """The name each block of `model` has in the whole model (`layers.3`, or `3` for an
-    `nn.Sequential`): the prefix of its parameters' global names."""
-    names = {id(module): name for name, module in model.named_modules()}
-    return [names[id(block)] for block in as_blocks(model)]
+class Engine(Protocol):
+    """What a checkpoint reads and writes of a training engine (`plait.train.engine.Engine`
+    has it): typed here so that checkpointing does not import the training room above it."""
+
+    @property
+    def stages(self) -> Mapping[int, nn.Module]: ...
+
+    @property
+    def optimizers(self) -> Mapping[int, torch.optim.Optimizer]: ...
+
+    @property
+    def grad_sync(self) -> GradSync | None: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def block_names(self) -> list[str]: ...
+
+    @property
+    def meshes(self) -> Meshes: ...
 
 
 def _renamer(names: list[str], first_block: int) -> Any:

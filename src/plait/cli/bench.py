@@ -1,9 +1,19 @@
-"""`plait bench`: measurements that compare plait with its peers; one subcommand each."""
+"""`plait bench`: measurements that compare plait with its peers; one subcommand each.
+
+A bench's module is imported only when it is chosen (`plait bench NAME ...`): most build
+their defaults from torch models, and `plait bench --help` lists them from their
+docstrings, read from the source without running it."""
 
 from __future__ import annotations
 
 import argparse
+import ast
+import functools
 import importlib
+import importlib.util
+from pathlib import Path
+
+from plait.cli.lazy import lazy_subparsers
 
 __all__ = ["add_parser", "summary"]
 
@@ -27,12 +37,23 @@ _BENCHES = {
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("bench", help="benchmarks against peers (slow; not part of the tests)")
-    benches = p.add_subparsers(dest="bench", metavar="BENCH", required=True)
+    benches = lazy_subparsers(p, dest="bench", metavar="BENCH", required=True)
     for name, module in _BENCHES.items():
-        mod = importlib.import_module(module)
-        bp = benches.add_parser(name, help=summary(mod.__doc__ or ""))
-        mod.add_arguments(bp)
-        bp.set_defaults(func=mod.run)
+        benches.add_lazy(name, functools.partial(_fill, module), help=summary(_docstring(module)))
+
+
+def _fill(module: str, parser: argparse.ArgumentParser) -> None:
+    bench = importlib.import_module(module)
+    bench.add_arguments(parser)
+    parser.set_defaults(func=bench.run)
+
+
+def _docstring(module: str) -> str:
+    """`module`'s docstring, read from its source (the module is not imported)."""
+    spec = importlib.util.find_spec(module)
+    if spec is None or spec.origin is None:
+        return ""
+    return ast.get_docstring(ast.parse(Path(spec.origin).read_text())) or ""
 
 
 def summary(doc: str) -> str:

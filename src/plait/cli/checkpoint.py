@@ -18,8 +18,6 @@ import argparse
 import json
 from typing import Any
 
-from plait.checkpoint.inspect import describe, export_model
-
 __all__ = ["add_parser", "summary"]
 
 
@@ -94,12 +92,16 @@ def summary(d: dict[str, Any]) -> list[str]:
 
 
 def _inspect(args: argparse.Namespace) -> int:
+    from plait.checkpoint.inspect import describe
+
     d = describe(args.path)
     print(json.dumps(d) if args.json else "\n".join(summary(d)))
     return 0 if d["verified"] else 1
 
 
 def _export(args: argparse.Namespace) -> int:
+    from plait.checkpoint.inspect import export_model
+
     if args.format == "hf":
         from plait.checkpoint.hf_export import export_hf
 

@@ -15,17 +15,20 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from plait.cli.lazy import lazy_subparsers
+from plait.cli.options import number
+
 __all__ = ["add_parser"]
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("experiment", help="the seeds' experiments, reproduced (slow)")
-    experiments = p.add_subparsers(dest="experiment", metavar="EXPERIMENT", required=True)
-    sp = experiments.add_parser(
-        "staleness", help="epochs to a target validation loss per schedule kind and stage count"
+    experiments = lazy_subparsers(p, dest="experiment", metavar="EXPERIMENT", required=True)
+    experiments.add_lazy(
+        "staleness",
+        _staleness_arguments,
+        help="epochs to a target validation loss per schedule kind and stage count",
     )
-    _staleness_arguments(sp)
-    sp.set_defaults(func=_run_staleness)
     cp = experiments.add_parser(
         "convergence", help="the seeds' convergence claims measured: convergence.md with plots"
     )
@@ -85,21 +88,14 @@ def _staleness_arguments(p: argparse.ArgumentParser) -> None:
     a("--seed", help=f"seed of the model, the data order and the validation set ({d.seed})")
     a("--json", action="store_true", help="print the result as one JSON line")
     a("--plot", metavar="PATH", help="draw validation loss against epochs as a PNG")
-
-
-def _number(flag: str, text: str, kind: type[int] | type[float]) -> Any:
-    try:
-        return kind(text)
-    except ValueError:
-        what = "an integer" if kind is int else "a number"
-        raise ValueError(f"--{flag} {text!r} is not {what}") from None
+    p.set_defaults(func=_run_staleness)
 
 
 def _config_fields(args: argparse.Namespace) -> dict[str, Any]:
     fields: dict[str, Any] = {
         # any order on the command line; the config wants them increasing
         "stages": tuple(
-            sorted(_number("stages", s, int) for s in args.stages.split(",") if s.strip())
+            sorted(number("stages", s, int) for s in args.stages.split(",") if s.strip())
         ),
         "schedules": tuple(s.strip() for s in args.schedules.split(",") if s.strip()),
         "regime": args.regime,
@@ -111,14 +107,14 @@ def _config_fields(args: argparse.Namespace) -> dict[str, Any]:
                "micro_batch_size": ("micro_batch_size", int)}  # fmt: skip
     for flag, (field, kind) in numbers.items():
         if getattr(args, flag) is not None:
-            fields[field] = _number(flag, getattr(args, flag), kind)
+            fields[field] = number(flag, getattr(args, flag), kind)
     if args.optimizer is not None:
         fields["optimizer"] = args.optimizer
     return fields
 
 
 def _run_staleness(args: argparse.Namespace) -> int:
-    from plait.experiment import staleness
+    from plait.experiment import staleness, staleness_plot
 
     config = staleness.StalenessConfig(**_config_fields(args))
     if args.plot:  # fail before a long run, not after it
@@ -126,12 +122,12 @@ def _run_staleness(args: argparse.Namespace) -> int:
 
         check_out(args.plot, "--plot")
         try:
-            staleness.require_matplotlib()
+            staleness_plot.require_matplotlib()
         except RuntimeError as err:
             raise ValueError(f"--plot: {err}") from None
     result = staleness.run_experiment(config)
     if args.plot:
-        staleness.plot(result, args.plot)
+        staleness_plot.plot(result, args.plot)
     if args.json:
         from plait.bench._common import print_json
 

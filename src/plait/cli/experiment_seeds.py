@@ -14,22 +14,35 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from plait.cli.experiment import _number
+from plait.cli.lazy import LazyChoices
+from plait.cli.options import number
 
 __all__ = ["add_seed_experiments"]
 
 
-def add_seed_experiments(experiments: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = experiments.add_parser("dp-vs-gpipe", help="ResNet-18: data parallel vs GPipe (seed 001)")
+def add_seed_experiments(experiments: LazyChoices) -> None:
+    """The seeds' experiments, each filled in when chosen (their configs import torch)."""
+    experiments.add_lazy("dp-vs-gpipe", _dp_parser,
+                         help="ResNet-18: data parallel vs GPipe (seed 001)")  # fmt: skip
+    experiments.add_lazy("data-movement", _dm_parser, help="input and parameter movement "
+                         "shares of a data-parallel step (seed 003, Table 2)")  # fmt: skip
+    experiments.add_lazy("all", _all_parser,
+                         help="every experiment: one Markdown report, PNGs, JSON")  # fmt: skip
+
+
+def _dp_parser(p: argparse.ArgumentParser) -> None:
     _dp_arguments(p)
     _common(p)
     p.set_defaults(func=_run_dp)
-    p = experiments.add_parser("data-movement", help="input and parameter movement shares of "
-                               "a data-parallel step (seed 003, Table 2)")  # fmt: skip
+
+
+def _dm_parser(p: argparse.ArgumentParser) -> None:
     _dm_arguments(p)
     _common(p)
     p.set_defaults(func=_run_dm)
-    p = experiments.add_parser("all", help="every experiment: one Markdown report, PNGs, JSON")
+
+
+def _all_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="folder of report.md, results.json and PNGs")
     _dp_arguments(p)
     _dm_arguments(p, prefix="movement-")
@@ -86,7 +99,7 @@ def _dm_arguments(p: argparse.ArgumentParser, prefix: str = "") -> None:
 
 
 def _ints(flag: str, text: str) -> tuple[int, ...]:
-    return tuple(_number(flag, t.strip(), int) for t in text.split(",") if t.strip())
+    return tuple(number(flag, t.strip(), int) for t in text.split(",") if t.strip())
 
 
 def _names(text: str) -> tuple[str, ...]:
@@ -97,12 +110,12 @@ def _dp_configs(args: argparse.Namespace) -> tuple[Any, Any]:
     from plait.experiment.dp_vs_gpipe import DpGpipeConfig, PaperSetup
 
     config = DpGpipeConfig(
-        workers=_ints("workers", args.workers), epochs=_number("epochs", args.epochs, int),
+        workers=_ints("workers", args.workers), epochs=number("epochs", args.epochs, int),
         data=args.data, dtypes=_names(args.dtype),
-        train_images=_number("images", args.images, int), width=_number("width", args.width, int),
+        train_images=number("images", args.images, int), width=number("width", args.width, int),
     )  # fmt: skip
-    rate = _number("loader-rate", args.loader_rate, float)
-    chunks = _number("paper-chunks", args.paper_chunks, int)
+    rate = number("loader-rate", args.loader_rate, float)
+    chunks = number("paper-chunks", args.paper_chunks, int)
     setup = PaperSetup(cluster=args.paper_cluster, chunks=chunks, loader_samples_per_s=rate)
     _check_data(config.data)
     return config, setup
@@ -124,15 +137,15 @@ def _dm_configs(args: argparse.Namespace, prefix: str = "") -> tuple[Any, Any]:
 
     config = DataMovementConfig(
         models=_names(get("models")), workers=_ints(f"{prefix}workers", get("workers")),
-        batch_size=_number(f"{prefix}batch-size", get("batch_size"), int),
-        image_size=_number(f"{prefix}image-size", get("image_size"), int),
-        steps=_number(f"{prefix}steps", get("steps"), int),
+        batch_size=number(f"{prefix}batch-size", get("batch_size"), int),
+        image_size=number(f"{prefix}image-size", get("image_size"), int),
+        steps=number(f"{prefix}steps", get("steps"), int),
     )  # fmt: skip
     return config, PaperSetup(cluster=get("cluster"))
 
 
 def _check_cluster(name: str, flag: str) -> None:
-    from plait.cluster import load_cluster
+    from plait.presets import load_cluster
 
     try:
         load_cluster(name)
@@ -202,8 +215,8 @@ def _run_all(args: argparse.Namespace) -> int:
         staleness = StalenessConfig(
             stages=tuple(sorted(_ints("staleness-stages", args.staleness_stages))),
             schedules=_names(args.staleness_schedules),
-            budget=_number("staleness-budget", args.staleness_budget, int),
-            num_layers=_number("staleness-layers", args.staleness_layers, int),
+            budget=number("staleness-budget", args.staleness_budget, int),
+            num_layers=number("staleness-layers", args.staleness_layers, int),
         )  # fmt: skip
     out = Path(args.out)
     if out.exists() and not out.is_dir():

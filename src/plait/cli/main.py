@@ -46,8 +46,8 @@ def _version() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run `plait ARGV`; Ctrl-C at any moment (building the parser imports torch: seconds)
-    ends it with one line, not a traceback."""
+    """Run `plait ARGV`; Ctrl-C at any moment (a command that imports torch takes seconds
+    before it starts) ends it with one line, not a traceback."""
     try:
         return _main(argv)
     except KeyboardInterrupt:
@@ -65,8 +65,6 @@ def _main(argv: list[str] | None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    from plait.train.launch import Interrupted, WorkerFailed
-
     # a setting that does nothing warns in one line, like an error, without a source line
     warnings.formatwarning = lambda message, *_, **__: f"plait {args.command}: warning: {message}\n"
 
@@ -75,12 +73,19 @@ def _main(argv: list[str] | None) -> int:
     except ValueError as err:  # bad user input: say what and how to fix it, no traceback
         print(f"plait {args.command}: error: {err}", file=sys.stderr)
         return 2
-    except WorkerFailed as err:  # a worker's failure: one line naming the rank and cause
-        print(f"plait {args.command}: error: {err}", file=sys.stderr)
-        return 1
-    except Interrupted as err:
-        print(f"plait {args.command}: {err}; workers stopped", file=sys.stderr)
-        return 128 + err.signum
+    except Exception as err:
+        # only a command that launched workers can raise their errors, and it has imported
+        # the launcher; a command that did not (`plait schedule`) never imports it, or torch
+        launch = sys.modules.get("plait.train.launch")
+        if launch is None:
+            raise
+        if isinstance(err, launch.WorkerFailed):  # one line naming the rank and cause
+            print(f"plait {args.command}: error: {err}", file=sys.stderr)
+            return 1
+        if isinstance(err, launch.Interrupted):
+            print(f"plait {args.command}: {err}; workers stopped", file=sys.stderr)
+            return 128 + int(err.signum)
+        raise
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import types
 import typing
 from typing import Any
 
-__all__ = ["GROUPS", "add_config_flags", "add_groups", "config_flags"]
+__all__ = ["GROUPS", "add_config_flags", "add_groups", "config_flags", "number"]
 
 #: The sections of `plait train --help`, in the order listed: name -> what its flags set.
 GROUPS: dict[str, str] = {
@@ -162,3 +162,12 @@ def _int_list(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(
             f"{text!r} is not a comma-separated list of integers (e.g. 2,3,1)"
         ) from None
+
+
+def number(flag: str, text: str, kind: type[int] | type[float]) -> Any:
+    """`text`, the value of `--flag`, as `kind`; a ValueError naming the flag if it is not one."""
+    try:
+        return kind(text)
+    except ValueError:
+        what = "an integer" if kind is int else "a number"
+        raise ValueError(f"--{flag} {text!r} is not {what}") from None

@@ -17,7 +17,7 @@ _GIB = float(1 << 30)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    from plait.cli.profile import add_model_arguments, default_dtype
+    from plait.cli.models import add_model_arguments, default_dtype
 
     p = sub.add_parser(
         "plan", help="search the best parallel layout and explain it", description=__doc__
@@ -64,12 +64,12 @@ def check_out(path: str, flag: str = "--out") -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from plait.cli.profile import spec_from_args
-    from plait.cluster import load_cluster
+    from plait.cli.models import spec_from_args
     from plait.plan import SearchSpace, describe, gpt_spec, moe_spec, search
     from plait.plan.explain import explain
     from plait.plan.io import plan_to_dict, write_plan
     from plait.plan.loader import check_rate
+    from plait.presets import load_cluster
     from plait.profile import MoESpec
 
     if args.global_batch < 1 or args.top < 1:

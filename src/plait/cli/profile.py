@@ -18,106 +18,25 @@ import json
 import math
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from plait.cli.experts import add_expert_arguments, check_expert_flags, moe_spec_from_args
+from plait.cli.models import add_model_arguments, default_dtype, flag_error, spec_from_args
 from plait.cluster import local_cpu, normalize_dtype
+from plait.compression import DEFAULT_CODECS
 from plait.cost import BlockCost
-from plait.profile import BlockProfile, GPTSpec, MoESpec
-from plait.profile.codec import DEFAULT_CODECS
 
-__all__ = [
-    "add_model_arguments",
-    "add_parser",
-    "build_limit_bytes",
-    "check_cache_dir",
-    "default_dtype",
-    "spec_from_args",
-]
+if TYPE_CHECKING:
+    from plait.profile import BlockProfile, GPTSpec
 
-MODELS = ("gpt", "moe-gpt")
+__all__ = ["add_parser", "build_limit_bytes", "check_cache_dir", "run"]
+
 _MEASURABLE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-
-
-def add_model_arguments(p: argparse.ArgumentParser) -> None:
-    """The model flags `profile`, `plan` and `simulate` share; their defaults are those of
-    `plait train` (`ModelConfig`), so every command describes the same default model."""
-    from plait.config import ModelConfig
-
-    m = ModelConfig()
-    p.add_argument("--model", choices=MODELS, default=m.name, help=f"model family ({m.name})")
-    p.add_argument("--layers", type=int, default=m.layers, help=f"layers (default {m.layers})")
-    p.add_argument("--hidden", type=int, default=m.hidden, help=f"hidden size ({m.hidden})")
-    p.add_argument("--heads", type=int, default=m.heads, help=f"attention heads ({m.heads})")
-    p.add_argument(
-        "--seq-len", type=int, default=m.seq_len, dest="seq_len", help=f"tokens ({m.seq_len})"
-    )
-    p.add_argument("--vocab", type=int, default=96, help="vocabulary size (default 96)")
-    p.add_argument(
-        "--ffn-hidden", type=int, default=0, dest="ffn_hidden", help="MLP width (0: 4 × hidden)"
-    )
-    p.add_argument(
-        "--micro-batch-size", type=int, default=1, dest="micro_batch_size", help="samples each"
-    )
-    add_expert_arguments(p)
-
-
-def default_dtype() -> str:
-    """The training dtype every command assumes unless told: `plait train`'s."""
-    from plait.config import ParallelPlan
-
-    return ParallelPlan().dtype
 
 
 def check_cache_dir(path: str | None) -> None:
     """A profile cache folder that exists must be a folder (checked before measuring)."""
     if path is not None and Path(path).exists() and not Path(path).is_dir():
         raise ValueError(f"--cache-dir {path} is a file, not a folder: choose another path")
-
-
-def _flag_error(error: ValueError) -> ValueError:
-    """A model error with the field names replaced by the flags that set them."""
-    text = str(error)
-    for field, flag in (
-        ("num_layers", "--layers"),
-        ("num_heads", "--heads"),
-        ("seq_len", "--seq-len"),
-        ("vocab_size", "--vocab"),
-        ("ffn_hidden", "--ffn-hidden"),
-        ("num_experts", "--experts"),
-        ("top_k", "--top-k"),
-        ("capacity_factor", "--capacity-factor"),
-        ("moe_every", "--moe-every"),
-        ("imbalance", "--imbalance"),
-        ("hidden", "--hidden"),
-    ):
-        text = text.replace(f"{field}=", f"{flag} ")
-    return ValueError(text)
-
-
-def spec_from_args(args: argparse.Namespace) -> GPTSpec:
-    """The GPT (or MoE-GPT) the model flags describe; bad sizes raise ValueError naming
-    the flag."""
-    if args.micro_batch_size < 1:
-        raise ValueError(f"--micro-batch-size {args.micro_batch_size} must be >= 1")
-    model = getattr(args, "model", "gpt")
-    check_expert_flags(args)
-    if model == "moe-gpt":
-        try:
-            return moe_spec_from_args(args)
-        except ValueError as error:
-            raise _flag_error(error) from None
-    try:
-        return GPTSpec(
-            num_layers=args.layers,
-            hidden=args.hidden,
-            num_heads=args.heads,
-            seq_len=args.seq_len,
-            vocab_size=args.vocab,
-            ffn_hidden=args.ffn_hidden,
-        )
-    except ValueError as error:
-        raise _flag_error(error) from None
 
 
 def build_limit_bytes() -> float:
@@ -290,6 +209,7 @@ def _measured_row(block: BlockProfile, cost: BlockCost) -> dict[str, Any]:
 
 def _analytic(spec: GPTSpec, args: argparse.Namespace, dtype: str) -> dict[str, Any]:
     from plait.config import ParallelPlan
+    from plait.profile import MoESpec
 
     if args.sequence_parallel and isinstance(spec, MoESpec):
         raise ValueError(
@@ -304,7 +224,7 @@ def _analytic(spec: GPTSpec, args: argparse.Namespace, dtype: str) -> dict[str, 
             micro_batch_size=args.micro_batch_size, dtype=dtype, layout=layout
         )
     except ValueError as error:
-        raise _flag_error(error) from None
+        raise flag_error(error) from None
     rows = [
         {
             "name": b.name,
@@ -323,6 +243,8 @@ def _analytic(spec: GPTSpec, args: argparse.Namespace, dtype: str) -> dict[str, 
 
 
 def run(args: argparse.Namespace) -> int:
+    from plait.profile import MoESpec
+
     check_cache_dir(args.cache_dir)
     spec = spec_from_args(args)
     dtype = normalize_dtype(args.dtype)

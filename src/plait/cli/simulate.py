@@ -16,25 +16,28 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
-from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
-from plait.cli.experts import check_ep, model_value
+from plait.cli.models import (
+    add_model_arguments,
+    check_ep,
+    default_dtype,
+    model_value,
+    spec_from_args,
+)
 from plait.cli.plan import check_out
-from plait.cli.profile import add_model_arguments, default_dtype, spec_from_args
 from plait.cli.simulate_wsp import check_wsp, print_wsp, wsp_summary
-from plait.cluster import Cluster, load_cluster, normalize_dtype
-from plait.cost import RECOMPUTE_MODES, BlockCost, StageCost
-from plait.plan import Partition, partition, partition_blocks
-from plait.profile import GPTSpec
-from plait.schedule import KINDS, Schedule, schedule_kind, validate
-from plait.sim import MemoryOverflow, RankReport, SimPlan, SimResult, build_schedule, simulate
+from plait.cluster import normalize_dtype
+from plait.cost import RECOMPUTE_MODES
+from plait.presets import load_cluster
+from plait.schedule import KINDS, schedule_kind
+from plait.sim import SimPlan
 
-__all__ = ["Prediction", "add_parser", "overflow_lines", "predict", "scaled_cluster", "to_dict"]
+if TYPE_CHECKING:
+    from plait.profile.analytic import GPTSpec
 
-_GIB = float(1 << 30)
+__all__ = ["add_parser", "run"]
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -91,80 +94,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     a("--trace", help="write the predicted timeline as a Chrome/Perfetto trace (JSON)")
     a("--plot", help="draw the predicted timeline as a PNG (needs matplotlib)")
     p.set_defaults(func=run, pipelines=None)
-
-
-@dataclass(frozen=True)
-class Prediction:
-    """A simulated step and how it was set up."""
-
-    result: SimResult
-    partition: Partition
-    schedule: Schedule
-    cluster: Cluster
-
-
-def scaled_cluster(cluster: Cluster, num_devices: int) -> Cluster:
-    """`cluster` with enough nodes of its kind for `num_devices` ranks."""
-    if len(cluster.groups) == 1:
-        per_node = cluster.groups[0].devices_per_node
-        return cluster.with_nodes(max(1, math.ceil(num_devices / per_node)))
-    if cluster.num_devices < num_devices:
-        raise ValueError(
-            f"dp × tp × pp = {num_devices} ranks but cluster {cluster.name!r} has "
-            f"{cluster.num_devices} devices: add nodes to its file or shrink the plan"
-        )
-    return cluster
-
-
-def _inflight(schedule: Schedule) -> list[int]:
-    """Micro-batches each stage holds at its peak (unit costs), for the memory caps."""
-    peak = validate(schedule).peak_inflight
-    v = schedule.num_chunks
-    return [max(1, math.ceil(peak[r] / v)) for r in schedule.stage_to_rank]
-
-
-def _partition(
-    blocks: list[BlockCost], schedule: Schedule, cluster: Cluster, plan: SimPlan
-) -> Partition:
-    """The fastest split whose stages fit; if none fits, the fastest split. A split into
-    model parts, each placed as its first replica (a stage per part unless replicated)."""
-    first = [schedule.replicas(k)[0] for k in range(schedule.num_parts)]
-    devices = [cluster.device(plan.global_rank(schedule.stage_to_rank[s])) for s in first]
-    inflight = _inflight(schedule)
-    try:
-        return partition_blocks(
-            blocks,
-            devices,
-            dtype=plan.dtype,
-            recompute=plan.recompute,
-            inflight=[inflight[s] for s in first],
-            layout=plan,
-            optimizer=plan.optimizer,
-        )
-    except ValueError:
-        work = [
-            b.forward_flops
-            + b.backward_input_flops
-            + b.backward_weight_flops
-            + b.recompute_flops(plan.recompute)
-            for b in blocks
-        ]
-        speeds = [d.achievable_flops(plan.dtype) for d in devices]
-        return partition(work, len(devices), speeds=speeds)
-
-
-def predict(blocks: list[BlockCost], cluster: Cluster, plan: SimPlan) -> Prediction:
-    """Partition `blocks` into the plan's stages and simulate one step on `cluster`."""
-    schedule = build_schedule(plan)
-    if len(blocks) < schedule.num_parts:
-        raise ValueError(
-            f"pp × chunks = {schedule.num_parts} stages but the model has only {len(blocks)} "
-            "blocks: use fewer pipeline ranks or chunks, or more layers"
-        )
-    cut = _partition(blocks, schedule, cluster, plan)
-    stages = [StageCost(tuple(s)) for s in cut.split(blocks)]
-    result = simulate(schedule, stages, cluster, plan)
-    return Prediction(result, cut, schedule, cluster)
 
 
 def _check(args: argparse.Namespace, spec: GPTSpec) -> None:
@@ -273,6 +202,9 @@ def run(args: argparse.Namespace) -> int:
         _apply_plan(args)
     if not args.cluster:
         raise ValueError("--cluster is required (a preset or a TOML file), or a --plan naming one")
+    from plait.cli.simulate_report import overflow_lines, print_summary, to_dict, write_outputs
+    from plait.plan.predict import predict, scaled_cluster
+
     spec = spec_from_args(args)
     _check(args, spec)
     dtype = normalize_dtype(args.dtype)
@@ -299,160 +231,14 @@ def run(args: argparse.Namespace) -> int:
         summary["wsp"] = wsp_summary(blocks, cluster, plan, prediction.partition.sizes,
                                      staleness=args.wsp_staleness, wave=args.wsp_wave,
                                      pipelines=args.pipelines)  # fmt: skip
-    _write_outputs(args, prediction)
+    write_outputs(args, prediction)
     if args.json:
         json.dump(summary, sys.stdout, sort_keys=True)
         print()
     else:
-        _print(summary)
+        print_summary(summary)
         if "wsp" in summary:
             print_wsp(summary["wsp"])
     if not prediction.result.fits:
         print("\n".join(overflow_lines(prediction.result)), file=sys.stderr)
     return 0
-
-
-def overflow_lines(result: SimResult) -> list[str]:
-    """What does not fit, one line per pipeline rank (worst first), and what to try."""
-    by_stage: dict[int, list[MemoryOverflow]] = {}
-    for o in result.overflows:
-        by_stage.setdefault(o.pp_rank, []).append(o)
-    lines = ["plait simulate: the plan does not fit in device memory:"]
-    for items in sorted(by_stage.values(), key=lambda os: -os[0].excess_bytes):
-        o, ranks = items[0], [x.rank for x in items]
-        where = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {_span(ranks)}"
-        lines.append(
-            f"  {where} (pipeline rank {o.pp_rank}) need {o.needed_bytes / _GIB:.2f} GiB each "
-            f"but have {o.capacity_bytes / _GIB:.2f} GiB: {o.excess_bytes / _GIB:.2f} GiB over"
-        )
-    lines.append(
-        "  try --recompute full or selective, --zero 1..3 with --dp > 1, more --pp or --tp, "
-        "a smaller --micro-batch-size, or a schedule holding fewer micro-batches (1f1b)"
-    )
-    return lines
-
-
-def _span(ranks: list[int]) -> str:
-    ranks = sorted(ranks)
-    if ranks == list(range(ranks[0], ranks[-1] + 1)):
-        return f"{ranks[0]}-{ranks[-1]}"
-    return ", ".join(map(str, ranks))
-
-
-def _write_outputs(args: argparse.Namespace, prediction: Prediction) -> None:
-    if not (args.trace or args.plot):
-        return
-    from plait.trace import plot_timeline, spans_from_timeline, write_chrome_trace
-
-    spans = spans_from_timeline(prediction.result.timeline)
-    if args.trace:
-        write_chrome_trace(args.trace, {"predicted": spans})
-    if args.plot:
-        plan = prediction.result.plan
-        title = f"{plan.schedule}: pp={plan.pp}, {plan.microbatches} micro-batches"
-        plot_timeline(spans, args.plot, title=title)
-
-
-def to_dict(prediction: Prediction, spec: GPTSpec) -> dict[str, Any]:
-    """The JSON summary of a prediction."""
-    r, cluster = prediction.result, prediction.cluster
-    group = cluster.groups[0]
-    return {
-        "step_time_s": r.step_time_s,
-        "pipeline_time_s": r.pipeline_time_s,
-        "bubble_fraction": r.bubble_fraction,
-        "tokens_per_s": r.tokens_per_s,
-        "samples_per_s": r.samples_per_s,
-        "mfu": r.mfu,
-        "comm_share": r.comm_share,
-        "all_to_all_share": r.all_to_all_share,
-        "ep_comm_s": [rank.ep_comm_s for rank in r.ranks],  # per pipeline rank
-        "peak_memory_bytes": list(r.peak_memory_bytes),  # per pipeline rank
-        "fits": r.fits,
-        "overflows": [
-            {**asdict(o), "excess_bytes": o.excess_bytes, "message": str(o)} for o in r.overflows
-        ],
-        "memory": [_memory_row(k) for k in r.ranks],
-        "ranks": [{k: v for k, v in asdict(rank).items() if k != "memory"} for rank in r.ranks],
-        "partition": {
-            "sizes": list(prediction.partition.sizes),
-            "boundaries": list(prediction.partition.boundaries),
-        },
-        "plan": asdict(r.plan),
-        "codec": _codec_row(r.plan.compress, cluster),
-        "model": _model_row(spec),
-        "cluster": {
-            "name": cluster.name,
-            "num_nodes": cluster.num_nodes,
-            "devices_per_node": group.devices_per_node,
-            "device": group.device.name,
-        },
-    }
-
-
-def _codec_row(compress: str, cluster: Cluster) -> dict[str, Any] | None:
-    """Where the encode/decode time of the gradient compression comes from."""
-    from plait.cost.compress import codec_figure, codec_source
-
-    if compress == "none":
-        return None
-    device = cluster.device(0)
-    measured = codec_figure(compress, device.codec_s_per_entry)
-    return {
-        "source": "measured" if measured else "analytic",
-        "s_per_entry": measured[0] if measured else None,
-        "text": codec_source(compress, device),
-    }
-
-
-def _memory_row(rank: RankReport) -> dict[str, Any]:
-    return {
-        "pp_rank": rank.pp_rank,
-        **asdict(rank.memory),
-        "total": rank.memory.total,
-        "capacity": rank.capacity_bytes,
-    }
-
-
-def _model_row(spec: GPTSpec) -> dict[str, Any]:
-    row: dict[str, Any] = {k: getattr(spec, k) for k in spec.__dataclass_fields__}
-    row["num_params"] = spec.num_params()
-    return row
-
-
-def _print(summary: dict[str, Any]) -> None:
-    from rich.table import Table
-
-    from plait.console import console as make_console
-    from plait.console import size
-
-    plan, c = summary["plan"], summary["cluster"]
-    console = make_console()
-    console.print(
-        f"[bold]{plan['schedule']}[/]: dp={plan['dp']} tp={plan['tp']} pp={plan['pp']} "
-        f"({plan['chunks']} chunk(s)), {plan['microbatches']} micro-batches of "
-        f"{plan['micro_batch_size']}, recompute {plan['recompute']}, ZeRO-{plan['zero']}, "
-        f"{plan['dtype']} on {c['num_nodes']} × {c['name']} ({c['device']})"
-    )
-    console.print(
-        f"step {summary['step_time_s']:.4g} s | bubble {summary['bubble_fraction']:.1%} | "
-        f"{summary['tokens_per_s']:,.0f} tokens/s | MFU {summary['mfu']:.1%} | "
-        f"{'fits' if summary['fits'] else '[red]DOES NOT FIT[/]'}"
-    )
-    table = Table(title="memory per pipeline rank")
-    for column in ("rank", "params", "grads", "optimizer", "activations", "transient",
-                   "total", "capacity"):  # fmt: skip
-        table.add_column(column, justify="right")
-    for m in summary["memory"]:
-        keys = ("params", "grads", "optimizer", "activations", "transient", "total", "capacity")
-        style = "red" if m["total"] > m["capacity"] else None
-        table.add_row(str(m["pp_rank"]), *(size(m[k]) for k in keys), style=style)
-    console.print(table)
-    console.print(f"blocks per stage: {summary['partition']['sizes']}")
-    if plan["ep"] > 1:
-        console.print(
-            f"expert all-to-all: {max(summary['ep_comm_s']):.4g} s per step on the busiest "
-            f"rank, {summary['all_to_all_share']:.1%} of the step (ep={plan['ep']})"
-        )
-    if summary["codec"] is not None:
-        console.print(f"{plan['compress']} encode/decode: {summary['codec']['text']}")

@@ -26,8 +26,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from plait.bench.compress import CompressBenchConfig
-from plait.bench.hetpipe import HetPipeBenchConfig
+from plait.bench.compress_config import CompressBenchConfig
+from plait.bench.hetpipe_config import HetPipeBenchConfig
 from plait.experiment.report import Store, plain
 from plait.experiment.staleness import StalenessConfig
 

@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from plait.cluster import Cluster, Link, load_cluster
+from plait.cluster import Cluster, Link
 from plait.cost import StageCost, all_reduce_time
 from plait.experiment.work import (
     BlockWork,
@@ -50,6 +50,7 @@ from plait.experiment.work import (
     median_abs_error,
     relative_error,
 )
+from plait.presets import load_cluster
 from plait.sim import SimPlan, build_schedule, simulate
 
 __all__ = ["MODELS", "PUBLISHED", "DataMovementConfig", "PaperSetup", "measure", "predict",

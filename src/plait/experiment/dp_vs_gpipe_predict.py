@@ -26,10 +26,11 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from plait.cluster import Cluster, load_cluster
+from plait.cluster import Cluster
 from plait.cost import BlockCost, Recompute, StageCost, stage_costs
 from plait.experiment.work import BlockWork, block_costs, count_work, median_abs_error
 from plait.experiment.work import relative_error as _err
+from plait.presets import load_cluster
 from plait.sim import SimPlan, build_schedule, simulate
 
 __all__ = ["METHODS", "PUBLISHED", "PaperSetup", "implied_task_s", "predict", "predict_cell"]

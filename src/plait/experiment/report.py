@@ -268,7 +268,7 @@ def render_markdown(data: dict[str, Any], plots: list[str] | str, *, preface: st
 # ------------------------------------------------------------------ plots
 def _plots(data: dict[str, Any], out: Path) -> list[str] | str:
     try:
-        from plait.experiment.staleness import require_matplotlib
+        from plait.experiment.staleness_plot import require_matplotlib
 
         plt = require_matplotlib()
     except RuntimeError:

@@ -6,7 +6,7 @@ scikit-learn's 8×8 digits with SGD and momentum, as PipeDream, SpecTrain, XPipe
 trained CNNs; and a character-level GPT on the standard library's source with AdamW. Every
 run visits the same training samples in the same seeded order (an epoch is one pass over
 the pool) and is validated on the same held-out set (loss, and top-1 accuracy for the
-classifier). Training goes through `plait.train.emulate`, which applies exactly the weight
+classifier). Training goes through `plait.emulate.versions`, which applies exactly the weight
 versions and updates the distributed runtime would (the tests hold both to the papers'
 rules).
 
@@ -34,9 +34,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from plait.emulate.versions import Emulator, VersionPlan, version_plan
 from plait.schedule import Op, Schedule
 from plait.schedule.replay import replay, unit_duration
-from plait.train.emulate import Emulator, VersionPlan, version_plan
 
 __all__ = ["REMEDIES", "CurvePoint", "Workload", "gpt_workload", "image_workload", "train_run",
            "update_times"]  # fmt: skip

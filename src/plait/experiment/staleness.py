@@ -5,7 +5,7 @@ Seed 003 simulated asynchronous pipelines on 1 to 16 GPUs and found that the epo
 target accuracy grow with the stage count, most from 8 on: 16 GPUs needed 52 epochs to 40%
 top-1 where 1 GPU needed 30, since stage s of p computes on weights up to p-1-s updates
 old. Here every schedule kind trains the same model (same seed) on the same data at every
-depth in one process (`plait.experiment.stale_train`, through `plait.train.emulate`, which
+depth in one process (`plait.experiment.stale_train`, through `plait.emulate.versions`, which
 applies exactly the weight versions and updates the distributed runtime would), validated
 every `eval_every`. Regimes: `image`, the papers' (a VGG-style CNN on scikit-learn's 8×8
 digits, SGD with momentum 0.9, the target a top-1 accuracy), and `gpt` (a character-level
@@ -44,11 +44,10 @@ from plait.experiment.stale_train import (
     train_run,
     update_times,
 )
-from plait.experiment.staleness_plot import plot, require_matplotlib
 from plait.schedule.registry import KINDS, build, schedule_kind
 
 __all__ = ["DEFAULT_SCHEDULES", "SEED_PAPER", "CurvePoint", "StalenessConfig", "StalenessResult",
-           "StalenessRun", "plot", "require_matplotlib", "run_experiment"]  # fmt: skip
+           "StalenessRun", "run_experiment"]  # fmt: skip
 
 DEFAULT_SCHEDULES = ("1f1b", "pipedream", "pipedream-vs", "2bw", "spectrain", "xpipe")
 # Measured on the default models and budgets: AdamW at 1e-3 takes the 1-stage synchronous

@@ -4,8 +4,8 @@ from plait.parallel.clip import clip_grad_norm
 from plait.parallel.data import GradReducer
 from plait.parallel.experts import expert_grad_scale, expert_params, shard_experts
 from plait.parallel.sharding import FSDPGradSync, apply_fsdp
-from plait.parallel.sync import GradSync
 from plait.parallel.tensor import apply_tensor_parallel
+from plait.runtime.sync import GradSync
 
 __all__ = [
     "FSDPGradSync",

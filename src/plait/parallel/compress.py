@@ -47,8 +47,6 @@ from __future__ import annotations
 
 import io
 import math
-from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -56,6 +54,7 @@ import torch.distributed as dist
 from torch import nn
 
 from plait.compression import Compression, DGCOptions, parse_compression
+from plait.parallel.error_feedback import ErrorFeedback, finished
 
 __all__ = [
     "ErrorFeedback",
@@ -108,82 +107,6 @@ class HookBucket:
         return self._last
 
 
-@dataclass
-class ErrorFeedback:
-    """State of plait's hooks: the group, the method's parameter, each bucket's residual
-    (part of the training state: `state_dict`), and the bytes handed to collectives."""
-
-    process_group: dist.ProcessGroup
-    value: float | None
-    residuals: dict[int, torch.Tensor] = field(default_factory=dict)
-    bytes_sent: int = 0
-
-    def accumulate(self, index: int, grad: torch.Tensor) -> torch.Tensor:
-        """The residual of bucket `index` with `grad` added (fp32, whatever the gradient)."""
-        residual = self.residuals.get(index)
-        if residual is None:
-            residual = torch.zeros(grad.numel(), dtype=torch.float32, device=grad.device)
-            self.residuals[index] = residual
-        return residual.add_(grad.reshape(-1).float())
-
-    def state_dict(self) -> dict[str, Any]:
-        return {f"residual.{i}": r for i, r in self.residuals.items()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.residuals = {int(k.split(".", 1)[1]): v.clone() for k, v in state.items()}
-
-    def saved(
-        self, sizes: Mapping[int, int], device: torch.device, *, for_load: bool
-    ) -> dict[str, torch.Tensor]:
-        """What a checkpoint holds of this state, named by bucket (`sizes`: each bucket's
-        entries): the residuals (zeros where none yet, or all zeros `for_load`, the
-        tensors a load fills in)."""
-        out = {}
-        for index, n in sizes.items():
-            held = self.residuals.get(index)
-            if for_load or held is None:
-                held = torch.zeros(n, dtype=torch.float32, device=device)
-            out[str(index)] = held
-        return out
-
-    def restore(self, saved: Mapping[str, torch.Tensor]) -> None:
-        """Take back what `saved` gave (as a checkpoint load filled it in)."""
-        for key, value in saved.items():
-            self.residuals[int(key)] = value.clone()
-
-    def _gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        """Every rank's `tensor` (same dtype, any length)."""
-        group = self.process_group
-        world = dist.get_world_size(group)
-        size = torch.tensor([tensor.numel()], dtype=torch.int64, device=tensor.device)
-        sizes = [torch.empty_like(size) for _ in range(world)]
-        dist.all_gather(sizes, size, group=group)
-        longest = max(int(s.item()) for s in sizes)
-        padded = torch.zeros(longest, dtype=tensor.dtype, device=tensor.device)
-        padded[: tensor.numel()] = tensor
-        out = [torch.empty_like(padded) for _ in range(world)]
-        dist.all_gather(out, padded, group=group)
-        self.bytes_sent += (
-            size.numel() * size.element_size() + padded.numel() * padded.element_size()
-        )
-        return [o[: int(s.item())] for o, s in zip(out, sizes, strict=True)]
-
-    def _gather_same(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        """Every rank's `tensor` (same shape everywhere)."""
-        out = [torch.empty_like(tensor) for _ in range(dist.get_world_size(self.process_group))]
-        dist.all_gather(out, tensor.contiguous(), group=self.process_group)
-        self.bytes_sent += tensor.numel() * tensor.element_size()
-        return out
-
-
-def _done(bucket: Any, average: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
-    buffer = bucket.buffer()
-    buffer.copy_(average.to(buffer.dtype))
-    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    future.set_result(buffer)
-    return future
-
-
 def threshold_hook(state: ErrorFeedback, bucket: Any) -> torch.futures.Future[torch.Tensor]:
     """Ström's threshold quantisation: ±TAU for every entry whose residual reaches it."""
     tau = float(state.value or 0.0)
@@ -201,7 +124,7 @@ def threshold_hook(state: ErrorFeedback, bucket: Any) -> torch.futures.Future[to
         sent = sent.long()
         signs = 1.0 - 2.0 * (sent % 2).to(total.dtype)
         total.index_add_(0, sent // 2, signs * tau)
-    return _done(bucket, total / dist.get_world_size(state.process_group))
+    return finished(bucket, total / dist.get_world_size(state.process_group))
 
 
 def topk_hook(state: ErrorFeedback, bucket: Any) -> torch.futures.Future[torch.Tensor]:
@@ -217,7 +140,7 @@ def topk_hook(state: ErrorFeedback, bucket: Any) -> torch.futures.Future[torch.T
         state._gather_same(index.to(torch.int32)), state._gather_same(values), strict=True
     ):
         total.index_add_(0, i.long(), v)
-    return _done(bucket, total / dist.get_world_size(state.process_group))
+    return finished(bucket, total / dist.get_world_size(state.process_group))
 
 
 _BITS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
@@ -248,7 +171,7 @@ def sign_hook(state: ErrorFeedback, bucket: Any) -> torch.futures.Future[torch.T
     for bits, s in zip(packed, scales, strict=True):
         signs = unpack_signs(bits, residual.numel())
         total.add_(torch.where(signs, s, -s))
-    return _done(bucket, total / dist.get_world_size(state.process_group))
+    return finished(bucket, total / dist.get_world_size(state.process_group))
 
 
 def hook_for(compression: Compression | str, group: dist.ProcessGroup) -> tuple[Any, Any] | None:

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from plait.parallel.compress import HookBucket
-from plait.runtime.transport import (
+from plait.wait import (
     DEFAULT_TIMEOUT_S,
     PipelineTimeout,
     check_timeout,

@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 
 from plait.compression import Compression, DGCOptions
-from plait.parallel.compress import ErrorFeedback, _done
+from plait.parallel.error_feedback import ErrorFeedback, finished
 
 __all__ = ["DGCState", "dgc_hook", "dgc_share", "take_momentum"]
 
@@ -154,7 +154,7 @@ def dgc_hook(state: DGCState, bucket: Any) -> torch.futures.Future[torch.Tensor]
             velocity[where] += grad[where]
         out += _sparse(state, index, layout, velocity, momentum) / world
     state.steps[index] = state.steps.get(index, 0) + 1
-    return _done(bucket, out)
+    return finished(bucket, out)
 
 
 def _dense(

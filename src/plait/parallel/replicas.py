@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from plait.parallel.sync import GradSync
+from plait.runtime.sync import GradSync
 from plait.schedule import Schedule
 
 __all__ = ["ReplicaSync", "replica_groups", "uncounted_params", "with_replicas"]

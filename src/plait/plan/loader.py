@@ -16,15 +16,37 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING
+from typing import Any, ClassVar, Protocol, TypeVar
 
 from plait.plan.hetero import HeteroPlan
 from plait.sim import SimPlan
 
-if TYPE_CHECKING:
-    from plait.plan.search import RankedPlan
+__all__ = ["Ranked", "check_rate", "replica_batch", "with_loader"]
 
-__all__ = ["check_rate", "replica_batch", "with_loader"]
+
+class Ranked(Protocol):
+    """What `with_loader` reads of a ranked plan (`plait.plan.search.RankedPlan`, a
+    dataclass), typed here so that the search may import this module and not the reverse."""
+
+    __dataclass_fields__: ClassVar[dict[str, Any]]
+
+    @property
+    def plan(self) -> SimPlan: ...
+
+    @property
+    def hetero(self) -> HeteroPlan | None: ...
+
+    @property
+    def simulated_step_s(self) -> float: ...
+
+    @property
+    def mfu(self) -> float: ...
+
+    @property
+    def tokens_per_s(self) -> float: ...
+
+
+R = TypeVar("R", bound=Ranked)
 
 
 def check_rate(rate: float | None, name: str) -> float | None:
@@ -46,7 +68,7 @@ def replica_batch(plan: SimPlan, hetero: HeteroPlan | None = None) -> int:
     return plan.micro_batch_size * microbatches
 
 
-def with_loader(ranked: RankedPlan, rate: float | None) -> RankedPlan:
+def with_loader(ranked: R, rate: float | None) -> R:
     """`ranked` with its input loaded at `rate` samples per second per process: its step the
     longer of the simulated step and the load, its throughput and MFU over that step;
     unchanged when `rate` is None (or 0)."""

@@ -1,4 +1,5 @@
-"""The cluster TOML form: reading and writing it, and the presets shipped in it.
+"""The cluster TOML form: reading and writing it, the presets shipped in it, and
+`load_cluster`, which finds a cluster by preset name or file.
 
 A file has a `name`, an `inter_node` link, and one `[[nodes]]` table per node kind, in
 rank order: either `preset` (a shipped node) and `count`, or `count`, `devices_per_node`,
@@ -22,7 +23,13 @@ from typing import Any, TypeVar
 
 from plait.cluster import GIB, Cluster, Device, Link, NodeGroup, local_cpu
 
-__all__ = ["cluster_from_toml", "cluster_to_toml", "preset_names", "read_cluster"]
+__all__ = [
+    "cluster_from_toml",
+    "cluster_to_toml",
+    "load_cluster",
+    "preset_names",
+    "read_cluster",
+]
 
 _T = TypeVar("_T")
 
@@ -32,6 +39,13 @@ _PRESET_DIR = Path(__file__).parent
 def preset_names() -> list[str]:
     """Names `load_cluster` accepts besides file paths: `local-cpu` and presets/*.toml."""
     return ["local-cpu", *sorted(p.stem for p in _PRESET_DIR.glob("*.toml"))]
+
+
+def load_cluster(name_or_path: str | Path, num_nodes: int | None = None) -> Cluster:
+    """A preset by name (`preset_names()`), or a cluster TOML file; `num_nodes` rescales a
+    one-kind cluster."""
+    cluster = read_cluster(name_or_path)
+    return cluster if num_nodes is None else cluster.with_nodes(num_nodes)
 
 
 def _read_toml(path: Path) -> dict[str, Any]:

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from plait.cluster import Cluster
-from plait.compression import parse_compression
+from plait.compression import DEFAULT_CODECS, parse_compression
 from plait.device import backend_for, timer
 from plait.profile.calibrate import fit_link
 
@@ -52,9 +52,6 @@ __all__ = [
     "with_codec",
 ]
 
-#: What `plait profile` measures: each method, PowerSGD at two ranks (a line through them
-#: gives the others, `plait.cost.compress.codec_figure`).
-DEFAULT_CODECS = ("fp16", "bf16", "powersgd:1", "powersgd:4", "threshold:0.01", "topk:0.01", "sign")
 _SIDE = 256  # the matrices' side: a bucket of k matrices holds k · 256² entries
 _MATRICES = (2, 4, 8, 16)  # bucket sizes measured, in matrices (128 Ki to 1 Mi entries)
 _DENSITY_SIGMAS = 3.29  # P(|x| >= 3.29 σ) = 0.1% for a normal x

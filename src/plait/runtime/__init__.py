@@ -2,7 +2,7 @@
 
 from plait.runtime.executor import ActionRecord, PipelineExecutor, StepResult
 from plait.runtime.stages import local_stages, split_microbatches
-from plait.runtime.transport import DEFAULT_TIMEOUT_S, PipelineTimeout
+from plait.wait import DEFAULT_TIMEOUT_S, PipelineTimeout
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",

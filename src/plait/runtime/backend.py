@@ -39,7 +39,7 @@ from plait.schedule import Action, Op, Schedule
 from plait.schedule.lower import LOCAL, LOSS, REMOTE, Program, Step
 
 if TYPE_CHECKING:
-    from plait.parallel.sync import GradSync
+    from plait.runtime.sync import GradSync
 
 __all__ = ["Backend", "MetricFn", "State", "Window"]
 

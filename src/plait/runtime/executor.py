@@ -35,15 +35,16 @@ import torch.distributed as dist
 from torch import nn
 
 from plait.device import ActionClock
-from plait.parallel.sync import GradSync
 from plait.runtime.backend import Backend, MetricFn, State, Updater, Window
 from plait.runtime.boundary import BoundaryMeta, NegotiationTimeout, negotiate
 from plait.runtime.channels import Channels, build_channels
-from plait.runtime.transport import DEFAULT_TIMEOUT_S, PipelineTimeout, Transport
+from plait.runtime.sync import GradSync
+from plait.runtime.transport import Transport
 from plait.runtime.weights import Predictor, WeightStore
 from plait.schedule import RankStream, Schedule
 from plait.schedule.lower import lower
 from plait.schedule.passes import forward_only
+from plait.wait import DEFAULT_TIMEOUT_S, PipelineTimeout
 
 __all__ = ["ActionRecord", "EvalSums", "PipelineExecutor", "StepResult", "Updater"]
 

@@ -1,31 +1,19 @@
 """Point-to-point messages of one rank's stream: receives posted where the program says
 and waited by the action that consumes them, sends in flight until they are old enough,
-each on its channel's process group; and the bounded wait every communication of a
-training step goes through.
+each on its channel's process group, each waited through `plait.wait.timed_wait`.
 
 A window's sends may be received by a peer's later window (an asynchronous pipeline's
 windows overlap), so a window does not wait for its own sends: `settle` waits for those of
 windows whose receives every peer has posted by now.
 
-Hangs become errors: every wait here lasts at most `timeout_s`, after which it raises
-`PipelineTimeout` naming this rank, the action that waited and the peer it waited for. A
-peer that crashed is reported by the backend at once ("Connection closed by peer"); one
-that stalls would otherwise block this rank for the process group's timeout (torch's
-default: 30 min) with an error that names neither the action nor the peer. On gloo an
-untimed wait is bounded by that same group timeout, so a timed one costs nothing extra.
-On NCCL a timed wait would block the CPU until the message arrives (torch polls the work,
-where an untimed wait only orders the CUDA streams), so a GPU's messages are waited on
-untimed (`Transport(stream_ordered=True)`), bounded by the group's timeout alone, which
-NCCL's watchdog enforces; `timeout_s=None` does the same on CPU workers.
+Hangs become errors: see `plait.wait`.
 """
 
 from __future__ import annotations
 
-import datetime
 import functools
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,69 +23,11 @@ import torch.distributed as dist
 from plait.runtime.channels import Channels
 from plait.schedule import Action, Op, Schedule
 from plait.schedule.lower import Batch, Message
+from plait.wait import DEFAULT_TIMEOUT_S, check_timeout, timed_wait, timeout_message
 
-__all__ = [
-    "DEFAULT_TIMEOUT_S",
-    "PipelineTimeout",
-    "Transport",
-    "check_timeout",
-    "timed_wait",
-    "timeout_message",
-]
+__all__ = ["Transport"]
 
 Key = tuple[Op, int, int]  # (RECV_F or RECV_B, stage, micro-batch)
-
-#: Seconds a rank waits for a peer's message or reduction before `PipelineTimeout`: far
-#: longer than a healthy step (a first step's warm-up included), far shorter than 30 min
-DEFAULT_TIMEOUT_S = 300.0
-
-
-class PipelineTimeout(RuntimeError):
-    """A wait for a peer outlasted its timeout: the peer failed, stalled, or is slower than
-    the timeout allows. The message names this rank, the action and the peer."""
-
-
-def timeout_message(
-    rank: str, action: str, timeout_s: float, awaited: str, *, peers: int = 1
-) -> str:
-    """The text of a `PipelineTimeout`: `rank` (``rank 0``) ran `action` (``0B5``, ``REDUCE
-    stage 1``) and waited `timeout_s` for `awaited` from `peers` other ranks."""
-    who = "the peer" if peers == 1 else "a peer"
-    its, their = ("its log", "its") if peers == 1 else ("their logs", "their")
-    return (
-        f"{rank}: {action} waited {timeout_s:g} s for {awaited}; {who} may have failed or "
-        f"stalled: check {its}; raise timeout_s if {their} steps are this slow"
-    )
-
-
-def check_timeout(timeout_s: float | None) -> float | None:
-    """`timeout_s`, refused unless None or at least a millisecond (torch counts whole
-    milliseconds and takes 0 ms for no timeout at all)."""
-    if timeout_s is not None and not timeout_s >= 1e-3:
-        raise ValueError(
-            f"timeout_s={timeout_s!r}: give at least 0.001 seconds, or None to wait as long "
-            "as the process group's timeout"
-        )
-    return timeout_s
-
-
-def timed_wait(work: Any, timeout_s: float | None, explain: Callable[[], str]) -> None:
-    """Wait for `work` (a torch.distributed Work) at most `timeout_s` seconds (None: the
-    process group's timeout); on expiry raise `PipelineTimeout(explain())`."""
-    if timeout_s is None:
-        work.wait()
-        return
-    try:
-        done = work.wait(timeout=datetime.timedelta(seconds=timeout_s))
-    except RuntimeError as error:
-        # gloo raises "Timed out waiting ... ms" (p2p) or "Operation timed out!"
-        # (collectives), NCCL "... timed out in blocking wait"; a peer that crashed raises
-        # something else ("Connection closed by peer"), which already says what happened
-        if "timed out" not in str(error).lower():
-            raise
-        raise PipelineTimeout(explain()) from error
-    if done is False:  # a backend that reports expiry instead of raising
-        raise PipelineTimeout(explain())
 
 
 def _rank_name(channels: Channels | None, rank: int) -> str:

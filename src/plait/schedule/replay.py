@@ -44,10 +44,10 @@ import heapq
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from itertools import repeat
 from operator import attrgetter
 
+from plait.schedule.events import Blocked, Event, Replay, UnitSummary, new_event
 from plait.schedule.facts import (
     COMPUTE,
     FACT_KINDS,
@@ -58,7 +58,7 @@ from plait.schedule.facts import (
     Template,
     describe,
 )
-from plait.schedule.ir import COMM_OPS, P2P_OPS, Action, Op, Schedule
+from plait.schedule.ir import P2P_OPS, Action, Op, Schedule
 from plait.schedule.sharing import SharedProcessors, Sharing
 from plait.schedule.stream import unroll
 
@@ -79,48 +79,6 @@ def _no_transfer(rank: int, action: Action) -> float:
     return 0.0
 
 
-@dataclass(frozen=True, slots=True)
-class Event:
-    """When one action ran. For a send, `end` is the arrival time at the peer."""
-
-    rank: int
-    index: int
-    action: Action
-    start: float
-    end: float
-
-
-@dataclass(frozen=True, slots=True)
-class Blocked:
-    """A rank that could not go on, the action it is stuck at, and what that action awaits."""
-
-    rank: int
-    index: int
-    action: Action
-    waiting_for: str
-
-
-@dataclass(frozen=True)
-class Replay:
-    """The outcome of abstract execution."""
-
-    events: tuple[tuple[Event, ...], ...]  # per rank, in program order (executed ones)
-    blocked: tuple[Blocked, ...]  # empty when every program ran to its end
-    peak_inflight: tuple[int, ...]  # per rank: most micro-batch activations held at once
-
-    @property
-    def completed(self) -> bool:
-        return not self.blocked
-
-    @property
-    def makespan(self) -> float:
-        ends = [e.end for program in self.events for e in program if e.action.op not in COMM_OPS]
-        return max(ends, default=0.0)
-
-    def busy(self, rank: int) -> float:
-        return sum(e.end - e.start for e in self.events[rank] if e.action.op not in COMM_OPS)
-
-
 def _check_ranges(schedule: Schedule) -> None:
     """Reject indices the fact numbering cannot hold (validate() names the action)."""
     for rank, program in enumerate(schedule.ranks):
@@ -133,25 +91,6 @@ def _check_ranges(schedule: Schedule) -> None:
                 f"micro-batches 0..{schedule.num_microbatches - 1}: fix the generator, or "
                 "call validate() to see which action"
             )
-
-
-def _event(rank: int, index: int, action: Action, start: float, end: float) -> Event:
-    """`Event(...)` at half the cost: sets the slots through their descriptors, as the
-    generated __init__ of a frozen dataclass does through object.__setattr__ (a large replay
-    creates 200 000 events)."""
-    event = _new_event(Event)
-    _set_rank(event, rank)
-    _set_index(event, index)
-    _set_action(event, action)
-    _set_start(event, start)
-    _set_end(event, end)
-    return event
-
-
-_new_event = object.__new__
-_set_rank, _set_index, _set_action, _set_start, _set_end = (
-    getattr(Event, name).__set__ for name in ("rank", "index", "action", "start", "end")
-)
 
 
 @contextmanager
@@ -341,7 +280,7 @@ class _Machine:
 
     def result(self) -> Replay:
         events = tuple(
-            tuple(map(_event, repeat(rank), range(len(starts)), program, starts, ends))
+            tuple(map(new_event, repeat(rank), range(len(starts)), program, starts, ends))
             for rank, (program, starts, ends) in enumerate(
                 zip(self.s.ranks, self.starts, self.ends, strict=True)
             )
@@ -379,16 +318,6 @@ def replay(
         machine = _Machine(unroll(schedule, windows).schedule, duration, transfer, sharing)
         machine.execute()
         return machine.result()
-
-
-@dataclass(frozen=True)
-class UnitSummary:
-    """What the validator needs from a unit-cost replay, without building its events."""
-
-    completed: bool
-    peak_inflight: tuple[int, ...]
-    makespan: float  # equals Replay.makespan
-    busy: tuple[float, ...]  # per rank, equals Replay.busy(rank)
 
 
 def unit_summary(schedule: Schedule) -> UnitSummary:

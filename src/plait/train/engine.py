@@ -46,12 +46,11 @@ from plait.keyed import StepDraws, has_keyed_dropout
 from plait.mesh import Meshes
 from plait.parallel import clip_grad_norm, expert_params
 from plait.parallel.replicas import uncounted_params
-from plait.parallel.sync import GradSync
 from plait.runtime import PipelineExecutor, StepResult, split_microbatches
 from plait.runtime.backend import MetricFn
 from plait.runtime.channels import Channels
 from plait.runtime.predict import optimizer_predictor
-from plait.runtime.transport import DEFAULT_TIMEOUT_S
+from plait.runtime.sync import GradSync
 from plait.schedule import Schedule
 from plait.train.batches import batch_size as _batch_size
 from plait.train.batches import eval_parts as _eval_parts
@@ -59,6 +58,7 @@ from plait.train.batches import rows as _rows
 from plait.train.batches import to_device as _to
 from plait.train.losses import LossExchange
 from plait.train.precision import LossScaler, skips_on_device, step_unless_found
+from plait.wait import DEFAULT_TIMEOUT_S
 
 __all__ = ["Engine", "EvalReport", "StepReport"]
 

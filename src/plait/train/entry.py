@@ -16,6 +16,7 @@ from torch import nn
 
 from plait.config import TrainConfig, load_config
 from plait.train.launch import launch
+from plait.train.slowdown import check_config
 from plait.train.task import CustomTask, MetricFn
 
 __all__ = ["run"]
@@ -80,4 +81,5 @@ def _config(config: TrainConfig | dict[str, Any] | None) -> TrainConfig:
             "plan='auto' is not available for plait.train.run yet: give the layout "
             "(parallel.dp, parallel.pp, ...)"
         )
+    check_config(cfg)  # the --cluster file, read before any worker starts
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, name="custom"))

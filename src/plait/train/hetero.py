@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from plait.checkpoint.state import block_names
+from plait.blocks import block_names
 from plait.config import ParallelPlan
 from plait.device import current as current_device
 from plait.keyed import StepDraws, agreed_seed
@@ -41,7 +41,6 @@ from plait.parallel.hetero import BlockBuckets, PipelineGroups, ShareReducer, pi
 from plait.pipelines import PipelineLayout, pipeline_layout
 from plait.runtime import StepResult, local_stages
 from plait.runtime.channels import build_channels
-from plait.runtime.transport import DEFAULT_TIMEOUT_S
 from plait.schedule import build
 from plait.train.batches import batch_size as _batch_size
 from plait.train.batches import rows as _rows
@@ -55,6 +54,7 @@ from plait.train.engine import (
 )
 from plait.train.recompute import apply_recompute
 from plait.train.wsp import WaveExchange
+from plait.wait import DEFAULT_TIMEOUT_S
 
 __all__ = ["HeteroEngine", "layout_of", "parallelize_hetero"]
 

@@ -12,8 +12,8 @@ import torch.distributed as dist
 
 from plait.config import ParallelPlan
 from plait.runtime import StepResult
-from plait.runtime.transport import timed_wait, timeout_message
 from plait.schedule import Schedule
+from plait.wait import timed_wait, timeout_message
 
 __all__ = ["LossExchange"]
 

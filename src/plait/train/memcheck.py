@@ -71,9 +71,9 @@ def _available_bytes() -> float:
 def estimate_memory(cfg: TrainConfig, nproc: int) -> MemoryEstimate | None:
     """The largest worker's predicted peak under `cfg` on `nproc` workers; None for a
     model the cost model does not describe."""
-    from plait.cli.simulate import predict
     from plait.cluster import local_cpu
     from plait.device import resolve
+    from plait.plan.predict import predict
     from plait.profile import GPTSpec
     from plait.sim import SimPlan
 

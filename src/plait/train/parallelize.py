@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from plait.checkpoint.state import block_names
+from plait.blocks import block_names
 from plait.config import ParallelPlan
 from plait.device import current as current_device
 from plait.keyed import agreed_seed, has_keyed_dropout
@@ -23,10 +23,10 @@ from plait.mesh import Meshes, ParallelDims
 from plait.parallel import expert_params
 from plait.runtime import local_stages
 from plait.runtime.channels import Channels, build_channels
-from plait.runtime.transport import DEFAULT_TIMEOUT_S
 from plait.schedule import Schedule, build
 from plait.train.engine import Engine, LossFn, OptimizerFactory, SchedulerFactory
 from plait.train.passes import Build, Request, apply_passes, refusals
+from plait.wait import DEFAULT_TIMEOUT_S
 
 __all__ = ["parallelize"]
 

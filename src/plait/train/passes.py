@@ -38,7 +38,7 @@ from plait.parallel import (
 )
 from plait.parallel.compress import hook_for
 from plait.parallel.replicas import with_replicas
-from plait.parallel.sync import GradSync
+from plait.runtime.sync import GradSync
 from plait.schedule import Schedule
 from plait.train.compile import apply_compile, compile_refusal
 from plait.train.offload import apply_offload

@@ -3,7 +3,7 @@
 Rank r is the cluster's device r (the planner numbers devices the same way, so a plan
 made for the file puts its slow pipelines where training slows them). A device marked
 `slowdown = k` pads each of the rank's steps with (k − 1) × the seconds the step spent in
-its forward and backward actions (`plait.runtime.slowdown.pad_step`). The pad is per step,
+its forward and backward actions (`plait.emulate.slowdown.pad_step`). The pad is per step,
 not per action: in a pipeline of several ranks the neighbours meet the delay at the next
 step's first message rather than inside this step's bubble; a one-rank pipeline (WSP's
 and data parallelism's usual case) sees it exactly.
@@ -13,23 +13,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from plait.cluster import Cluster, load_cluster
-from plait.runtime.slowdown import pad_step
+from plait.emulate.slowdown import pad_step, rank_slowdowns
+from plait.presets import load_cluster
 
-__all__ = ["check_cluster", "padded_step", "rank_slowdowns"]
+if TYPE_CHECKING:
+    from plait.config import TrainConfig
 
-
-def rank_slowdowns(cluster: Cluster, world_size: int) -> tuple[float, ...]:
-    """The slowdown of ranks 0 … world_size − 1: that of the cluster's device of the same
-    rank. A cluster of fewer devices than workers is an error."""
-    if cluster.num_devices < world_size:
-        raise ValueError(
-            f"cluster {cluster.name!r} has {cluster.num_devices} devices for {world_size} "
-            "workers: give a cluster file with a device per worker, or fewer workers"
-        )
-    return tuple(float(cluster.device(r).slowdown) for r in range(world_size))
+__all__ = ["check_cluster", "check_config", "padded_step"]
 
 
 def check_cluster(name: str, world_size: int) -> tuple[float, ...]:
@@ -38,6 +30,13 @@ def check_cluster(name: str, world_size: int) -> tuple[float, ...]:
         return rank_slowdowns(load_cluster(name), world_size)
     except (ValueError, OSError) as err:
         raise ValueError(f"cluster={name!r}: {err}") from None
+
+
+def check_config(cfg: TrainConfig) -> None:
+    """Refuse `cfg.cluster` (when set) if it does not load or has fewer devices than
+    workers: read before any worker starts, so a bad file fails at once."""
+    if cfg.cluster is not None:
+        check_cluster(cfg.cluster, cfg.parallel.world_size)
 
 
 def padded_step(

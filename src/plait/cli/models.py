@@ -1,19 +1,28 @@
-"""The mixture-of-experts flags that `profile`, `plan` and `simulate` share, and their checks."""
+"""The model flags that `profile`, `plan` and `simulate` share (a dense GPT's and
+mixture-of-experts ones), their checks, and the model spec they describe."""
 
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from plait.profile import GPTSpec, MoESpec
+if TYPE_CHECKING:
+    from plait.profile.analytic import GPTSpec, MoESpec
 
 __all__ = [
+    "MODELS",
     "add_expert_arguments",
+    "add_model_arguments",
     "check_ep",
     "check_expert_flags",
+    "default_dtype",
+    "flag_error",
     "model_value",
     "moe_spec_from_args",
+    "spec_from_args",
 ]
+
+MODELS = ("gpt", "moe-gpt")
 
 # moe-gpt's flags (ModelConfig's fields; `--imbalance` is the cost model's alone): None
 # when not given, so that a dense GPT can refuse them by name
@@ -65,6 +74,7 @@ def check_expert_flags(args: argparse.Namespace) -> None:
 def moe_spec_from_args(args: argparse.Namespace) -> MoESpec:
     """The MoE-GPT the model flags describe (flags not given: `plait train`'s defaults)."""
     from plait.config import ModelConfig
+    from plait.profile.analytic import MoESpec
 
     m = ModelConfig()
 
@@ -85,6 +95,8 @@ def moe_spec_from_args(args: argparse.Namespace) -> MoESpec:
 
 def check_ep(args: argparse.Namespace, spec: GPTSpec) -> None:
     """Expert parallelism needs experts, dp × tp ranks to borrow and experts to share out."""
+    from plait.profile.analytic import MoESpec
+
     if not isinstance(spec, MoESpec):
         if args.ep != 1:
             raise ValueError(f"--ep {args.ep} needs a model with experts: add --model moe-gpt")
@@ -108,8 +120,6 @@ def check_ep(args: argparse.Namespace, spec: GPTSpec) -> None:
 
 def model_value(key: str, value: Any) -> Any:
     """A plan file's model entry, of the kind its flag takes (a file is no argparse)."""
-    from plait.cli.profile import MODELS
-
     if key == "name":
         if value not in MODELS:
             raise ValueError(f"plan file: model.name={value!r} is unknown; use one of {MODELS}")
@@ -123,3 +133,80 @@ def model_value(key: str, value: Any) -> Any:
     if not ok:
         raise ValueError(f"plan file: model.{key}={value!r} is not a valid {key}")
     return value
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """The model flags `profile`, `plan` and `simulate` share; their defaults are those of
+    `plait train` (`ModelConfig`), so every command describes the same default model."""
+    from plait.config import ModelConfig
+
+    m = ModelConfig()
+    p.add_argument("--model", choices=MODELS, default=m.name, help=f"model family ({m.name})")
+    p.add_argument("--layers", type=int, default=m.layers, help=f"layers (default {m.layers})")
+    p.add_argument("--hidden", type=int, default=m.hidden, help=f"hidden size ({m.hidden})")
+    p.add_argument("--heads", type=int, default=m.heads, help=f"attention heads ({m.heads})")
+    p.add_argument(
+        "--seq-len", type=int, default=m.seq_len, dest="seq_len", help=f"tokens ({m.seq_len})"
+    )
+    p.add_argument("--vocab", type=int, default=96, help="vocabulary size (default 96)")
+    p.add_argument(
+        "--ffn-hidden", type=int, default=0, dest="ffn_hidden", help="MLP width (0: 4 × hidden)"
+    )
+    p.add_argument(
+        "--micro-batch-size", type=int, default=1, dest="micro_batch_size", help="samples each"
+    )
+    add_expert_arguments(p)
+
+
+def default_dtype() -> str:
+    """The training dtype every command assumes unless told: `plait train`'s."""
+    from plait.config import ParallelPlan
+
+    return ParallelPlan().dtype
+
+
+def flag_error(error: ValueError) -> ValueError:
+    """A model error with the field names replaced by the flags that set them."""
+    text = str(error)
+    for field, flag in (
+        ("num_layers", "--layers"),
+        ("num_heads", "--heads"),
+        ("seq_len", "--seq-len"),
+        ("vocab_size", "--vocab"),
+        ("ffn_hidden", "--ffn-hidden"),
+        ("num_experts", "--experts"),
+        ("top_k", "--top-k"),
+        ("capacity_factor", "--capacity-factor"),
+        ("moe_every", "--moe-every"),
+        ("imbalance", "--imbalance"),
+        ("hidden", "--hidden"),
+    ):
+        text = text.replace(f"{field}=", f"{flag} ")
+    return ValueError(text)
+
+
+def spec_from_args(args: argparse.Namespace) -> GPTSpec:
+    """The GPT (or MoE-GPT) the model flags describe; bad sizes raise ValueError naming
+    the flag."""
+    from plait.profile.analytic import GPTSpec
+
+    if args.micro_batch_size < 1:
+        raise ValueError(f"--micro-batch-size {args.micro_batch_size} must be >= 1")
+    model = getattr(args, "model", "gpt")
+    check_expert_flags(args)
+    if model == "moe-gpt":
+        try:
+            return moe_spec_from_args(args)
+        except ValueError as error:
+            raise flag_error(error) from None
+    try:
+        return GPTSpec(
+            num_layers=args.layers,
+            hidden=args.hidden,
+            num_heads=args.heads,
+            seq_len=args.seq_len,
+            vocab_size=args.vocab,
+            ffn_hidden=args.ffn_hidden,
+        )
+    except ValueError as error:
+        raise flag_error(error) from None

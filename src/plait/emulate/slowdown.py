@@ -29,9 +29,10 @@ from typing import Any
 
 from torch import nn
 
+from plait.cluster import Cluster
 from plait.runtime.executor import ActionRecord
 
-__all__ = ["EmulatedCompute", "compute_seconds", "pad_step"]
+__all__ = ["EmulatedCompute", "compute_seconds", "pad_step", "rank_slowdowns"]
 
 _COMPUTE = ("F", "B", "BI", "BW")
 _LABEL = re.compile(r"^\d+([A-Z]+)\d+")  # stage, op, micro-batch (`plait.schedule.ir`)
@@ -87,3 +88,14 @@ class EmulatedCompute:
         self._sleep(forward)
         if getattr(output, "requires_grad", False):
             output.register_hook(lambda grad: self._sleep(2 * forward))
+
+
+def rank_slowdowns(cluster: Cluster, world_size: int) -> tuple[float, ...]:
+    """The slowdown of ranks 0 … world_size − 1: that of the cluster's device of the same
+    rank. A cluster of fewer devices than workers is an error."""
+    if cluster.num_devices < world_size:
+        raise ValueError(
+            f"cluster {cluster.name!r} has {cluster.num_devices} devices for {world_size} "
+            "workers: give a cluster file with a device per worker, or fewer workers"
+        )
+    return tuple(float(cluster.device(r).slowdown) for r in range(world_size))
