@@ -49,7 +49,7 @@ from plait.compat import pytree
 from plait.config import ParallelPlan
 from plait.device import autocast_context
 from plait.device import current as current_device
-from plait.mesh import Meshes, ParallelDims
+from plait.mesh import Meshes, build_mesh
 from plait.parallel import (
     FSDPGradSync,
     GradReducer,
@@ -283,10 +283,11 @@ class Engine:
         return self._report(result)
 
     def _shard(self, value: Any) -> Any:
-        """This dp rank's slice of a global batch (dim 0)."""
+        """This rank's slice of a global batch (dim 0), cut over the layout's batch axes."""
         if self.plan.dp == 1:
             return value
-        return split_microbatches(value, self.plan.dp)[self.dp_index]
+        index, count = self.plan.layout.batch_shard(dist.get_rank())
+        return split_microbatches(value, count)[index]
 
     # ---------------------------------------------------------------- updates
     def _update(self, stage: int, version: int) -> None:
@@ -448,7 +449,7 @@ def _sync_replicas(stages: dict[int, nn.Module], meshes: Meshes) -> None:
     """Make every dp replica start from dp rank 0's weights (and buffers); expert weights
     from their replica group's first rank (the ranks of an ep group hold different ones)."""
     mesh = meshes.main
-    if mesh.size(mesh.mesh_dim_names.index("dp")) == 1:  # type: ignore[union-attr]
+    if mesh["dp"].size() == 1:
         return
     group, experts = mesh.get_group("dp"), meshes.expert_dp_group()
     for stage in stages.values():
@@ -503,9 +504,7 @@ def parallelize(
     meshes = (
         Meshes(main=mesh)
         if mesh is not None
-        else ParallelDims(
-            dp=plan.dp, tp=plan.tp, pp=plan.pp, ep=plan.ep, rank_order=plan.rank_order
-        ).build_mesh(device.type, experts=bool(expert_params(model)))
+        else build_mesh(plan.layout, device.type, experts=bool(expert_params(model)))
     )
     mesh = meshes.main
     names = block_names(model)
@@ -531,7 +530,7 @@ def parallelize(
         reduce = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(plan.compress)
         edp = meshes.expert["edp"] if meshes.expert is not None else None
         sharded = {
-            s: apply_fsdp(m, mesh["dp"], zero=plan.zero, reduce_dtype=reduce, expert_mesh=edp)
+            s: apply_fsdp(m, meshes.fsdp(), zero=plan.zero, reduce_dtype=reduce, expert_mesh=edp)
             for s, m in stages.items()
         }
         scaled = {s: expert_params(m) for s, m in stages.items()} if edp is not None else None
