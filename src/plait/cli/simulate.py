@@ -18,15 +18,18 @@ import argparse
 import json
 import math
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from plait.cli.experts import check_ep, model_value
+from plait.cli.options import add_config_flags
 from plait.cli.plan import check_out
 from plait.cli.profile import add_model_arguments, default_dtype, spec_from_args
 from plait.cli.simulate_wsp import check_wsp, print_wsp, wsp_summary
 from plait.cluster import Cluster, load_cluster, normalize_dtype
+from plait.config import ParallelPlan
 from plait.cost import RECOMPUTE_MODES, BlockCost, StageCost
+from plait.layout import resolve_dp
 from plait.plan import Partition, partition, partition_blocks
 from plait.profile import GPTSpec
 from plait.schedule import KINDS, Schedule, schedule_kind, validate
@@ -52,6 +55,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         "replace the flags",
     )
     a("--dp", type=int, default=1, help="data-parallel degree")
+    # the data-parallel axes, generated from the plan's fields as `plait train`'s are
+    add_config_flags(p, ParallelPlan, skip=_NOT_GENERATED)
     a("--tp", type=int, default=1, help="tensor-parallel degree")
     a("--ep", type=int, default=1,
       help="expert-parallel degree (moe-gpt): experts over ep of the dp × tp ranks")  # fmt: skip
@@ -218,6 +223,8 @@ def _plan(args: argparse.Namespace, spec: GPTSpec, dtype: str) -> SimPlan:
     chunks = schedule_kind(args.schedule).chunks(args.chunks)
     return SimPlan(
         dp=args.dp,
+        dp_replicate=args.dp_replicate,
+        dp_shard=args.dp_shard,
         tp=args.tp,
         pp=args.pp,
         ep=args.ep,
@@ -237,8 +244,12 @@ def _plan(args: argparse.Namespace, spec: GPTSpec, dtype: str) -> SimPlan:
     )
 
 
+_NOT_GENERATED = tuple(
+    f.name for f in fields(ParallelPlan) if f.name not in ("dp_replicate", "dp_shard")
+)
 _FROM_PLAN = {
-    "dp": "dp", "tp": "tp", "pp": "pp", "ep": "ep", "schedule": "schedule",
+    "dp": "dp", "dp_replicate": "dp_replicate", "dp_shard": "dp_shard", "tp": "tp",
+    "pp": "pp", "ep": "ep", "schedule": "schedule",
     "microbatches": "microbatches",
     "chunks": "chunks", "recompute": "recompute", "zero": "zero", "dtype": "dtype",
     "sequence_parallel": "sequence_parallel", "micro_batch_size": "micro_batch_size",
@@ -271,6 +282,7 @@ def _apply_plan(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.plan:
         _apply_plan(args)
+    args.dp, _, _, args.zero = resolve_dp(args.dp, args.dp_replicate, args.dp_shard, args.zero)
     if not args.cluster:
         raise ValueError("--cluster is required (a preset or a TOML file), or a --plan naming one")
     spec = spec_from_args(args)

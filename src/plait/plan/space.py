@@ -15,6 +15,7 @@ from plait.cost import (
     moe_block_costs,
     transformer_block_costs,
 )
+from plait.layout import Layout as RankLayout
 from plait.schedule import KINDS, kind_names, schedule_kind
 from plait.sim import SimPlan
 
@@ -25,6 +26,7 @@ __all__ = [
     "degrees",
     "expert_degrees",
     "gpt_spec",
+    "hybrid_axes",
     "moe_spec",
     "scaled_spec",
 ]
@@ -241,6 +243,9 @@ class SearchSpace:
     # neighbouring devices (one node kind), "tp-dp-pp" spreads it over the nodes
     rank_orders: tuple[str, ...] = ("tp-dp-pp",)
     compress: tuple[str, ...] = ("none",)
+    # hybrid sharding (HSDP) where a data-parallel group spans nodes: FSDP inside a node,
+    # all-reduce across (`hybrid_axes`)
+    hybrid: bool = True
 
     def __post_init__(self) -> None:
         if not self.compress:
@@ -308,6 +313,46 @@ def candidates(
         num_blocks=model.num_blocks,
     ):
         yield from _layouts(model, space, dp, tp, pp, global_batch)
+        if space.hybrid:
+            yield from _hybrid(model, space, dp, tp, pp, global_batch, devices_per_node)
+
+
+def hybrid_axes(
+    dp: int, tp: int, pp: int, rank_order: str, devices_per_node: int
+) -> tuple[int, int] | None:
+    """(dp_replicate, dp_shard) of the hybrid sharding that keeps each shard group inside
+    a node: dp_shard = the data-parallel ranks a node holds (`plait.layout.Layout`), when
+    the data-parallel group spans nodes and a node holds more than one of its ranks; else
+    None (plain FSDP is then as local, or there is nothing to keep inside a node)."""
+    group = RankLayout(pp=pp, dp_replicate=dp, tp=tp, rank_order=rank_order).ranks("dp", 0)
+    shard = sum(1 for r in group if r < devices_per_node)
+    if 1 < shard < dp and dp % shard == 0:
+        return dp // shard, shard
+    return None
+
+
+def _hybrid(
+    model: ModelSpec,
+    space: SearchSpace,
+    dp: int,
+    tp: int,
+    pp: int,
+    global_batch: int,
+    devices_per_node: int,
+) -> Iterator[SimPlan]:
+    """The hybrid-sharded plans of one (dp, tp, pp): ZeRO-2/3 on (dp_replicate, dp_shard)
+    for each rank order, with plain experts-free layouts (HSDP refuses ep > 1)."""
+    zeros = tuple(z for z in space.zero_stages if z >= 2)
+    if not zeros or model.num_experts:
+        return
+    orders = space.rank_orders if pp > 1 else space.rank_orders[:1]
+    for order in orders:
+        axes = hybrid_axes(dp, tp, pp, order, devices_per_node)
+        if axes is None:
+            continue
+        narrowed = replace(space, zero_stages=zeros, rank_orders=(order,))
+        for plan in _layouts(model, narrowed, dp, tp, pp, global_batch):
+            yield replace(plan, dp_replicate=axes[0], dp_shard=axes[1])
 
 
 def _layouts(
