@@ -86,12 +86,12 @@ def build_mesh(layout: Layout, device_type: str, *, experts: bool = False) -> Me
     Collective: every rank calls it."""
     check_fits(layout, dist.get_world_size(), local_world_size=_local_world_size())
     main = DeviceMesh(device_type, torch.tensor(rank_grid(layout)), mesh_dim_names=AXES)
-    main[_DP_AXES]._flatten("dp")
+    dp = main[_DP_AXES]._flatten("dp")
     expert = None
     if layout.ep > 1 or (experts and layout.tp > 1):
         grid = torch.tensor(expert_grid(layout))
         expert = DeviceMesh(device_type, grid, mesh_dim_names=("pp", "edp", "ep"))
-    return Meshes(main=main, expert=expert)
+    return Meshes(main=main, expert=expert, flat_dp=dp)
 
 
 _DP_AXES = ("dp_replicate", "dp_shard")
@@ -125,10 +125,17 @@ def pipeline_mesh(
 class Meshes:
     """The runtime's meshes: `main` for pipeline, data and tensor parallelism; `expert`, the
     same ranks with dp × tp split into (edp, ep), when experts are spread (ep > 1) or their
-    replicas span tensor-parallel ranks (tp > 1), else None."""
+    replicas span tensor-parallel ranks (tp > 1), else None; `flat_dp`, the data-parallel
+    mesh `main` flattened (kept here: torch deprecates slicing a flattened dimension from
+    the root mesh), None when `main` has a "dp" dimension of its own."""
 
     main: DeviceMesh
     expert: DeviceMesh | None = None
+    flat_dp: DeviceMesh | None = None
+
+    def dp(self) -> DeviceMesh:
+        """The data-parallel mesh (1-D)."""
+        return self.flat_dp if self.flat_dp is not None else self.main["dp"]
 
     def fsdp(self) -> DeviceMesh:
         """The mesh FSDP2 shards over: the flattened `dp`, or under HSDP (dp_replicate and
@@ -136,7 +143,7 @@ class Meshes:
         a replica group and all-reduces across them."""
         names = self.main.mesh_dim_names or ()
         if not set(_DP_AXES) <= set(names) or self.main["dp_replicate"].size() == 1:
-            return self.main["dp"]
+            return self.dp()
         return self.main[_DP_AXES]
 
     def ep_group(self) -> dist.ProcessGroup | None:

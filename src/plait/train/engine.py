@@ -449,7 +449,7 @@ def _sync_replicas(stages: dict[int, nn.Module], meshes: Meshes) -> None:
     """Make every dp replica start from dp rank 0's weights (and buffers); expert weights
     from their replica group's first rank (the ranks of an ep group hold different ones)."""
     mesh = meshes.main
-    if mesh["dp"].size() == 1:
+    if meshes.dp().size() == 1:
         return
     group, experts = mesh.get_group("dp"), meshes.expert_dp_group()
     for stage in stages.values():
