@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import json
 import math
@@ -16,7 +17,7 @@ from typing import Any
 
 from plait.compression import check_zero, parse_compression
 from plait.dataspec import DATA_FORMS, parse_data
-from plait.layout import RANK_ORDERS, check_ep, check_rank_order, expert_replicas, global_rank
+from plait.layout import RANK_ORDERS, Layout, check_rank_order, resolve_dp
 from plait.offload import check_offload_blocks, normalize_offload
 from plait.pipelines import check_hetero_plan
 from plait.pretrained import read_pretrained
@@ -317,7 +318,26 @@ class ParallelPlan:
     the engine balance them by the profile).
     """
 
-    dp: int = field(default=1, metadata={"help": "data-parallel degree"})
+    dp: int = field(
+        default=1,
+        metadata={"help": "data-parallel degree (dp_replicate × dp_shard when those are given)"},
+    )
+    dp_replicate: int | None = field(
+        default=None,
+        metadata={
+            "help": "data-parallel replicas that all-reduce gradients (with dp_shard > 1: "
+            "HSDP, sharding inside a replica group)",
+            "default_text": "dp, or 1 under zero=3",
+        },
+    )
+    dp_shard: int | None = field(
+        default=None,
+        metadata={
+            "help": "data-parallel ranks that shard parameters with FSDP2 (> 1 implies zero=3 "
+            "unless zero=2)",
+            "default_text": "1, or dp under zero=3",
+        },
+    )
     tp: int = field(default=1, metadata={"help": "tensor-parallel degree"})
     pp: int = field(
         default=2,
@@ -451,7 +471,18 @@ class ParallelPlan:
     def __post_init__(self) -> None:
         object.__setattr__(self, "pipelines", _pipeline_specs(self.pipelines))
         _check_types(self)
+        _positive(self, "dp")
+        dp, _, _, zero = resolve_dp(self.dp, self.dp_replicate, self.dp_shard, self.zero)
+        object.__setattr__(self, "dp", dp)
+        object.__setattr__(self, "zero", zero)
         self._check_layout()
+        layout = self.layout  # checks ep against the layout's axes
+        if layout.dp_replicate > 1 and layout.dp_shard > 1 and self.ep > 1:
+            raise ValueError(
+                f"ep={self.ep} with dp_replicate={layout.dp_replicate} × dp_shard="
+                f"{layout.dp_shard}: experts are sharded over their own replicas, which hybrid "
+                "sharding does not lay out yet; use dp_replicate=1 (zero=3) or ep=1"
+            )
         self._check_trainable()
 
     def _check_layout(self) -> None:
@@ -477,7 +508,6 @@ class ParallelPlan:
             raise ValueError("sequence_parallel needs tp > 1: set tp or drop sequence_parallel")
         object.__setattr__(self, "compress", str(parse_compression(self.compress)))
         check_zero(self.compress, self.zero)
-        check_ep(self.ep, self.dp, self.tp)
         check_rank_order(self.rank_order)
         if self.partition is not None:
             object.__setattr__(self, "partition", tuple(self.partition))
@@ -531,38 +561,45 @@ class ParallelPlan:
     def num_stages(self) -> int:
         return self.pp * self.chunks
 
+    def to_dict(self) -> dict[str, Any]:
+        """Every field, less the data-parallel axes when unset (dp and zero say it all),
+        so that files and outputs of plans without them read as before the axes existed."""
+        out = dataclasses.asdict(self)
+        return {k: v for k, v in out.items() if not (k in _DP_AXES and v is None)}
+
+    @property
+    def layout(self) -> Layout:
+        """The named-axis layout of the ranks (`plait.layout.Layout`)."""
+        return _layout_of(self.pp, self.dp, self.dp_replicate, self.dp_shard, self.zero,
+                          self.tp, self.ep, self.rank_order)  # fmt: skip
+
+    def _rank(self, pp_rank: int, dp_rank: int, tp_rank: int) -> int:
+        return self.layout.global_rank({"pp": pp_rank, "dp": dp_rank, "tp": tp_rank})
+
     def global_rank(self, pp_rank: int, dp_rank: int = 0, tp_rank: int = 0) -> int:
         """The global rank of a (pipeline, data, tensor) coordinate under `rank_order`, as
-        the runtime mesh places it (`plait.mesh.ParallelDims.rank_grid`)."""
-        degrees = {"pp": self.pp, "dp": self.dp, "tp": self.tp}
-        return global_rank(self.rank_order, degrees, {"pp": pp_rank, "dp": dp_rank, "tp": tp_rank})
+        the runtime mesh places it (`plait.layout.Layout.global_rank`)."""
+        return self._rank(pp_rank, dp_rank, tp_rank)
 
     def tp_group(self, pp_rank: int, dp_rank: int = 0) -> list[int]:
-        return [self.global_rank(pp_rank, dp_rank, t) for t in range(self.tp)]
+        return self.layout.ranks("tp", self._rank(pp_rank, dp_rank, 0))
 
     def dp_group(self, pp_rank: int, tp_rank: int = 0) -> list[int]:
-        return [self.global_rank(pp_rank, d, tp_rank) for d in range(self.dp)]
+        return self.layout.ranks("dp", self._rank(pp_rank, 0, tp_rank))
 
     @property
     def edp(self) -> int:
-        """The replicas of each expert: dp × tp / ep (`plait.layout.expert_replicas`)."""
-        return expert_replicas(self.dp, self.tp, self.ep)
+        """The replicas of each expert: dp × tp / ep (`plait.layout.Layout`)."""
+        return self.layout.degree("edp")
 
     def ep_group(self, pp_rank: int, dp_rank: int = 0, tp_rank: int = 0) -> list[int]:
         """The ranks exchanging tokens with (pp_rank, dp_rank, tp_rank): ep neighbouring
-        (dp, tp) indices, tp innermost (`plait.layout.expert_index`)."""
-        flat = dp_rank * self.tp + tp_rank  # dp × tp, tp innermost (plait.layout)
-        first = flat - flat % self.ep
-        return [self._flat_rank(pp_rank, first + e) for e in range(self.ep)]
+        (dp, tp) indices, tp innermost (`plait.layout.Layout`)."""
+        return self.layout.ranks("ep", self._rank(pp_rank, dp_rank, tp_rank))
 
     def expert_dp_group(self, pp_rank: int, dp_rank: int = 0, tp_rank: int = 0) -> list[int]:
         """The ranks holding the same experts as (pp_rank, dp_rank, tp_rank)."""
-        offset = (dp_rank * self.tp + tp_rank) % self.ep
-        return [self._flat_rank(pp_rank, f) for f in range(offset, self.dp * self.tp, self.ep)]
-
-    def _flat_rank(self, pp_rank: int, flat: int) -> int:
-        """The global rank of index `flat` of the dp × tp ranks (tp innermost)."""
-        return self.global_rank(pp_rank, *divmod(flat, self.tp))
+        return self.layout.ranks("edp", self._rank(pp_rank, dp_rank, tp_rank))
 
     @property
     def step_microbatches(self) -> int:
@@ -570,6 +607,18 @@ class ParallelPlan:
         if self.pipelines is not None:
             return sum(p.microbatches for p in self.pipelines)
         return self.dp * self.microbatches
+
+
+_DP_AXES = ("dp_replicate", "dp_shard")
+
+
+@functools.lru_cache(maxsize=256)
+def _layout_of(
+    pp: int, dp: int, rep: int | None, shard: int | None, zero: int, tp: int, ep: int, order: str
+) -> Layout:
+    """A plan's layout, built once per distinct plan (the simulator asks for it per rank)."""
+    _, replicate, sharded, _ = resolve_dp(dp, rep, shard, zero)
+    return Layout(pp=pp, dp_replicate=replicate, dp_shard=sharded, tp=tp, ep=ep, rank_order=order)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,121 +1,150 @@
-"""The one place that reads RANK, WORLD_SIZE and LOCAL_RANK, and joins the process group."""
+"""The runtime's process groups: the one place that reads RANK, WORLD_SIZE and LOCAL_RANK,
+joins the process group, and lays a `plait.layout.Layout` out as DeviceMeshes."""
 
 from __future__ import annotations
 
 import atexit
 import datetime
 import os
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from plait.device import backend_for, worker_device
-from plait.layout import check_ep, check_rank_order, expert_replicas, rank_grid
+from plait.layout import AXES, Layout
 
 __all__ = [
     "Meshes",
-    "ParallelDims",
     "WorkerEnv",
+    "build_mesh",
+    "check_fits",
     "cpu_cores_for",
+    "expert_grid",
     "init_worker",
     "launched_env",
+    "pipeline_mesh",
+    "rank_grid",
     "restart_count",
     "run_id",
     "worker_env",
 ]
 
 
-@dataclass(frozen=True)
-class ParallelDims:
-    """The degrees of the parallel axes; `build_mesh` lays them out as DeviceMeshes.
-
-    The world is pp × dp × tp ranks, placed as `rank_order` says (innermost axis first;
-    `plait.layout`). The default "tp-dp-pp" keeps a tensor-parallel group on consecutive
-    ranks, which a launcher places on one node. `ep` is not a factor of the world: expert
-    parallelism borrows data- and tensor-parallel ranks (dp × tp = edp × ep, as
-    torchtitan borrows dp_shard × cp × tp with etp=1), so ep must divide dp × tp.
-    """
-
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    ep: int = 1
-    rank_order: str = "tp-dp-pp"
-
-    def __post_init__(self) -> None:
-        for name in ("dp", "tp", "pp"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
-        check_ep(self.ep, self.dp, self.tp)
-        check_rank_order(self.rank_order)
-
-    @property
-    def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
-
-    @property
-    def edp(self) -> int:
-        """Expert-data-parallel degree: the replicas of each expert (dp × tp / ep)."""
-        return expert_replicas(self.dp, self.tp, self.ep)
-
-    def check(self, world_size: int, *, local_world_size: int | None = None) -> None:
-        """Raise ValueError unless the degrees fit `world_size` workers (and nodes)."""
-        if self.world_size != world_size:
-            raise ValueError(
-                f"dp × tp × pp = {self.dp} × {self.tp} × {self.pp} = {self.world_size} does not "
-                f"match the {world_size} workers: choose degrees whose product is {world_size} "
-                f"(ep={self.ep} borrows data- and tensor-parallel ranks and adds none)"
-            )
-        if local_world_size and local_world_size % self.tp and self.tp > 1:
-            raise ValueError(
-                f"tp={self.tp} does not divide the {local_world_size} workers of a node: tensor "
-                "parallelism must stay inside a node; use a tp that divides it"
-            )
-        across_nodes = local_world_size is not None and local_world_size < world_size
-        if self.tp > 1 and across_nodes and self.rank_order.split("-")[0] != "tp":
-            raise ValueError(
-                f"rank_order={self.rank_order!r} with tp={self.tp} spreads a tensor-parallel "
-                "group over non-consecutive ranks, across nodes: use a rank_order starting "
-                "with tp (tp-dp-pp or tp-pp-dp)"
-            )
-
-    def rank_grid(self) -> list[list[list[int]]]:
-        """`grid[pp_index][dp_index][tp_index]`: the global rank at each coordinate."""
-        return rank_grid(self.rank_order, pp=self.pp, dp=self.dp, tp=self.tp)
-
-    def expert_grid(self) -> list[list[list[int]]]:
-        """`grid[pp_index][edp_index][ep_index]`: the same ranks, dp × tp (tp innermost)
-        read as edp × ep with ep innermost (`plait.layout.expert_index`)."""
-        flat = [[r for row in plane for r in row] for plane in self.rank_grid()]
-        return [[ranks[e * self.ep : (e + 1) * self.ep] for e in range(self.edp)] for ranks in flat]
-
-    def build_mesh(self, device_type: str, *, experts: bool = False) -> Meshes:
-        """The main mesh ("pp", "dp", "tp") and, with ep > 1 or a model with `experts`
-        under tp > 1, the expert view of the same ranks ("pp", "edp", "ep"). Collective:
-        every rank calls it."""
-        self.check(dist.get_world_size(), local_world_size=_local_world_size())
-        main = DeviceMesh(
-            device_type, torch.tensor(self.rank_grid()), mesh_dim_names=("pp", "dp", "tp")
+def check_fits(layout: Layout, world_size: int, *, local_world_size: int | None = None) -> None:
+    """Raise ValueError unless `layout` fills `world_size` workers and keeps each
+    tensor-parallel group inside a node of `local_world_size` workers."""
+    if layout.size != world_size:
+        named = " × ".join(f"{a}={layout.degree(a)}" for a in AXES if layout.degree(a) > 1)
+        raise ValueError(
+            f"the layout holds {layout.size} ranks ({named or 'one of each axis'}), not the "
+            f"{world_size} workers: choose degrees whose product is {world_size} "
+            f"(ep={layout.ep} borrows data- and tensor-parallel ranks and adds none)"
         )
-        expert = None
-        if self.ep > 1 or (experts and self.tp > 1):
-            expert = DeviceMesh(
-                device_type, torch.tensor(self.expert_grid()), mesh_dim_names=("pp", "edp", "ep")
-            )
-        return Meshes(main=main, expert=expert)
+    tp = layout.tp
+    if local_world_size and local_world_size % tp and tp > 1:
+        raise ValueError(
+            f"tp={tp} does not divide the {local_world_size} workers of a node: tensor "
+            "parallelism must stay inside a node; use a tp that divides it"
+        )
+    across_nodes = local_world_size is not None and local_world_size < world_size
+    if tp > 1 and across_nodes and layout.rank_order.split("-")[0] != "tp":
+        raise ValueError(
+            f"rank_order={layout.rank_order!r} with tp={tp} spreads a tensor-parallel "
+            "group over non-consecutive ranks, across nodes: use a rank_order starting "
+            "with tp (tp-dp-pp or tp-pp-dp)"
+        )
+
+
+def rank_grid(layout: Layout) -> list[Any]:
+    """The global rank at every coordinate, nested in `AXES` order (outermost first)."""
+
+    def nest(depth: int, at: dict[str, int]) -> Any:
+        if depth == len(AXES):
+            return layout.global_rank(at)
+        axis = AXES[depth]
+        return [nest(depth + 1, {**at, axis: i}) for i in range(layout.degree(axis))]
+
+    return cast(list[Any], nest(0, {}))
+
+
+def expert_grid(layout: Layout) -> list[list[list[int]]]:
+    """`grid[pp_index][edp_index][ep_index]`: the ranks of each pipeline stage read as
+    edp × ep (`plait.layout.Layout`'s borrowed view)."""
+    firsts = [layout.global_rank({"pp": p}) for p in range(layout.pp)]
+    return [[layout.ranks("ep", r) for r in layout.ranks("edp", first)] for first in firsts]
+
+
+def build_mesh(layout: Layout, device_type: str, *, experts: bool = False) -> Meshes:
+    """One DeviceMesh over the layout's axes (`AXES`), with `dp` flattened from
+    dp_replicate × dp_shard (torchtitan's way: one mesh, named and flattened sub-meshes),
+    and, with ep > 1 or a model with `experts` under tp > 1, the expert view of the same
+    ranks ("pp", "edp", "ep"), which borrows across axes and so is a mesh of its own.
+    Collective: every rank calls it."""
+    check_fits(layout, dist.get_world_size(), local_world_size=_local_world_size())
+    main = DeviceMesh(device_type, torch.tensor(rank_grid(layout)), mesh_dim_names=AXES)
+    dp = main[_DP_AXES]._flatten("dp")
+    expert = None
+    if layout.ep > 1 or (experts and layout.tp > 1):
+        grid = torch.tensor(expert_grid(layout))
+        expert = DeviceMesh(device_type, grid, mesh_dim_names=("pp", "edp", "ep"))
+    return Meshes(main=main, expert=expert, flat_dp=dp)
+
+
+_DP_AXES = ("dp_replicate", "dp_shard")
+
+
+def pipeline_mesh(
+    layout: Layout, ranks: Sequence[int], pp_group: dist.ProcessGroup, device_type: str
+) -> DeviceMesh:
+    """The mesh of one pipeline of a heterogeneous plan: `layout` (pp stages, every other
+    axis of degree 1) over the pipeline's global `ranks`, on its existing `pp_group`.
+
+    Pipelines of different depths form no regular grid, so there is no world mesh to slice
+    or flatten (`DeviceMesh._flatten` is a collective over one); the mesh is assembled from
+    process groups instead (`DeviceMesh.from_group`), each size-1 axis on a group of this
+    rank alone, and the flattened `dp` view is a size-1 dimension of its own. Collective:
+    every rank calls it (the singleton groups are created by all ranks, in order)."""
+    if layout.size != layout.pp or len(ranks) != layout.pp:
+        raise ValueError(
+            f"a pipeline's layout has pp={layout.pp} and no other axis; got {layout} over "
+            f"ranks {list(ranks)}"
+        )
+    singletons = [[r] for r in range(dist.get_world_size())]
+    alone, _ = dist.new_subgroups_by_enumeration(singletons)  # type: ignore[no-untyped-call]
+    names = (*AXES, "dp")
+    grid = torch.tensor(list(ranks)).reshape(layout.pp, *[1] * (len(names) - 1))
+    groups = [pp_group if name == "pp" else alone for name in names]
+    return DeviceMesh.from_group(groups, device_type, grid, mesh_dim_names=names)
 
 
 @dataclass(frozen=True)
 class Meshes:
     """The runtime's meshes: `main` for pipeline, data and tensor parallelism; `expert`, the
     same ranks with dp × tp split into (edp, ep), when experts are spread (ep > 1) or their
-    replicas span tensor-parallel ranks (tp > 1), else None."""
+    replicas span tensor-parallel ranks (tp > 1), else None; `flat_dp`, the data-parallel
+    mesh `main` flattened (kept here: torch deprecates slicing a flattened dimension from
+    the root mesh), None when `main` has a "dp" dimension of its own."""
 
     main: DeviceMesh
     expert: DeviceMesh | None = None
+    flat_dp: DeviceMesh | None = None
+
+    def dp(self) -> DeviceMesh:
+        """The data-parallel mesh (1-D)."""
+        return self.flat_dp if self.flat_dp is not None else self.main["dp"]
+
+    def fsdp(self) -> DeviceMesh:
+        """The mesh FSDP2 shards over: the flattened `dp`, or under HSDP (dp_replicate and
+        dp_shard > 1) the 2-D (dp_replicate, dp_shard) mesh, on which FSDP2 shards inside
+        a replica group and all-reduces across them."""
+        names = self.main.mesh_dim_names or ()
+        if not set(_DP_AXES) <= set(names) or self.main["dp_replicate"].size() == 1:
+            return self.dp()
+        return self.main[_DP_AXES]
 
     def ep_group(self) -> dist.ProcessGroup | None:
         """The ranks that hold different experts and exchange tokens (all-to-all); None

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from plait.layout import global_rank
+from plait.layout import Layout
 from plait.schedule.registry import schedule_kind
 
 __all__ = ["PipelineLayout", "check_hetero_plan", "check_pipelines", "pipeline_layout"]
@@ -112,9 +112,9 @@ def pipeline_layout(
     depths = [len(part) // chunks for part in sizes]
     ranks: list[tuple[int, ...]] = []
     if len(set(depths)) == 1:
-        degrees = {"pp": depths[0], "dp": len(sizes), "tp": 1}
+        grid = Layout(pp=depths[0], dp_replicate=len(sizes), rank_order=rank_order)
         for d in range(len(sizes)):
-            at = [global_rank(rank_order, degrees, {"pp": s, "dp": d}) for s in range(depths[0])]
+            at = [grid.global_rank({"pp": s, "dp": d}) for s in range(depths[0])]
             ranks.append(tuple(at))
     else:
         first = 0

@@ -11,7 +11,8 @@ import torch.distributed as dist
 from torch import nn
 
 from plait.config import ParallelPlan
-from plait.mesh import ParallelDims
+from plait.layout import Layout
+from plait.mesh import build_mesh
 from plait.parallel.data import GradReducer
 
 from .harness import run_world
@@ -27,22 +28,22 @@ def _ranks(group: dist.ProcessGroup | None) -> list[int]:
 
 def _check_groups(rank: int) -> None:
     # dp=2 × pp=2 under tp-pp-dp: rank = pp + 2·dp (the table of tests/unit/test_layout.py)
-    mesh = ParallelDims(dp=2, pp=2, rank_order="tp-pp-dp").build_mesh("cpu").main
+    mesh = build_mesh(Layout(dp_replicate=2, pp=2, rank_order="tp-pp-dp"), "cpu").main
     assert _ranks(mesh.get_group("dp")) == [rank % 2, rank % 2 + 2]
     assert _ranks(mesh.get_group("pp")) == [rank - rank % 2, rank - rank % 2 + 1]
     # dp=4, ep=2: ep groups of neighbouring dp ranks, experts replicated over the others
-    meshes = ParallelDims(dp=4, ep=2).build_mesh("cpu")
+    meshes = build_mesh(Layout(dp_replicate=4, ep=2), "cpu")
     assert _ranks(meshes.ep_group()) == [rank - rank % 2, rank - rank % 2 + 1]
     assert _ranks(meshes.expert_dp_group()) == [rank % 2, rank % 2 + 2]
     assert _ranks(meshes.main.get_group("dp")) == [0, 1, 2, 3]
-    plain = ParallelDims(dp=4).build_mesh("cpu")
+    plain = build_mesh(Layout(dp_replicate=4), "cpu")
     assert plain.ep_group() is None and _ranks(plain.expert_dp_group()) == [0, 1, 2, 3]
     # dp=2 × tp=2, ep=2 borrows dp × tp ranks, tp innermost: an ep group is a tp group
-    meshes = ParallelDims(dp=2, tp=2, ep=2).build_mesh("cpu")
+    meshes = build_mesh(Layout(dp_replicate=2, tp=2, ep=2), "cpu")
     assert _ranks(meshes.ep_group()) == _ranks(meshes.main.get_group("tp"))
     assert _ranks(meshes.expert_dp_group()) == [rank % 2, rank % 2 + 2]
     # ep=1 under tp=2: every rank holds every expert, reduced over all dp × tp ranks
-    meshes = ParallelDims(dp=2, tp=2).build_mesh("cpu", experts=True)
+    meshes = build_mesh(Layout(dp_replicate=2, tp=2), "cpu", experts=True)
     assert meshes.ep_group() is None and _ranks(meshes.expert_dp_group()) == [0, 1, 2, 3]
 
 

@@ -59,7 +59,8 @@ def test_the_expert_data_parallel_group_is_dp_tp_over_ep_for_every_layout() -> N
     for dp, tp, ep in ((4, 1, 2), (2, 2, 2), (4, 2, 4), (2, 2, 4), (3, 2, 1)):
         degrees = DataDegrees(dp=dp, tp=tp, ep=ep)
         assert expert_dp_degree(degrees) == dp * tp // ep
-        assert sync_degrees(degrees) == {"dp": dp, "edp": dp * tp // ep}
+        expected = {"dp": dp, "dp_replicate": dp, "dp_shard": 1, "edp": dp * tp // ep}
+        assert sync_degrees(degrees) == expected
         # the plans satisfy the layout protocol as they are, and agree with the mesh's edp
         plan = ParallelPlan(dp=dp, tp=tp, ep=ep, pp=1)
         assert expert_dp_degree(plan) == plan.edp == dp * tp // ep

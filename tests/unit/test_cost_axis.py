@@ -24,5 +24,5 @@ def test_a_collective_runs_over_the_group_of_its_axis() -> None:
     device = Device(name="d", peak_flops={"fp32": 1e12}, memory_bytes=10**9)
     times = StageCost((block,)).times(device, "fp32", links=links)
     assert times.comm_forward_s == pytest.approx(expected, rel=1e-12)
-    with pytest.raises(ValueError, match="collective axis 'cp' is unknown"):
-        Collective(kind="all_reduce", num_bytes=1.0, axis="cp")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="collective axis 'sp' is unknown"):
+        Collective(kind="all_reduce", num_bytes=1.0, axis="sp")

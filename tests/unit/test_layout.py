@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from plait.config import ParallelPlan, TrainConfig
-from plait.layout import expert_index
-from plait.mesh import ParallelDims
+from plait.layout import Layout, expert_index
+from plait.mesh import check_fits, expert_grid
 from plait.plan.io import (
     parallel_plan_of,
     plan_from_dict,
@@ -46,7 +46,8 @@ ORDER_TABLE = {
 
 @pytest.mark.parametrize("order", sorted(ORDER_TABLE))
 def test_rank_order_places_the_groups_of_a_two_by_two_world(order: str) -> None:
-    grid = ParallelDims(dp=2, pp=2, rank_order=order).rank_grid()
+    layout = Layout(dp_replicate=2, pp=2, rank_order=order)
+    grid = [[[layout.global_rank({"pp": p, "dp": d})] for d in range(2)] for p in range(2)]
     sim = SimPlan(dp=2, pp=2, rank_order=order)
     for axis, expected in ORDER_TABLE[order].items():
         assert _groups(grid, axis) == expected, axis
@@ -57,11 +58,11 @@ def test_rank_order_places_the_groups_of_a_two_by_two_world(order: str) -> None:
 
 
 def test_ep_borrows_data_parallel_ranks_in_a_world_of_four() -> None:
-    dims = ParallelDims(dp=4, ep=2)
-    assert dims.world_size == 4 and dims.edp == 2
-    dims.check(4)
+    dims = Layout(dp_replicate=4, ep=2)
+    assert dims.size == 4 and dims.degree("edp") == 2
+    check_fits(dims, 4)
     # dp index = edp index · ep + ep index: ep groups are neighbouring dp ranks
-    assert dims.expert_grid() == [[[0, 1], [2, 3]]]
+    assert expert_grid(dims) == [[[0, 1], [2, 3]]]
     sim = SimPlan(dp=4, ep=2)
     assert {frozenset(sim.ep_group(0, d)) for d in range(4)} == _set((0, 1), (2, 3))
     assert {frozenset(sim.expert_dp_group(0, d)) for d in range(4)} == _set((0, 2), (1, 3))
@@ -81,12 +82,12 @@ def test_expert_groups_in_worlds_of_eight() -> None:
     eps = {frozenset(sim.ep_group(p, d, t)) for p in range(2) for d in range(2) for t in range(2)}
     assert eps == _set((0, 1), (2, 3), (4, 5), (6, 7))
     assert sim.expert_dp_group(1, 1, 1) == [5, 7]
-    grid = ParallelDims(dp=2, tp=2, pp=2, ep=2).expert_grid()  # [pp][edp][ep]
+    grid = expert_grid(Layout(dp_replicate=2, tp=2, pp=2, ep=2))  # [pp][edp][ep]
     assert grid == [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]
     # ep=4 = dp × tp: one ep group per stage, every expert once (edp=1)
     sim = SimPlan(dp=2, tp=2, pp=2, ep=4)
     assert sim.ep_group(1, 1, 0) == [4, 5, 6, 7] and sim.expert_dp_group(1, 1, 1) == [7]
-    assert ParallelDims(dp=2, tp=2, pp=2, ep=4).expert_grid() == [[[0, 1, 2, 3]], [[4, 5, 6, 7]]]
+    assert expert_grid(Layout(dp_replicate=2, tp=2, pp=2, ep=4)) == [[[0, 1, 2, 3]], [[4, 5, 6, 7]]]
     # dp=4, tp=2, ep=4 under tp-pp-dp: rank = tp + 2·dp; flat (dp, tp) index = rank
     sim = SimPlan(dp=4, tp=2, ep=4, rank_order="tp-pp-dp")
     assert {frozenset(sim.ep_group(0, d, t)) for d in range(4) for t in range(2)} == _set(
@@ -96,31 +97,36 @@ def test_expert_groups_in_worlds_of_eight() -> None:
     # ep=3 of dp × tp = 3 × 2 under dp-tp-pp (rank = dp + 3·tp): groups cross replicas
     sim = SimPlan(dp=3, tp=2, ep=3, rank_order="dp-tp-pp")
     assert sim.ep_group(0, 1, 1) == [4, 2, 5]  # flat 3, 4, 5 = (1, 1), (2, 0), (2, 1)
-    grid = ParallelDims(dp=3, tp=2, ep=3, rank_order="dp-tp-pp").expert_grid()
+    grid = expert_grid(Layout(dp_replicate=3, tp=2, ep=3, rank_order="dp-tp-pp"))
     assert grid == [[[0, 3, 1], [4, 2, 5]]]
     assert expert_index(1, 3, tp_index=1, tp=2) == (1, 0)
 
 
 def test_ep_must_divide_dp_times_tp_and_adds_no_ranks() -> None:
     for make in (
-        lambda: ParallelDims(dp=4, ep=3),
+        lambda: Layout(dp_replicate=4, ep=3),
         lambda: SimPlan(dp=4, ep=3),
         lambda: ParallelPlan(dp=4, pp=1, ep=3),
     ):
         with pytest.raises(ValueError, match=r"ep=3 does not divide dp × tp = 4 × 1.*\[1, 2, 4\]"):
             make()
     with pytest.raises(ValueError, match=r"ep=4 does not divide dp × tp = 1 × 2"):
-        ParallelDims(dp=1, tp=2, ep=4)
-    assert ParallelDims(dp=1, tp=2, ep=2).edp == 1 and ParallelDims(dp=2, tp=2, ep=1).edp == 4
+        Layout(dp_replicate=1, tp=2, ep=4)
+    assert (
+        Layout(dp_replicate=1, tp=2, ep=2).degree("edp") == 1
+        and Layout(dp_replicate=2, tp=2, ep=1).degree("edp") == 4
+    )
     with pytest.raises(ValueError, match="ep=0 must be a positive integer"):
-        ParallelDims(dp=2, ep=0)
-    with pytest.raises(ValueError, match=r"2 × 1 × 1 = 2 does not match the 4 workers.*ep=2"):
-        ParallelDims(dp=2, ep=2).check(4)
+        Layout(dp_replicate=2, ep=0)
+    with pytest.raises(
+        ValueError, match=r"holds 2 ranks \(dp_replicate=2\), not the 4 workers.*ep=2"
+    ):
+        check_fits(Layout(dp_replicate=2, ep=2), 4)
 
 
 def test_an_unknown_rank_order_is_refused_naming_the_field() -> None:
     for make in (
-        lambda: ParallelDims(rank_order="dp-tp"),
+        lambda: Layout(rank_order="dp-tp"),
         lambda: SimPlan(rank_order="dp-tp"),
         lambda: ParallelPlan(rank_order="dp-tp"),
     ):
@@ -130,8 +136,8 @@ def test_an_unknown_rank_order_is_refused_naming_the_field() -> None:
 
 def test_a_tensor_parallel_group_must_stay_consecutive_across_nodes() -> None:
     with pytest.raises(ValueError, match="rank_order='dp-tp-pp' with tp=2"):
-        ParallelDims(dp=2, tp=2, rank_order="dp-tp-pp").check(4, local_world_size=2)
-    ParallelDims(dp=2, tp=2, rank_order="tp-pp-dp").check(4, local_world_size=2)
+        check_fits(Layout(dp_replicate=2, tp=2, rank_order="dp-tp-pp"), 4, local_world_size=2)
+    check_fits(Layout(dp_replicate=2, tp=2, rank_order="tp-pp-dp"), 4, local_world_size=2)
 
 
 def test_ep_needs_a_model_with_experts() -> None:
@@ -151,15 +157,15 @@ def test_the_simulators_plan_is_the_training_layout_plus_the_batch_shape() -> No
     layout = ParallelPlan(dp=2, pp=2, ep=2, microbatches=4, rank_order="dp-tp-pp",
                           compress="fp16", schedule="zb-h1", partition=(2, 3))  # fmt: skip
     plan = SimPlan.of(layout, micro_batch_size=3, seq_len=16)
-    assert plan.layout() == layout and plan.global_batch_size == 2 * 4 * 3
+    assert plan.parallel_plan() == layout and plan.global_batch_size == 2 * 4 * 3
 
 
 def test_training_refuses_what_the_simulator_only_prices() -> None:
     SimPlan(dp=1, zero=1, dtype="tf32", schedule="pipedream", tp=2)  # priced, not trained
     with pytest.raises(ValueError, match="dtype='tf32'"):
-        SimPlan(dtype="tf32").layout()
+        SimPlan(dtype="tf32").parallel_plan()
     with pytest.raises(ValueError, match="zero=1 with dp=1"):
-        SimPlan(zero=1, dtype="fp32").layout()
+        SimPlan(zero=1, dtype="fp32").parallel_plan()
 
 
 def _ranked(plan: SimPlan, sizes: tuple[int, ...]) -> RankedPlan:
@@ -180,12 +186,12 @@ def test_a_plan_file_round_trips_every_field(tmp_path: Path) -> None:
     write_plan(path, plan_to_dict(_ranked(plan, (1, 1, 1, 1)), model=model))
     data = read_plan(path)
     assert plan_from_dict(data) == plan
-    assert parallel_plan_of(data) == plan.layout()
+    assert parallel_plan_of(data) == plan.parallel_plan()
 
 
 def test_a_hand_written_plan_file_reads_the_same_to_training_and_the_simulator() -> None:
     data = {"dp": 2, "tp": 1, "pp": 2, "schedule": "1f1b", "microbatches": 2}
-    assert plan_from_dict(data).layout() == parallel_plan_of(data)
+    assert plan_from_dict(data).parallel_plan() == parallel_plan_of(data)
 
 
 def test_plait_train_takes_every_field_of_a_plan_file(tmp_path: Path) -> None:

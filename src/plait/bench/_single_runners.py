@@ -28,10 +28,11 @@ class Context:
     @classmethod
     def build(cls, config: Any, device: torch.device) -> Context:
         from plait.cost.transformer import transformer_block_costs
-        from plait.mesh import ParallelDims
+        from plait.layout import Layout
+        from plait.mesh import build_mesh
         from plait.models import GPT
 
-        mesh = ParallelDims(dp=1, tp=1, pp=1).build_mesh(device.type).main
+        mesh = build_mesh(Layout(), device.type).main
         with torch.device("meta"):
             num_params = sum(p.numel() for p in GPT(config.gpt_config()).parameters())
         blocks = transformer_block_costs(

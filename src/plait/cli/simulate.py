@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import fields
 from typing import TYPE_CHECKING
 
 from plait.cli.models import (
@@ -26,10 +27,13 @@ from plait.cli.models import (
     model_value,
     spec_from_args,
 )
+from plait.cli.options import add_config_flags
 from plait.cli.plan import check_out
 from plait.cli.simulate_wsp import check_wsp, print_wsp, wsp_summary
 from plait.cluster import normalize_dtype
+from plait.config import ParallelPlan
 from plait.cost import RECOMPUTE_MODES
+from plait.layout import resolve_dp
 from plait.presets import load_cluster
 from plait.schedule import KINDS, schedule_kind
 from plait.sim import SimPlan
@@ -55,6 +59,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         "replace the flags",
     )
     a("--dp", type=int, default=1, help="data-parallel degree")
+    # the data-parallel axes, generated from the plan's fields as `plait train`'s are
+    add_config_flags(p, ParallelPlan, skip=_NOT_GENERATED)
     a("--tp", type=int, default=1, help="tensor-parallel degree")
     a("--ep", type=int, default=1,
       help="expert-parallel degree (moe-gpt): experts over ep of the dp × tp ranks")  # fmt: skip
@@ -147,6 +153,8 @@ def _plan(args: argparse.Namespace, spec: GPTSpec, dtype: str) -> SimPlan:
     chunks = schedule_kind(args.schedule).chunks(args.chunks)
     return SimPlan(
         dp=args.dp,
+        dp_replicate=args.dp_replicate,
+        dp_shard=args.dp_shard,
         tp=args.tp,
         pp=args.pp,
         ep=args.ep,
@@ -166,8 +174,12 @@ def _plan(args: argparse.Namespace, spec: GPTSpec, dtype: str) -> SimPlan:
     )
 
 
+_NOT_GENERATED = tuple(
+    f.name for f in fields(ParallelPlan) if f.name not in ("dp_replicate", "dp_shard")
+)
 _FROM_PLAN = {
-    "dp": "dp", "tp": "tp", "pp": "pp", "ep": "ep", "schedule": "schedule",
+    "dp": "dp", "dp_replicate": "dp_replicate", "dp_shard": "dp_shard", "tp": "tp",
+    "pp": "pp", "ep": "ep", "schedule": "schedule",
     "microbatches": "microbatches",
     "chunks": "chunks", "recompute": "recompute", "zero": "zero", "dtype": "dtype",
     "sequence_parallel": "sequence_parallel", "micro_batch_size": "micro_batch_size",
@@ -200,6 +212,7 @@ def _apply_plan(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.plan:
         _apply_plan(args)
+    args.dp, _, _, args.zero = resolve_dp(args.dp, args.dp_replicate, args.dp_shard, args.zero)
     if not args.cluster:
         raise ValueError("--cluster is required (a preset or a TOML file), or a --plan naming one")
     from plait.cli.simulate_report import overflow_lines, print_summary, to_dict, write_outputs

@@ -85,7 +85,7 @@ def to_dict(prediction: Prediction, spec: GPTSpec) -> dict[str, Any]:
             "sizes": list(prediction.partition.sizes),
             "boundaries": list(prediction.partition.boundaries),
         },
-        "plan": asdict(r.plan),
+        "plan": r.plan.to_dict(),
         "codec": _codec_row(r.plan.compress, cluster),
         "model": _model_row(spec),
         "cluster": {

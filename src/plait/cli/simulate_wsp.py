@@ -37,7 +37,7 @@ def check_wsp(plan: SimPlan, staleness: int, wave: int, pipelines: Any) -> None:
             f"--wsp-staleness {staleness} --wsp-wave {wave}: need D >= 0 waves and a wave "
             "of >= 1 steps"
         )
-    layout = dataclasses.replace(plan.layout(), wsp_staleness=staleness, wsp_wave=wave,
+    layout = dataclasses.replace(plan.parallel_plan(), wsp_staleness=staleness, wsp_wave=wave,
                                  pipelines=pipelines)  # fmt: skip
     if layout.pipelines is not None and len({len(p.partition) for p in layout.pipelines}) > 1:
         raise ValueError(
@@ -59,7 +59,7 @@ def wsp_summary(
     """The JSON `wsp` object: the virtual workers of `plan` (cut as `sizes`, or as each of
     `pipelines`), replayed under D = `staleness` with waves of `wave` steps."""
     check_wsp(plan, staleness, wave, pipelines)
-    layout = dataclasses.replace(plan.layout(), pipelines=pipelines)
+    layout = dataclasses.replace(plan.parallel_plan(), pipelines=pipelines)
     if layout.pipelines is not None:
         cuts = [tuple(p.partition) for p in layout.pipelines]
         counts = [p.microbatches for p in layout.pipelines]

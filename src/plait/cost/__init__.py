@@ -45,7 +45,14 @@ from plait.cost.moe import (
     stage_sync_time,
     weight_gather_time,
 )
-from plait.cost.replicas import DataDegrees, DataLayout, expert_dp_degree, sync_degrees
+from plait.cost.replicas import (
+    DataDegrees,
+    DataLayout,
+    expert_dp_degree,
+    hybrid_shard,
+    shard_degree,
+    sync_degrees,
+)
 from plait.cost.transformer import (
     TransformerShape,
     layer_activation_bytes,
@@ -81,6 +88,7 @@ __all__ = [
     "expert_dp_degree",
     "expert_state_bytes",
     "group_collective_time",
+    "hybrid_shard",
     "layer_activation_bytes",
     "model_state_bytes",
     "moe_block_costs",
@@ -90,6 +98,7 @@ __all__ = [
     "p2p_time",
     "reduce_scatter_time",
     "ring_all_reduce_time",
+    "shard_degree",
     "stage_costs",
     "stage_sync_time",
     "swapped_optimizer_bytes",

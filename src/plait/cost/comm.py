@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from plait.cluster import Cluster, Link
+from plait.layout import AXES, VIEWS
 
 __all__ = [
     "COLLECTIVE_AXES",
@@ -45,10 +46,11 @@ CollectiveKind = Literal["all_reduce", "reduce_scatter", "all_gather", "all_to_a
 COLLECTIVE_KINDS: tuple[str, ...] = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
 
 
-# "edp": the ranks holding the same experts (dp·tp / ep of them, `plait.layout`), over
-# which expert gradients are reduced and expert state sharded
-CollectiveAxis = Literal["tp", "dp", "ep", "pp", "edp"]
-COLLECTIVE_AXES: tuple[str, ...] = ("tp", "dp", "ep", "pp", "edp")
+# a collective runs over the group of one axis or view of `plait.layout.Layout`, named as
+# there: "dp" the data-parallel group (dp_replicate × dp_shard), "edp" the ranks holding
+# the same experts (dp·tp / ep of them), "ep" those exchanging tokens
+CollectiveAxis = str
+COLLECTIVE_AXES: tuple[str, ...] = (*AXES, *VIEWS)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,6 +83,12 @@ class AxisLinks:
     def group(self, axis: str) -> tuple[int, Link | None]:
         """(degree, link) of `axis`'s group: (1, None) for an axis left out."""
         return self.degrees.get(axis, 1), self.links.get(axis)
+
+    def hybrid_shard(self) -> int:
+        """dp_shard when the data-parallel group is hybrid (dp_replicate and dp_shard > 1
+        among the degrees), else 1."""
+        replicate, shard = self.degrees.get("dp_replicate", 1), self.degrees.get("dp_shard", 1)
+        return shard if replicate > 1 and shard > 1 else 1
 
     def time(self, collectives: Sequence[Collective]) -> float:
         """Seconds of `collectives`, one after another, each over its axis's group."""
@@ -182,14 +190,24 @@ _DP_COLLECTIVES: dict[int, tuple[CollectiveKind, ...]] = {
 
 
 def dp_sync_collectives(
-    num_bytes: float, *, zero_stage: int, axis: CollectiveAxis = "dp"
+    num_bytes: float, *, zero_stage: int, axis: CollectiveAxis = "dp", hybrid_shard: int = 1
 ) -> tuple[Collective, ...]:
     """What the gradient reduction of `num_bytes` of parameters issues over `axis` ("dp":
     the data-parallel group; "edp": the ranks holding the same experts) per step: an
     all-reduce; with ZeRO-1/2 a reduce-scatter plus the all-gather of the updated
-    weights; with ZeRO-3 only the reduce-scatter (its gathers happen per micro-batch)."""
+    weights; with ZeRO-3 only the reduce-scatter (its gathers happen per micro-batch).
+
+    `hybrid_shard` > 1 (HSDP over "dp", ZeRO-2/3: FSDP2 on the 2-D mesh): the
+    reduce-scatter and gather run over "dp_shard", and each rank's 1/hybrid_shard of the
+    gradients is all-reduced over "dp_replicate" (FSDP2's order)."""
     if zero_stage not in _DP_COLLECTIVES:
         raise ValueError(f"zero_stage={zero_stage!r} must be 0, 1, 2 or 3")
+    if hybrid_shard > 1 and axis == "dp" and zero_stage >= 2:
+        shard = [Collective(kind=k, num_bytes=num_bytes, axis="dp_shard")
+                 for k in _DP_COLLECTIVES[zero_stage]]  # fmt: skip
+        across = Collective(kind="all_reduce", num_bytes=num_bytes / hybrid_shard,
+                            axis="dp_replicate")  # fmt: skip
+        return (shard[0], across, *shard[1:])
     return tuple(
         Collective(kind=k, num_bytes=num_bytes, axis=axis) for k in _DP_COLLECTIVES[zero_stage]
     )
@@ -199,5 +217,9 @@ def dp_sync_time(
     num_bytes: float, *, zero_stage: int, links: AxisLinks, axis: CollectiveAxis = "dp"
 ) -> float:
     """Seconds of `dp_sync_collectives` over the group `links` gives `axis` (nothing on
-    one rank)."""
-    return links.time(dp_sync_collectives(num_bytes, zero_stage=zero_stage, axis=axis))
+    one rank); hybrid sharding when `links` gives dp_replicate and dp_shard > 1."""
+    return links.time(
+        dp_sync_collectives(
+            num_bytes, zero_stage=zero_stage, axis=axis, hybrid_shard=links.hybrid_shard()
+        )
+    )

@@ -58,7 +58,7 @@ from plait.cost.blocks import BlockCost, Layout
 from plait.cost.comm import AxisLinks, Collective
 from plait.cost.compress import gradient_sync_time
 from plait.cost.memory import ModelState, Optimizer, model_state_bytes, optimizer_step_time
-from plait.cost.replicas import DataLayout, expert_dp_degree
+from plait.cost.replicas import DataLayout, expert_dp_degree, hybrid_shard, shard_degree
 from plait.cost.transformer import TransformerShape, transformer_block_costs
 
 __all__ = [
@@ -222,8 +222,8 @@ def expert_state_bytes(
     ranks, the experts over the ranks holding the same experts (`expert_dp_degree`;
     `model_state_bytes` for each part)."""
     rest = model_state_bytes(
-        num_params - expert_params, dtype=dtype, zero_stage=layout.zero, dp=layout.dp,
-        optimizer=optimizer,
+        num_params - expert_params, dtype=dtype, zero_stage=layout.zero,
+        dp=shard_degree(layout), optimizer=optimizer,
     )  # fmt: skip
     if not expert_params:
         return rest
@@ -279,7 +279,8 @@ def weight_gather_time(
     if layout.zero < 3 or layout.dp == 1:
         return 0.0
     size = (num_params - expert_params) * param_bytes
-    time = links.time([Collective(kind="all_gather", num_bytes=size, axis="dp")])
+    axis = "dp_shard" if hybrid_shard(layout) > 1 else "dp"  # HSDP gathers inside a replica
+    time = links.time([Collective(kind="all_gather", num_bytes=size, axis=axis)])
     if expert_params:
         experts = Collective(kind="all_gather", num_bytes=expert_params * param_bytes, axis="edp")
         time += links.time([experts])
@@ -298,8 +299,8 @@ def moe_optimizer_step_time(
     """`optimizer_step_time` of the non-expert shard over the dp ranks plus the expert
     shard over the ranks holding the same experts (`expert_dp_degree`)."""
     rest = optimizer_step_time(
-        num_params - expert_params, device, dtype=dtype, zero_stage=layout.zero, dp=layout.dp,
-        optimizer=optimizer,
+        num_params - expert_params, device, dtype=dtype, zero_stage=layout.zero,
+        dp=shard_degree(layout), optimizer=optimizer,
     )  # fmt: skip
     if not expert_params:
         return rest

@@ -5,7 +5,9 @@ group (axis "dp"): its gradients are reduced over them and ZeRO shards its model
 over them (Rajbhandari et al. 2020). Expert parallelism borrows its `ep` ranks from the
 dp × tp ranks of a pipeline stage (`plait.layout`), so an expert is replicated on
 dp·tp / ep of them (axis "edp"): its gradients are reduced, and its state sharded, over
-those instead. The gradient-sync and model-state formulas (`plait.cost.moe`,
+those instead. Under hybrid sharding (HSDP: dp_replicate and dp_shard > 1) the state is
+sharded over the dp_shard ranks only and replicated across the dp_replicate groups
+(`shard_degree`). The gradient-sync and model-state formulas (`plait.cost.moe`,
 `plait.cost.compress`) read the layout through `DataLayout`, and price a collective with
 the degree and link `plait.cost.comm.AxisLinks` gives its axis, whose degrees
 `sync_degrees` derives from the layout.
@@ -16,9 +18,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from plait.layout import expert_replicas
+from plait.layout import Layout, expert_replicas
 
-__all__ = ["DataDegrees", "DataLayout", "expert_dp_degree", "sync_degrees"]
+__all__ = [
+    "DataDegrees",
+    "DataLayout",
+    "expert_dp_degree",
+    "hybrid_shard",
+    "shard_degree",
+    "sync_degrees",
+]
 
 
 class DataLayout(Protocol):
@@ -39,6 +48,9 @@ class DataLayout(Protocol):
 
     @property
     def zero(self) -> int: ...
+
+    @property
+    def layout(self) -> Layout: ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,6 +76,13 @@ class DataDegrees:
                 "parallelism borrows its ranks from them; choose ep dividing dp × tp"
             )
 
+    @property
+    def layout(self) -> Layout:
+        """The named axes of these degrees: ZeRO-3 shards over all of dp (dp_shard = dp),
+        lower stages keep dp replicas, as `plait.layout.resolve_dp` reads a plan."""
+        rep, shard = (1, self.dp) if self.zero == 3 else (self.dp, 1)
+        return Layout(dp_replicate=rep, dp_shard=shard, tp=self.tp, ep=self.ep)
+
 
 def expert_dp_degree(layout: DataLayout) -> int:
     """Ranks holding the same experts (the degree of axis "edp"):
@@ -72,7 +91,28 @@ def expert_dp_degree(layout: DataLayout) -> int:
     return expert_replicas(layout.dp, layout.tp, layout.ep)
 
 
+def hybrid_shard(layout: DataLayout) -> int:
+    """dp_shard under hybrid sharding (dp_replicate and dp_shard > 1 with ZeRO-2/3: FSDP2
+    on the 2-D mesh), else 1."""
+    named = layout.layout
+    hybrid = named.dp_replicate > 1 and named.dp_shard > 1 and layout.zero >= 2
+    return named.dp_shard if hybrid else 1
+
+
+def shard_degree(layout: DataLayout) -> int:
+    """The ranks ZeRO shards the dense model state over: dp_shard under hybrid sharding,
+    else every data-parallel rank."""
+    return hybrid_shard(layout) if hybrid_shard(layout) > 1 else layout.dp
+
+
 def sync_degrees(layout: DataLayout) -> dict[str, int]:
     """Degrees of the axes gradients are reduced over, for `plait.cost.comm.AxisLinks`:
-    "dp" for the dense parameters, "edp" for the experts."""
-    return {"dp": layout.dp, "edp": expert_dp_degree(layout)}
+    "dp" for the dense parameters (its dp_replicate and dp_shard parts under hybrid
+    sharding), "edp" for the experts."""
+    named = layout.layout
+    return {
+        "dp": layout.dp,
+        "dp_replicate": named.dp_replicate,
+        "dp_shard": named.dp_shard,
+        "edp": expert_dp_degree(layout),
+    }

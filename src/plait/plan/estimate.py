@@ -32,6 +32,7 @@ from plait.cost import (
     expert_dp_degree,
     model_state_bytes,
     moe_optimizer_step_time,
+    shard_degree,
     stage_sync_time,
     sync_degrees,
     weight_gather_time,
@@ -156,26 +157,20 @@ class Estimator:
         self._state: dict[tuple[object, ...], float] = {}
 
     def link(self, plan: SimPlan, axis: str) -> Link:
-        key = (axis, plan.dp, plan.tp, plan.pp, plan.rank_order, plan.ep)
+        key = (axis, plan.layout)
         if key not in self._links:
-            if axis == "tp":
-                group = plan.tp_group(0)
-            elif axis == "dp":
-                group = plan.dp_group(0)
-            elif axis == "ep":
-                group = plan.ep_group(0)
-            elif axis == "edp":
-                group = plan.expert_dp_group(0)
-            else:
+            if axis == "pp":  # the first stage's send to the next
                 group = [plan.global_rank(0), plan.global_rank(min(1, plan.pp - 1))]
+            else:
+                group = plan.layout.ranks(axis, 0)
             self._links[key] = self.cluster.group_link(group)
         return self._links[key]
 
     def sync_links(self, plan: SimPlan) -> AxisLinks:
-        """The groups gradients are reduced over: axis "dp" and, for experts, "edp"."""
-        return AxisLinks(
-            sync_degrees(plan), {"dp": self.link(plan, "dp"), "edp": self.link(plan, "edp")}
-        )
+        """The groups gradients are reduced over: axis "dp" (its dp_replicate and dp_shard
+        parts under hybrid sharding) and, for experts, "edp"."""
+        degrees = sync_degrees(plan)
+        return AxisLinks(degrees, {axis: self.link(plan, axis) for axis in degrees})
 
     def _ep_key(self, plan: SimPlan) -> tuple[object, ...]:
         """What the ep group's link depends on (nothing without expert parallelism)."""
@@ -223,7 +218,7 @@ class Estimator:
     def state_per_param(self, plan: SimPlan, *, experts: bool = False) -> float:
         """Model-state bytes per parameter (linear in the parameter count), ZeRO sharding
         over the plan's dp ranks, or for `experts` over the ranks holding the same ones."""
-        dp = expert_dp_degree(plan) if experts else plan.dp
+        dp = expert_dp_degree(plan) if experts else shard_degree(plan)
         key = (plan.dtype, plan.zero, dp, plan.optimizer)
         if key not in self._state:
             big = 1e9

@@ -41,7 +41,9 @@ def plan_to_dict(
     """The plan (layout and batch) and what the simulator predicts for it."""
     p = ranked.plan
     # a heterogeneous plan's pipelines are the planner's `HeteroPlan`'s (below)
-    out: dict[str, Any] = {key: getattr(p, key) for key in LAYOUT_KEYS if key != "pipelines"}
+    values = p.to_dict()
+    out: dict[str, Any] = {key: values[key] for key in LAYOUT_KEYS if key in values}
+    out.pop("pipelines", None)
     out["partition"] = list(ranked.sizes)
     out["micro_batch_size"] = p.micro_batch_size
     out["global_batch"] = p.global_batch_size

@@ -123,6 +123,8 @@ def describe(plan: SimPlan) -> str:
     order = "" if plan.rank_order == "tp-dp-pp" else f" order={plan.rank_order}"
     compress = "" if plan.compress == "none" else f" compress={plan.compress}"
     ep = f" ep={plan.ep}" if plan.ep > 1 else ""
+    if plan.dp_replicate is not None or plan.dp_shard is not None:  # hybrid sharding
+        ep += f" (replicate={plan.layout.dp_replicate} shard={plan.layout.dp_shard})"
     offload = [
         *(["activations"] if plan.offload_activations != "none" else []),
         *(["optimizer"] if plan.offload_optimizer else []),

@@ -53,7 +53,7 @@ class SimPlan(ParallelPlan):
         `micro_batch_size`, `seq_len`, `optimizer`)."""
         return cls(**{f.name: getattr(layout, f.name) for f in fields(ParallelPlan)}, **shape)
 
-    def layout(self) -> ParallelPlan:
+    def parallel_plan(self) -> ParallelPlan:
         """The layout alone, as training takes it (checked as training checks it)."""
         return ParallelPlan(**{f.name: getattr(self, f.name) for f in fields(ParallelPlan)})
 

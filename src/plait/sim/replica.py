@@ -384,11 +384,7 @@ def _axis_links(cluster: Cluster, plan: SimPlan, pp_rank: int, dp_rank: int) -> 
     over, from rank (pp_rank, dp_rank, tp rank 0)'s groups; the axes of one rank cost
     nothing."""
     degrees = {"tp": plan.tp, "ep": plan.ep, **sync_degrees(plan)}
-    groups = {
-        "tp": plan.tp_group(pp_rank, dp_rank),
-        "dp": plan.dp_group(pp_rank),
-        "ep": plan.ep_group(pp_rank, dp_rank),
-        "edp": plan.expert_dp_group(pp_rank, dp_rank),
-    }
+    rank = plan.global_rank(pp_rank, dp_rank)
+    groups = {axis: plan.layout.ranks(axis, rank) for axis in degrees}
     links = {axis: cluster.group_link(g) for axis, g in groups.items() if degrees[axis] > 1}
     return AxisLinks(degrees, links)

@@ -159,7 +159,8 @@ class Engine:
         self._deferred: list[int] = []  # stages whose lr schedule waits for the flag
         self._losses = LossExchange(plan, schedule, device, timeout_s)
         # dropout keyed by (seed, step, sample, site), the same under any layout
-        self.draws = StepDraws(seed, plan.microbatches, self.dp_index * plan.microbatches)
+        replica = plan.layout.batch_shard(dist.get_rank())[0] if plan.dp > 1 else 0
+        self.draws = StepDraws(seed, plan.microbatches, replica * plan.microbatches)
         self.executor.backend.draw = (
             self.draws if has_keyed_dropout(list(stages.values())) else None
         )
@@ -278,10 +279,11 @@ class Engine:
         return self._report(result)
 
     def _shard(self, value: Any) -> Any:
-        """This dp rank's slice of a global batch (dim 0)."""
+        """This rank's slice of a global batch (dim 0), cut over the layout's batch axes."""
         if self.plan.dp == 1:
             return value
-        return split_microbatches(value, self.plan.dp)[self.dp_index]
+        index, count = self.plan.layout.batch_shard(dist.get_rank())
+        return split_microbatches(value, count)[index]
 
     # ---------------------------------------------------------------- updates
     def _update(self, stage: int, version: int) -> None:

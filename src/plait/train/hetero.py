@@ -26,17 +26,17 @@ the pipeline's own (pipelines train on different weights).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 
 from plait.blocks import block_names
 from plait.config import ParallelPlan
 from plait.device import current as current_device
 from plait.keyed import StepDraws, agreed_seed
+from plait.mesh import pipeline_mesh
 from plait.parallel.hetero import BlockBuckets, PipelineGroups, ShareReducer, pipeline_groups
 from plait.pipelines import PipelineLayout, pipeline_layout
 from plait.runtime import StepResult, local_stages
@@ -77,25 +77,6 @@ def layout_of(plan: ParallelPlan, num_blocks: int | None = None) -> PipelineLayo
         [part] * plan.dp, [plan.microbatches] * plan.dp, chunks=plan.chunks,
         rank_order=plan.rank_order,
     )  # fmt: skip
-
-
-class _PipelineMesh:
-    """The one pipeline a rank belongs to, seen as the engine's (pp, dp) mesh with dp = 1."""
-
-    def __init__(self, groups: PipelineGroups) -> None:
-        self.groups = groups
-        self.mesh_dim_names = ("pp", "dp", "tp")
-
-    def get_local_rank(self, axis: str) -> int:
-        return self.groups.pp_rank if axis == "pp" else 0
-
-    def get_group(self, axis: str) -> dist.ProcessGroup:
-        if axis != "pp":
-            raise ValueError(f"a pipeline of a heterogeneous plan has no {axis} group")
-        return self.groups.pp_group
-
-    def size(self, dim: int = 0) -> int:
-        return len(self.groups.layout.ranks[self.groups.pipeline]) if dim == 0 else 1
 
 
 class HeteroEngine(Engine):
@@ -191,7 +172,8 @@ def parallelize_hetero(
     i = groups.pipeline
     pp = len(layout.ranks[i])
     mine = dataclasses.replace(
-        plan, dp=1, pp=pp, microbatches=layout.microbatches[i], partition=layout.sizes[i],
+        plan, dp=1, dp_replicate=None, dp_shard=None, pp=pp, partition=layout.sizes[i],
+        microbatches=layout.microbatches[i],
         pipelines=None, wsp_staleness=None, wsp_at_most=False,
     )  # fmt: skip
     schedule = build(plan.schedule, pp, mine.microbatches, plan.chunks)
@@ -220,7 +202,8 @@ def parallelize_hetero(
         else None
     )
     engine = HeteroEngine(
-        plan=mine, mesh=cast(DeviceMesh, _PipelineMesh(groups)), schedule=schedule,
+        plan=mine, schedule=schedule,
+        mesh=pipeline_mesh(mine.layout, layout.ranks[i], groups.pp_group, device.type),
         stages=stages, optimizers=optimizers,
         grad_sync=ShareReducer(buckets, share) if synchronous else None, loss_fn=loss_fn,
         device=device, grad_clip=grad_clip, block_names=names, timeout_s=timeout_s,

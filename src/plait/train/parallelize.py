@@ -19,7 +19,7 @@ from plait.blocks import block_names
 from plait.config import ParallelPlan
 from plait.device import current as current_device
 from plait.keyed import agreed_seed, has_keyed_dropout
-from plait.mesh import Meshes, ParallelDims
+from plait.mesh import Meshes, build_mesh
 from plait.parallel import expert_params
 from plait.runtime import local_stages
 from plait.runtime.channels import Channels, build_channels
@@ -73,9 +73,7 @@ def parallelize(
     meshes = (
         Meshes(main=mesh)
         if mesh is not None
-        else ParallelDims(
-            dp=plan.dp, tp=plan.tp, pp=plan.pp, ep=plan.ep, rank_order=plan.rank_order
-        ).build_mesh(device.type, experts=bool(expert_params(model)))
+        else build_mesh(plan.layout, device.type, experts=bool(expert_params(model)))
     )
     names = block_names(model)
     schedule = build(plan.schedule, plan.pp, plan.microbatches, plan.chunks)

@@ -128,7 +128,7 @@ def _same_start(b: Build) -> None:
     """Every dp replica starts from dp rank 0's weights (and buffers); expert weights from
     their replica group's first rank (the ranks of an ep group hold different ones)."""
     mesh = b.meshes.main
-    if mesh.size(mesh.mesh_dim_names.index("dp")) == 1:  # type: ignore[union-attr]
+    if b.meshes.dp().size() == 1:
         return
     group, experts = mesh.get_group("dp"), b.meshes.expert_dp_group()
     for stage in b.stages.values():
@@ -144,7 +144,7 @@ def _fsdp(b: Build) -> None:
     reduce = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(plan.compress)
     edp = meshes.expert["edp"] if meshes.expert is not None else None
     sharded = {
-        s: apply_fsdp(m, meshes.main["dp"], zero=plan.zero, reduce_dtype=reduce, expert_mesh=edp)
+        s: apply_fsdp(m, meshes.fsdp(), zero=plan.zero, reduce_dtype=reduce, expert_mesh=edp)
         for s, m in b.stages.items()
     }
     scaled = {s: expert_params(m) for s, m in b.stages.items()} if edp is not None else None
