@@ -69,6 +69,7 @@ from plait.runtime.channels import Channels, build_channels
 from plait.runtime.predict import optimizer_predictor
 from plait.runtime.transport import DEFAULT_TIMEOUT_S, timed_wait, timeout_message
 from plait.schedule import Schedule, build
+from plait.train.arguments import check_parallelize_arguments
 from plait.train.compile import apply_compile, check_compile
 from plait.train.offload import apply_offload
 from plait.train.precision import LossScaler, skips_on_device, step_unless_found
@@ -485,6 +486,7 @@ def parallelize(
     update of that stage (an asynchronous schedule makes several updates per window).
     `compile` torch.compiles each block after recomputation (`plait.train.compile`).
     """
+    check_parallelize_arguments(model, plan, optimizer_factory, loss_fn)
     if plan.pipelines is not None or plan.wsp_staleness is not None:  # pipelines of their own
         from plait.train.hetero import parallelize_hetero
 
