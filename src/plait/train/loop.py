@@ -99,6 +99,8 @@ def train_worker(
         recent.add(step, report.result)
         if due(cfg, step + 1):
             val = validate(engine, task, cfg, step, whole=step + 1 == cfg.max_steps)
+        if store is not None:  # the save started a step ago is published before this
+            store.settle()  # step's row: a kill once the row is out loses only this step
         if log is not None:
             log.step(step, report, times[-1], val if val is not None and val.step == step else None,
                      lr=lr, peak_memory_bytes=peak_memory_bytes(device))  # fmt: skip
