@@ -88,6 +88,8 @@ def train_worker(
         log = RunLogger(Path(run_dir), dataclasses.replace(cfg, parallel=engine.plan), group,
                         start=start,
                         environment=run_environment(device))  # fmt: skip
+    if store is not None and cfg.checkpoint_start and start == 0:
+        _save(cfg, engine, store, 0, log, record)  # the initial weights, before any update
     recent = RecentSteps(cfg.trace_steps)  # every rank: rank 0 draws them at the end
     profiler = StepProfiler(cfg.profile_steps, Path(run_dir), env.rank, device)
     times: list[float] = []
@@ -159,7 +161,7 @@ def _checkpoints(
     """The run's checkpoint store (None when the run neither saves nor resumes) and the
     step to start at: that of `found`, the checkpoint resumed from, else 0."""
     target = cfg.resume or ("auto" if restart_count() > 0 else None)
-    if cfg.checkpoint_every is None and target is None:
+    if cfg.checkpoint_every is None and not cfg.checkpoint_start and target is None:
         return None, 0
     store = CheckpointStore(run_dir / "checkpoints", keep=cfg.keep or None)  # 0: all
     if found is not None:
@@ -181,10 +183,22 @@ def _maybe_save(
     if every is None or (done % every and done < cfg.max_steps):
         store.poll()
         return
+    _save(cfg, engine, store, done, log, record)
+
+
+def _save(
+    cfg: TrainConfig,
+    engine: Engine,
+    store: CheckpointStore,
+    done: int,
+    log: RunLogger | None,
+    record: dict[str, Any] | None,
+) -> None:
+    """Start saving the checkpoint of `done` steps."""
     # the plan the engine runs (a re-partitioned split), and the run's own config
     info = {"plan": current_plan(cfg, engine.plan), "config": cfg.to_dict(), "model": record}
     drained = save(engine, store, done, info)
-    if drained is not None and log is not None:
+    if drained is not None and log is not None and done > 0:
         log.updates(done - 1, drained)
         log.restarted(done)  # the stream restarted: its micro-batch ids begin at 0 again
 
