@@ -796,6 +796,14 @@ class TrainConfig:
             "metavar": "N",
         },
     )
+    checkpoint_start: bool = field(
+        default=False,
+        metadata={
+            "group": "checkpoints",
+            "help": "also save a checkpoint of step 0, before the first step (the initial "
+            "weights; a run resumed from it trains as one that was never stopped)",
+        },
+    )
     keep: int | None = field(
         default=3,
         metadata={
@@ -963,11 +971,13 @@ class TrainConfig:
             check_offload_blocks(par.offload_activations, blocks)
         if self.model.known_blocks and par.partition and sum(par.partition) != blocks:
             raise ValueError(f"partition={list(par.partition)} must add up to {blocks} blocks")
-        if (par.pipelines is not None or par.wsp_staleness is not None) and self.checkpoint_every:
+        saves = self.checkpoint_every or self.checkpoint_start
+        if (par.pipelines is not None or par.wsp_staleness is not None) and saves:
             raise ValueError(
-                f"checkpoint_every={self.checkpoint_every} with heterogeneous pipelines or "
+                f"checkpoint_every={self.checkpoint_every}, checkpoint_start="
+                f"{self.checkpoint_start} with heterogeneous pipelines or "
                 "wsp_staleness: their checkpoints (per-pipeline cuts, WSP's waves in flight) "
-                "are not written yet; drop checkpoint_every"
+                "are not written yet; drop checkpoint_every and checkpoint_start"
             )
         if par.pipelines is not None:
             sizes = [list(p.partition) for p in par.pipelines]

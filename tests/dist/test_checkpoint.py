@@ -272,3 +272,32 @@ def _keep_two(rank: int, world: int, tmp: str) -> None:
         save(engine, store, step, {"plan": {}})
     store.wait()
     dist.barrier()
+
+
+def test_a_save_is_published_as_soon_as_it_is_written(tmp_path: Path) -> None:
+    run_world(tmp_path, 2, _prompt, str(tmp_path))
+
+
+def _prompt(rank: int, world: int, tmp: str) -> None:
+    import time
+
+    engine = _engine(pp=2, microbatches=2)
+    root = Path(tmp) / "prompt"
+    store = CheckpointStore(root)
+    engine.step(_batch(0))
+    save(engine, store, 1, {"plan": {}})
+    if rank == 0:  # published by the writer: training makes no further call (was: at a poll)
+        deadline = time.monotonic() + 60
+        while not published(root) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert [p.name for p in published(root)] == ["step-00000001"]
+    dist.barrier()
+    engine.step(_batch(1))
+    save(engine, store, 2, {"plan": {}})
+    store.settle()  # a step boundary: on rank 0 the save is published when it returns
+    if rank == 0:
+        assert [p.name for p in published(root)] == ["step-00000002", "step-00000001"]
+        found = find("auto", root)
+        assert found is not None and found.step == 2
+    store.wait()
+    dist.barrier()

@@ -11,7 +11,7 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 from plait.config import ParallelPlan
-from plait.train.engine import parallelize
+from plait.train.parallelize import parallelize
 
 from .harness import run_world
 from .test_hybrid import _check, _model

@@ -72,3 +72,36 @@ def test_models_outside_the_cost_model_are_not_judged() -> None:
     cfg = load_config(data="digits", **{"model.name": "resnet18", "parallel.pp": 1})
     assert estimate_memory(cfg, 1) is None
     check_memory(cfg, 1, available=1.0)  # nothing to say: no error
+
+
+def test_a_batch_of_ten_billion_is_refused_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # it used to simulate 10^10 micro-batches (minutes) and then pass: no layout counted the
+    # batch's own tokens, which every worker draws in full
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--batch-size", "10000000000"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and list(tmp_path.iterdir()) == []
+    assert "batch_size=10000000000" in err and "use a smaller --batch-size" in err
+    cfg = load_config(data="synthetic", plan="auto", batch_size=10_000_000_000)
+    found = estimate_memory(cfg, 2)
+    assert found is not None and found.batch_bytes == 10_000_000_000 * (cfg.model.seq_len + 1) * 8
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved"])
+def test_many_microbatches_are_extrapolated_as_simulated(
+    schedule: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import plait.train.memcheck as memcheck
+
+    chunks = 2 if schedule == "interleaved" else 1
+    cfg = load_config(data="synthetic", batch_size=48, **{
+        "parallel.pp": 2, "parallel.microbatches": 24, "parallel.schedule": schedule,
+        "parallel.chunks": chunks, "model.layers": 4})  # fmt: skip
+    simulated = estimate_memory(cfg, 2)  # 24 micro-batches: under the cap, simulated in full
+    monkeypatch.setattr(memcheck, "_MAX_SIMULATED_MICROBATCHES", 2)
+    extrapolated = estimate_memory(cfg, 2)  # from 8 and 6 (interleaved), or 4 and 2
+    assert simulated is not None and extrapolated is not None
+    assert extrapolated.peak_bytes == pytest.approx(simulated.peak_bytes, rel=1e-9)
+    assert extrapolated.activation_bytes == pytest.approx(simulated.activation_bytes, rel=1e-9)

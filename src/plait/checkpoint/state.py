@@ -120,8 +120,12 @@ def engine_state(engine: Engine, *, for_load: bool = False) -> dict[str, Any]:
         for key, tensor in get_model_state_dict(stage).items():
             model[rename(key)] = whole(key, tensor)
         inner = _inner(engine.optimizers[s])
+        fresh = not for_load and _never_stepped(inner)
         for key, entry in get_optimizer_state_dict(stage, inner, options=_OPTIONS).items():
-            optim[rename(key)] = whole(key, entry)
+            if not (fresh and key.startswith("state.")):  # torch's placeholder state
+                optim[rename(key)] = whole(key, entry)
+        if fresh:
+            _forget_state(inner)
     rank = torch.distributed.get_rank()
     rng = {f"rank{rank}.{k}" if k != "cpu" else f"rank{rank}": v
            for k, v in rng_state(engine.device).items()}  # fmt: skip
@@ -155,10 +159,31 @@ def _comm_state(engine: Engine, *, for_load: bool) -> dict[str, Any]:
     return {f"rank{rank}.{key}": value for key, value in held.items()}
 
 
+def _optimizers(inner: Any) -> list[torch.optim.Optimizer]:
+    return list(inner) if isinstance(inner, list) else [inner]
+
+
+def _never_stepped(inner: Any) -> bool:
+    return not any(o.state for o in _optimizers(inner))
+
+
+def _forget_state(inner: Any) -> None:
+    """Empty the optimizers' state: torch's `get_optimizer_state_dict` creates it in one that
+    has not stepped (a step at learning rate 0: Adam's step count 1, moments of zeros),
+    which would shift Adam's bias correction for every later step of the run."""
+    for o in _optimizers(inner):
+        o.state.clear()
+
+
 def drop_unsaved_comm(state: dict[str, Any], saved_keys: Collection[str]) -> None:
     """Leave out of `state` the compression state a checkpoint lacks (saved before it was
     checkpointed, as PowerSGD's was not at first): that state starts afresh; and the
-    random states it lacks."""
+    random states it lacks; and, for a checkpoint saved before the first update (step 0,
+    or steps an fp16 overflow skipped), the optimizer state it has none of."""
+    if not any(key.startswith("optim.state.") for key in saved_keys):
+        optim = state.get("optim", {})
+        for key in [k for k in optim if k.startswith("state.")]:
+            del optim[key]
     comm = state.get("comm", {})
     if any(f"comm.{key}" not in saved_keys for key in comm):
         state.pop("comm")
@@ -180,6 +205,9 @@ def load_engine_state(engine: Engine, state: Mapping[str, Any], *, same_world: b
         inner = _inner(engine.optimizers[s])
         with _implementation_kept(inner), _without_empty_groups(inner):
             keys = get_optimizer_state_dict(stage, inner, options=_OPTIONS)
+            if any(rename(k) not in state["optim"] for k in keys if k.startswith("state.")):
+                _forget_state(inner)  # saved before its first update: it starts as it did
+                continue
             values = {key: _local_slice(state["optim"][rename(key)], keys[key]) for key in keys}
             set_optimizer_state_dict(stage, inner, values, options=_OPTIONS)
     rank = f"rank{torch.distributed.get_rank()}"

@@ -6,12 +6,14 @@ the files of `torch.distributed.checkpoint` (each rank's shards and the `.metada
 `manifest.json` (every other file's size and SHA-256). A save is started with DCP's
 `async_save`, which copies the state to host memory and writes it from a thread on a
 process group of its own, so training goes on meanwhile; it writes into `step-N.tmp`. When
-the write has finished on every rank, rank 0 writes `plait.json` and the manifest and
-renames the folder to `step-N`: a checkpoint exists whole or not at all, and a crash
-mid-save leaves the previous ones untouched. Loading verifies the manifest first; a
-checkpoint that is partial, truncated or altered is skipped, with a message, for the one
-before it. Tensors are read by DCP with `weights_only`; `plait.json` and the manifest are
-JSON.
+the write has finished on every rank (DCP's future on rank 0 resolves after its global
+metadata, which it writes once every rank's shards are written and synced), a thread on
+rank 0 writes `plait.json` and the manifest and renames the folder to `step-N` at once,
+not at the next step: a kill a step after a save finds it published. A checkpoint exists
+whole or not at all, and a crash mid-save leaves the previous ones untouched. Loading
+verifies the manifest first; a checkpoint that is partial, truncated or altered is skipped,
+with a message, for the one before it. Tensors are read by DCP with `weights_only`;
+`plait.json` and the manifest are JSON.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import json
 import os
 import shutil
 import sys
+import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,6 +111,40 @@ def find(target: str | Path, root: Path) -> Checkpoint | None:
     return None
 
 
+class _Save:
+    """One save in flight: DCP's future and, on rank 0, the thread that publishes the
+    checkpoint as soon as that future resolves."""
+
+    def __init__(self, future: Future[Any], publish: Callable[[], None] | None) -> None:
+        self.future = future
+        self.error: BaseException | None = None
+        self.thread: threading.Thread | None = None
+        if publish is not None:
+            self.thread = threading.Thread(
+                target=self._publish, args=(publish,), name="plait-publish", daemon=True
+            )
+            self.thread.start()
+
+    def _publish(self, publish: Callable[[], None]) -> None:
+        try:
+            self.future.result()
+            publish()
+        except BaseException as err:  # raised again on the training thread by result()
+            self.error = err
+
+    def done(self) -> bool:
+        return self.future.done() and (self.thread is None or not self.thread.is_alive())
+
+    def result(self) -> None:
+        """Wait for the write (and the publication); raise what either raised."""
+        if self.thread is not None:
+            self.thread.join()
+            if self.error is not None:
+                raise self.error
+        else:
+            self.future.result()
+
+
 class CheckpointStore:
     """Saves of one run into `root` (call on every rank; construction is a collective):
     one save in flight at a time, the newest `keep` published ones kept (all if None)."""
@@ -118,7 +156,7 @@ class CheckpointStore:
         self.rank = dist.get_rank()
         # saves coordinate on a gloo group of their own, away from training's collectives
         self.group = dist.new_group(backend="gloo")
-        self._pending: tuple[Future[Any], int, dict[str, Any]] | None = None
+        self._pending: _Save | None = None
 
     def save(self, step: int, state: dict[str, Any], info: dict[str, Any]) -> None:
         """Start saving `state` (DCP's state dict) as the checkpoint of `step`; `info` (JSON)
@@ -130,22 +168,30 @@ class CheckpointStore:
             pending.mkdir(parents=True)
         dist.barrier(group=self.group)
         future = async_save(state, checkpoint_id=str(pending), process_group=self.group)
-        self._pending = (_future(future), step, {**info, "step": step})
+        full = {**info, "step": step}
+        publish = (lambda: self._publish(step, full)) if self.rank == 0 else None
+        self._pending = _Save(_future(future), publish)
 
     def poll(self) -> None:
-        """Publish the save in flight if it has finished (cheap; call every step)."""
-        if self._pending is not None and self._pending[0].done():
+        """Raise what a finished save raised (cheap; call every step)."""
+        if self._pending is not None and self._pending.done():
             self.wait()
 
+    def settle(self) -> None:
+        """At a step boundary: rank 0 waits until the save in flight is published (it
+        usually is: it had a whole step to write), so a kill after this step's metrics
+        row finds it; the other ranks only poll."""
+        if self.rank == 0:
+            self.wait()
+        else:
+            self.poll()
+
     def wait(self) -> None:
-        """Wait for the save in flight and publish it."""
+        """Wait for the save in flight to be written and published."""
         if self._pending is None:
             return
-        future, step, info = self._pending
-        self._pending = None
-        future.result()
-        if self.rank == 0:  # DCP's finish on rank 0 ran after every rank's write
-            self._publish(step, info)
+        pending, self._pending = self._pending, None
+        pending.result()
 
     def _publish(self, step: int, info: dict[str, Any]) -> None:
         pending = self.root / f"{_name(step)}{_PENDING}"
@@ -160,6 +206,7 @@ class CheckpointStore:
         if final.exists():  # a checkpoint of this step from an earlier attempt
             shutil.rmtree(final)
         os.rename(pending, final)
+        _sync_folder(self.root)  # the rename itself durable before a newer save prunes this
         self._prune()
 
     def _prune(self) -> None:
@@ -174,6 +221,14 @@ def _write_synced(path: Path, text: str) -> None:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
+
+
+def _sync_folder(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _future(result: Any) -> Future[Any]:

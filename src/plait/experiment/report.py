@@ -249,12 +249,13 @@ def render_markdown(data: dict[str, Any], plots: list[str] | str, *, preface: st
              "here", ""]  # fmt: skip
     if preface.strip():
         lines += [preface.strip(), ""]
-    if "dp_vs_gpipe" in data:
-        lines += _dp_section(data["dp_vs_gpipe"])
-    if "data_movement" in data:
-        lines += _dm_section(data["data_movement"])
-    if "staleness" in data and "runs" in data["staleness"]:
-        lines += _staleness_section(data["staleness"])
+    render = {"dp_vs_gpipe": _dp_section, "data_movement": _dm_section,
+              "staleness": _staleness_section}  # fmt: skip
+    for section, write in render.items():
+        if _complete(data, section):
+            lines += write(data[section])
+        elif section in data:
+            lines += _incomplete(section, data[section])
     lines += ["## Plots", ""]
     if isinstance(plots, str):
         lines += [plots, ""]
@@ -263,6 +264,28 @@ def render_markdown(data: dict[str, Any], plots: list[str] | str, *, preface: st
     if discussion.strip():
         lines += ["## Discussion", "", discussion.strip(), ""]
     return "\n".join(lines)
+
+
+# a section is written whole when its experiment finishes; until then (a run stopped with
+# Ctrl-C, or only another experiment run into the same folder) it holds its measured cells
+_FINISHED_BY = {"dp_vs_gpipe": "predicted", "data_movement": "predicted", "staleness": "runs"}
+_SECTIONS = {"dp_vs_gpipe": ("Data parallelism vs GPipe", "dp-vs-gpipe"),
+             "data_movement": ("Data movement in data parallelism", "data-movement"),
+             "staleness": ("Staleness", "staleness")}  # fmt: skip
+
+
+def _complete(data: dict[str, Any], section: str) -> bool:
+    return _FINISHED_BY[section] in data.get(section, {})
+
+
+def _incomplete(section: str, data: dict[str, Any]) -> list[str]:
+    """The heading of a section its experiment has not finished, and how to finish it."""
+    title, command = _SECTIONS[section]
+    cells = len(data.get("measured", {}))
+    return [f"## {title}: incomplete", "",
+            f"Not finished: the {cells} cell(s) measured so far are kept in results.json; "
+            f"run `plait experiment {command} --out DIR` again with this folder and the same "
+            "flags to finish it.", ""]  # fmt: skip
 
 
 # ------------------------------------------------------------------ plots
@@ -274,7 +297,7 @@ def _plots(data: dict[str, Any], out: Path) -> list[str] | str:
     except RuntimeError:
         return "No plots: matplotlib is not installed (pip install 'plait[plot]')."
     names = []
-    if "dp_vs_gpipe" in data:
+    if _complete(data, "dp_vs_gpipe"):
         rows = data["dp_vs_gpipe"]["predicted"]["tables"]["fp32"]["rows"]
         fig, ax = plt.subplots(figsize=(6, 3.6))
         g = [r["gpus"] for r in rows]
@@ -292,13 +315,13 @@ def _plots(data: dict[str, Any], out: Path) -> list[str] | str:
         fig.savefig(out / "dp_vs_gpipe.png", dpi=110)
         plt.close(fig)
         names.append("dp_vs_gpipe.png")
-    if "data_movement" in data:
+    if _complete(data, "data_movement"):
         names.append(_movement_plot(plt, data["data_movement"]["predicted"]["rows"], out))
     dp_cells = data.get("dp_vs_gpipe", {}).get("measured", {})
     dm_cells = data.get("data_movement", {}).get("measured", {})
     if dp_cells and dm_cells:
         names.append(_measured_plot(plt, dp_cells, dm_cells, out))
-    if "staleness" in data and "runs" in data["staleness"]:
+    if _complete(data, "staleness"):
         names.append(_staleness_plot(plt, data["staleness"], out))
     return names
 

@@ -55,15 +55,19 @@ def _buckets(engine: Engine) -> list[list[int]] | None:
     return [[i, n] for i, n in sorted(sizes().items())] if sizes is not None else None
 
 
-def resume(engine: Engine, store: CheckpointStore, target: str) -> Checkpoint | None:
+def resume(engine: Engine, store: CheckpointStore, target: str | Checkpoint) -> Checkpoint | None:
     """Load the checkpoint `target` names ("auto": the newest good one in the store's
     folder, None when there is none) into `engine` on every worker; rank 0 chooses and
-    tells the others, so all load the same one."""
-    box: list[Any] = [None]
-    if dist.get_rank() == 0:
-        box[0] = find(target, store.root)
-    dist.broadcast_object_list(box, src=0, group=store.group)
-    found: Checkpoint | None = box[0]
+    tells the others, so all load the same one. A `Checkpoint` (already chosen the same
+    way, e.g. to build the engine on its partition) is loaded as it is."""
+    if isinstance(target, Checkpoint):
+        found: Checkpoint | None = target
+    else:
+        box: list[Any] = [None]
+        if dist.get_rank() == 0:
+            box[0] = find(target, store.root)
+        dist.broadcast_object_list(box, src=0, group=store.group)
+        found = box[0]
     if found is None:
         return None
     same_world = int(found.info.get("world_size", -1)) == dist.get_world_size()

@@ -12,7 +12,7 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
-from plait.checkpoint import CheckpointStore
+from plait.checkpoint import Checkpoint, CheckpointStore
 from plait.config import ModelConfig, ParallelPlan, TrainConfig
 from plait.device import deterministic, peak_memory_bytes, tf32
 from plait.mesh import init_worker, restart_count
@@ -23,6 +23,12 @@ from plait.train.environment import run_environment
 from plait.train.logs import LOGGER, RecentSteps, RunLogger, describe_layout, setup
 from plait.train.optim import optimizer_factory, scheduler_factory
 from plait.train.parallelize import parallelize
+from plait.train.partition_state import (
+    current_plan,
+    find_checkpoint,
+    resumed_layout,
+    write_partition,
+)
 from plait.train.profiling import StepProfiler
 from plait.train.repartition import repartitioner
 from plait.train.slowdown import check_cluster, padded_step
@@ -65,9 +71,11 @@ def train_worker(
                            compile=cfg.compile)  # fmt: skip
 
     record = _model_record(model)  # checkpoints carry it: exports rebuild the model from it
-    engine = build(cfg.parallel)
+    target = cfg.resume or ("auto" if restart_count() > 0 else None)
+    found = find_checkpoint(target, Path(run_dir) / "checkpoints")
+    engine = build(resumed_layout(cfg, found))  # a re-partitioned run's split is kept
     moving = repartitioner(cfg, model, build)
-    store, start = _checkpoints(cfg, engine, Path(run_dir))
+    store, start = _checkpoints(cfg, engine, Path(run_dir), found)
     if env.rank == 0:  # before the first step: a long run shows what it runs under at once
         how = "planned on the workers" if cfg.plan == "auto" else cfg.plan or "as given"
         at = f"; resuming at step {start}" if start else ""
@@ -78,8 +86,11 @@ def train_worker(
     group = window.num_microbatches // max(1, window.updates_per_window)
     log = None
     if env.rank == 0:
-        log = RunLogger(Path(run_dir), cfg, group, start=start,
+        log = RunLogger(Path(run_dir), dataclasses.replace(cfg, parallel=engine.plan), group,
+                        start=start,
                         environment=run_environment(device))  # fmt: skip
+    if store is not None and cfg.checkpoint_start and start == 0:
+        _save(cfg, engine, store, 0, log, record)  # the initial weights, before any update
     recent = RecentSteps(cfg.trace_steps)  # every rank: rank 0 draws them at the end
     profiler = StepProfiler(cfg.profile_steps, Path(run_dir), env.rank, device)
     times: list[float] = []
@@ -97,9 +108,13 @@ def train_worker(
             before, engine = engine, moving.after_step(engine, report, step)
             if log is not None and engine is not before:
                 log.restarted(step + 1)
+                log.cfg = dataclasses.replace(log.cfg, parallel=engine.plan)
+                write_partition(Path(run_dir), cfg, engine.plan)
         recent.add(step, report.result)
         if due(cfg, step + 1):
             val = validate(engine, task, cfg, step, whole=step + 1 == cfg.max_steps)
+        if store is not None:  # the save started a step ago is published before this
+            store.settle()  # step's row: a kill once the row is out loses only this step
         if log is not None:
             log.step(step, report, times[-1], val if val is not None and val.step == step else None,
                      lr=lr, peak_memory_bytes=peak_memory_bytes(device))  # fmt: skip
@@ -142,15 +157,16 @@ def _layout(
 
 
 def _checkpoints(
-    cfg: TrainConfig, engine: Engine, run_dir: Path
+    cfg: TrainConfig, engine: Engine, run_dir: Path, found: Checkpoint | None
 ) -> tuple[CheckpointStore | None, int]:
     """The run's checkpoint store (None when the run neither saves nor resumes) and the
-    step to start at: that of the checkpoint resumed from, else 0."""
+    step to start at: that of `found`, the checkpoint resumed from, else 0."""
     target = cfg.resume or ("auto" if restart_count() > 0 else None)
-    if cfg.checkpoint_every is None and target is None:
+    if cfg.checkpoint_every is None and not cfg.checkpoint_start and target is None:
         return None, 0
     store = CheckpointStore(run_dir / "checkpoints", keep=cfg.keep or None)  # 0: all
-    found = resume(engine, store, target) if target is not None else None
+    if found is not None:
+        resume(engine, store, found)
     return store, found.step if found is not None else 0
 
 
@@ -168,9 +184,22 @@ def _maybe_save(
     if every is None or (done % every and done < cfg.max_steps):
         store.poll()
         return
-    info = {"plan": cfg.to_dict()["parallel"], "config": cfg.to_dict(), "model": record}
+    _save(cfg, engine, store, done, log, record)
+
+
+def _save(
+    cfg: TrainConfig,
+    engine: Engine,
+    store: CheckpointStore,
+    done: int,
+    log: RunLogger | None,
+    record: dict[str, Any] | None,
+) -> None:
+    """Start saving the checkpoint of `done` steps."""
+    # the plan the engine runs (a re-partitioned split), and the run's own config
+    info = {"plan": current_plan(cfg, engine.plan), "config": cfg.to_dict(), "model": record}
     drained = save(engine, store, done, info)
-    if drained is not None and log is not None:
+    if drained is not None and log is not None and done > 0:
         log.updates(done - 1, drained)
         log.restarted(done)  # the stream restarted: its micro-batch ids begin at 0 again
 

@@ -29,6 +29,7 @@ from plait.cost.memory import Optimizer
 __all__ = ["MemoryEstimate", "check_memory", "estimate_memory", "worker_memory_bytes"]
 
 _VOCAB = {"stdlib": 256, "synthetic": 64}  # at most the corpus's characters, or exactly
+_MAX_SIMULATED_MICROBATCHES = 4  # per pipeline stage and model chunk; more are extrapolated
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,7 @@ class MemoryEstimate:
     model_state_bytes: float
     activation_bytes: float
     layout: str  # the layout predicted (the frugal one under --plan auto)
+    batch_bytes: float = 0.0  # the step's token windows, which every worker draws in full
 
 
 def worker_memory_bytes(nproc: int, device: str = "auto") -> float:
@@ -104,12 +106,30 @@ def estimate_memory(cfg: TrainConfig, nproc: int) -> MemoryEstimate | None:
     blocks = spec.block_costs(micro_batch_size=plan.micro_batch_size, dtype=plan.dtype,
                               layout=plan, device_type=device_type)  # fmt: skip
     cluster = local_cpu(devices=plan.world_size)  # memory is judged here, not by the cluster
-    result = predict(blocks, cluster, plan).result
-    worst = max(result.ranks, key=lambda r: r.memory.total).memory
-    state = worst.params + worst.grads + worst.optimizer + worst.weight_copies
+
+    def peak(microbatches: int) -> tuple[float, float]:
+        result = predict(blocks, cluster, replace(plan, microbatches=microbatches)).result
+        worst = max(result.ranks, key=lambda r: r.memory.total).memory
+        return worst.total, worst.params + worst.grads + worst.optimizer + worst.weight_copies
+
+    # A schedule's actions grow with its micro-batches, so a batch of 10^10 samples would
+    # take minutes to simulate. Past a few micro-batches per stage the peak grows by a
+    # constant per micro-batch (nothing for 1F1B-like schedules, one micro-batch's
+    # activations for GPipe), so two short simulations, pp micro-batches apart (schedules
+    # that need a multiple of pp accept both), extrapolate it exactly.
+    cap = _MAX_SIMULATED_MICROBATCHES * plan.pp * plan.chunks
+    if plan.microbatches <= cap:
+        total, state = peak(plan.microbatches)
+    else:
+        total, state = peak(cap)
+        per_microbatch = (total - peak(cap - plan.pp)[0]) / plan.pp
+        total += (plan.microbatches - cap) * per_microbatch
     layout = (f"dp={plan.dp} tp={plan.tp} pp={plan.pp} microbatches={plan.microbatches} "
               f"recompute={plan.recompute} zero={plan.zero}")  # fmt: skip
-    return MemoryEstimate(worst.total, state, worst.total - state, layout)
+    # every worker draws the whole global batch (int64 windows of seq_len + 1 tokens) and
+    # slices its share: a huge batch fills memory before the first block runs
+    batch = float(cfg.batch_size) * (m.seq_len + 1) * 8
+    return MemoryEstimate(total + batch, state, total - state, layout, batch)
 
 
 def check_memory(cfg: TrainConfig, nproc: int, available: float | None = None) -> None:
@@ -122,13 +142,17 @@ def check_memory(cfg: TrainConfig, nproc: int, available: float | None = None) -
     if found.peak_bytes <= have:
         return
     m = cfg.model
+    fix = ("use a smaller --batch-size or --seq-len, more --microbatches, --recompute full, "
+           "or more workers")  # fmt: skip
+    if found.batch_bytes > have:  # no layout helps: every worker holds the whole batch
+        fix = "use a smaller --batch-size or --seq-len (every worker draws the whole batch)"
     which = ("even the most frugal layout of the workers (" + found.layout + ")"
              if cfg.plan == "auto" else "the largest worker")  # fmt: skip
     raise ValueError(
         f"batch_size={cfg.batch_size} × seq_len={m.seq_len} (hidden {m.hidden}, "
         f"{m.layers} layers): {which} needs about {found.peak_bytes / GIB:.1f} GiB "
         f"({found.model_state_bytes / GIB:.1f} model state, "
-        f"{found.activation_bytes / GIB:.1f} activations) but each of {nproc} workers has "
-        f"{have / GIB:.1f} GiB: use a smaller --batch-size or --seq-len, more "
-        "--microbatches, --recompute full, or more workers"
+        f"{found.activation_bytes / GIB:.1f} activations, {found.batch_bytes / GIB:.1f} "
+        f"the batch's tokens) but each of {nproc} workers has "
+        f"{have / GIB:.1f} GiB: {fix}"
     )

@@ -9,8 +9,6 @@ whose data-parallel replicas are pipelines of their own (HetPipe, WSP) is built 
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -24,6 +22,7 @@ from plait.parallel import expert_params
 from plait.runtime import local_stages
 from plait.runtime.channels import Channels, build_channels
 from plait.schedule import Schedule, build
+from plait.train.arguments import check_parallelize_arguments
 from plait.train.engine import Engine, LossFn, OptimizerFactory, SchedulerFactory
 from plait.train.passes import Build, Request, apply_passes, refusals
 from plait.wait import DEFAULT_TIMEOUT_S
@@ -57,7 +56,7 @@ def parallelize(
     update of that stage (an asynchronous schedule makes several updates per window).
     `compile` torch.compiles each block after recomputation (`plait.train.compile`).
     """
-    _check_arguments(model, plan, optimizer_factory, loss_fn)
+    check_parallelize_arguments(model, plan, optimizer_factory, loss_fn)
     if plan.pipelines is not None or plan.wsp_staleness is not None:  # pipelines of their own
         from plait.train.hetero import parallelize_hetero
 
@@ -108,24 +107,6 @@ def parallelize(
         channels=channels,
         seed=agreed_seed(device) if has_keyed_dropout([model]) else 0,
     )
-
-
-def _check_arguments(model: Any, plan: Any, optimizer_factory: Any, loss_fn: Any) -> None:
-    """Wrong kinds of argument, named before anything is built."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(
-            f"parallelize(model=...) takes a torch.nn.Module (a plait model, an "
-            f"nn.Sequential of blocks, or a module with a `blocks` list); got "
-            f"{type(model).__name__} {model!r:.60}"
-        )
-    if not isinstance(plan, ParallelPlan):
-        raise TypeError(
-            f"parallelize(plan=...) takes a plait.ParallelPlan (e.g. ParallelPlan(dp=2)); "
-            f"got {type(plan).__name__}"
-        )
-    for name, value in (("optimizer_factory", optimizer_factory), ("loss_fn", loss_fn)):
-        if not callable(value):
-            raise TypeError(f"parallelize({name}=...) must be callable; got {type(value).__name__}")
 
 
 def _channels(schedule: Schedule, mesh: DeviceMesh) -> Channels | None:
