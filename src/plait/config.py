@@ -973,11 +973,12 @@ class TrainConfig:
             raise ValueError(f"partition={list(par.partition)} must add up to {blocks} blocks")
         saves = self.checkpoint_every or self.checkpoint_start
         if (par.pipelines is not None or par.wsp_staleness is not None) and saves:
+            given = [f"{k}={v}" for k, v in (("checkpoint_every", self.checkpoint_every),
+                     ("checkpoint_start", self.checkpoint_start)) if v]  # fmt: skip
             raise ValueError(
-                f"checkpoint_every={self.checkpoint_every}, checkpoint_start="
-                f"{self.checkpoint_start} with heterogeneous pipelines or "
-                "wsp_staleness: their checkpoints (per-pipeline cuts, WSP's waves in flight) "
-                "are not written yet; drop checkpoint_every and checkpoint_start"
+                f"{' and '.join(given)} with heterogeneous pipelines or wsp_staleness: their "
+                "checkpoints (per-pipeline cuts, WSP's waves in flight) are not written yet; "
+                f"drop {' and '.join(g.split('=')[0] for g in given)}"
             )
         if par.pipelines is not None:
             sizes = [list(p.partition) for p in par.pipelines]

@@ -86,8 +86,8 @@ def train_worker(
     group = window.num_microbatches // max(1, window.updates_per_window)
     log = None
     if env.rank == 0:
-        log = RunLogger(Path(run_dir), dataclasses.replace(cfg, parallel=engine.plan), group,
-                        start=start,
+        running = dataclasses.replace(cfg, parallel=_running(cfg, engine))
+        log = RunLogger(Path(run_dir), running, group, start=start,
                         environment=run_environment(device))  # fmt: skip
     if store is not None and cfg.checkpoint_start and start == 0:
         _save(cfg, engine, store, 0, log, record)  # the initial weights, before any update
@@ -108,7 +108,7 @@ def train_worker(
             before, engine = engine, moving.after_step(engine, report, step)
             if log is not None and engine is not before:
                 log.restarted(step + 1)
-                log.cfg = dataclasses.replace(log.cfg, parallel=engine.plan)
+                log.cfg = dataclasses.replace(log.cfg, parallel=_running(cfg, engine))
                 write_partition(Path(run_dir), cfg, engine.plan)
         recent.add(step, report.result)
         if due(cfg, step + 1):
@@ -279,3 +279,12 @@ def _learning_rate(engine: Engine) -> float | None:
         groups = engine.optimizers[stage].param_groups
         return float(groups[0]["lr"]) if groups else None
     return None
+
+
+def _running(cfg: TrainConfig, engine: Engine) -> ParallelPlan:
+    """The run's layout on the partition the engine runs (a re-partitioned one); a
+    heterogeneous or WSP run's engine holds one pipeline's plan: the run's layout stands."""
+    par = cfg.parallel
+    if par.pipelines is not None or par.wsp_staleness is not None:
+        return par
+    return dataclasses.replace(par, partition=engine.plan.partition)
