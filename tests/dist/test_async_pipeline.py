@@ -207,7 +207,11 @@ def _check(
     model, loss_fn = _model(model_name)
     plan = ParallelPlan(dp=dp, pp=pp, schedule=kind, microbatches=m, dtype=dtype, **options)  # type: ignore[arg-type]
     engine = parallelize(
-        model, plan, lambda ps: _optimizer(opt_name, list(ps)), loss_fn, device="cpu",
+        model,
+        plan,
+        lambda ps: _optimizer(opt_name, list(ps)),
+        loss_fn,
+        device="cpu",
         compile=compile,
     )
     stream = (_microbatch(model_name, k, size) for k in range(windows * m))

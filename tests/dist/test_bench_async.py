@@ -43,6 +43,8 @@ def test_bench_reports_throughput_and_measured_versions(capsys: pytest.CaptureFi
         ({"schedules": ("1f1b", "2bw"), "num_stages": 5, "num_layers": 2}, "num_layers=2"),
     ],
 )
-def test_bad_input_is_refused_before_workers_start(fields: dict[str, object], fragment: str) -> None:
+def test_bad_input_is_refused_before_workers_start(
+    fields: dict[str, object], fragment: str
+) -> None:
     with pytest.raises(ValueError, match=fragment):
         AsyncBenchConfig(**fields)  # type: ignore[arg-type]

@@ -143,7 +143,11 @@ def _schedule_steps_per_update(plan: ParallelPlan) -> None:
                     ref.step()
             for group in opt.param_groups:
                 assert math.isclose(group["lr"], dummy.param_groups[0]["lr"], rel_tol=1e-9), (
-                    plan, step, s, done[s])
+                    plan,
+                    step,
+                    s,
+                    done[s],
+                )
     engine.drain()
     assert all(n > 0 for n in done.values())
 
@@ -184,7 +188,7 @@ def test_train_logs_validation_and_resumes_mid_warm_up_bit_identical(
     stopped after 3 of 4 warm-up steps and resumed from its checkpoint logs the very same
     losses, so the schedule went on where it stopped."""
     config = tmp_path / "run.toml"
-    config.write_text('warmup_steps = 4\neval_every = 2\neval_batches = 1\nlr = 0.01\n')
+    config.write_text("warmup_steps = 4\neval_every = 2\neval_batches = 1\nlr = 0.01\n")
     base = ["train", "--config", str(config), *SMALL]
     whole = tmp_path / "whole"
     assert main([*base, "--run-dir", str(whole), "--max-steps", "6"]) == 0

@@ -145,9 +145,7 @@ def _layer_case(rank: int, world: int, case: Case) -> None:
 
     # the reference: one process, all experts, each rank's tokens routed on their own
     ref_xs = [x.clone().requires_grad_() for x in xs]
-    ref_ys, ref_losses, dropped = zip(
-        *(_dense(reference, x, cfg) for x in ref_xs), strict=True
-    )
+    ref_ys, ref_losses, dropped = zip(*(_dense(reference, x, cfg) for x in ref_xs), strict=True)
     ref_rank_losses = [(y * p).sum(dim=-1).mean() + r for y, p, r in zip(ref_ys, probes, ref_losses, strict=True)]  # fmt: skip
     torch.stack(ref_rank_losses).mean().backward()
     if case.capacity_factor:

@@ -146,7 +146,7 @@ def _all(rank: int, world: int) -> None:
 
 
 def _at_most(plan: ParallelPlan, steps: int) -> None:
-    """"At most D" depends on timing: what is checked is that it trains, that no wave
+    """ "At most D" depends on timing: what is checked is that it trains, that no wave
     starts more than D waves behind, and that every worker ends on the same global weights."""
     engine = parallelize_hetero(_model(), plan, _sgd, GPT.loss, device="cpu")
     for step in range(steps):

@@ -57,7 +57,9 @@ def _offloaded_matches(plan: ParallelPlan, steps: int = 2) -> None:
             assert all(v.device.type == "cpu" for v in state.values())
 
 
-def _halving(optimizer: torch.optim.Optimizer, updates: int) -> torch.optim.lr_scheduler.LRScheduler:
+def _halving(
+    optimizer: torch.optim.Optimizer, updates: int
+) -> torch.optim.lr_scheduler.LRScheduler:
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: 0.5**k)
 
 
@@ -110,8 +112,13 @@ def _savers(rank: int, world: int) -> None:
     torch.use_deterministic_algorithms(True)
     # zero-bubble's split backward unpacks the saved tensors in two passes
     _offloaded_matches(
-        ParallelPlan(pp=2, microbatches=2, schedule="zb-h1", offload_activations="all",
-                     offload_optimizer=True)  # fmt: skip
+        ParallelPlan(
+            pp=2,
+            microbatches=2,
+            schedule="zb-h1",
+            offload_activations="all",
+            offload_optimizer=True,
+        )  # fmt: skip
     )
     _repartition_matches()
 

@@ -80,7 +80,9 @@ LAYOUTS = [
 ]
 
 
-@pytest.mark.parametrize(("layout", "capacity"), LAYOUTS, ids=["ep2", "ep4", "ep2dp4", "ep2pp2", "ep2zero2"])
+@pytest.mark.parametrize(
+    ("layout", "capacity"), LAYOUTS, ids=["ep2", "ep4", "ep2dp4", "ep2pp2", "ep2zero2"]
+)
 def test_moe_gpt_expert_parallel_trains_like_one_process(
     tmp_path: Path, layout: list[str], capacity: float
 ) -> None:
@@ -159,11 +161,14 @@ def test_engine_clips_evaluates_and_gathers_under_ep(tmp_path: Path) -> None:
     model = _model(1.0)
     ids, targets = data.batch(0, BATCH)
     pieces = 2 * M
-    loss = sum(
-        F.cross_entropy(logits.reshape(-1, 64), y.flatten()) + carried[0]
-        for x, y in zip(ids.chunk(pieces), targets.chunk(pieces), strict=True)
-        for logits, carried in [model(x)]
-    ) / pieces
+    loss = (
+        sum(
+            F.cross_entropy(logits.reshape(-1, 64), y.flatten()) + carried[0]
+            for x, y in zip(ids.chunk(pieces), targets.chunk(pieces), strict=True)
+            for logits, carried in [model(x)]
+        )
+        / pieces
+    )
     loss.backward()  # type: ignore[union-attr]
     norm = float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]))  # type: ignore[misc]
     clip = norm / 3
@@ -172,11 +177,14 @@ def test_engine_clips_evaluates_and_gathers_under_ep(tmp_path: Path) -> None:
         for p in model.parameters():
             p -= LR * p.grad  # type: ignore[operator]
         ids, targets = data.batch(1, BATCH)
-        evaluated = sum(
-            F.cross_entropy(logits.reshape(-1, 64), y.flatten()) + carried[0]
-            for x, y in zip(ids.chunk(pieces), targets.chunk(pieces), strict=True)
-            for logits, carried in [model(x)]
-        ) / pieces
+        evaluated = (
+            sum(
+                F.cross_entropy(logits.reshape(-1, 64), y.flatten()) + carried[0]
+                for x, y in zip(ids.chunk(pieces), targets.chunk(pieces), strict=True)
+                for logits, carried in [model(x)]
+            )
+            / pieces
+        )
 
     out = tmp_path / "engine.pt"
     run_world(tmp_path, 4, _engine_world, str(out), clip)

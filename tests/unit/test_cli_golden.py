@@ -25,9 +25,17 @@ def test_every_case_has_a_recording() -> None:
         assert (golden.GOLDEN / f"{name}.json").is_file(), name
 
 
+@pytest.fixture(scope="module")
+def planned(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, object]]:
+    """The local-cpu plan, made once: its output and the folder of its plan file."""
+    folder = tmp_path_factory.mktemp("golden")
+    return folder, golden.run_case(golden.CASES["plan_local_cpu"][0], str(folder))
+
+
 @pytest.mark.parametrize("name", QUICK)
-def test_output_unchanged(name: str, tmp_path: Path) -> None:
-    if name == "simulate_local_cpu_plan":  # reads the plan the plan case writes
-        golden.run_case(golden.CASES["plan_local_cpu"][0], str(tmp_path))
-    value = golden.run_case(golden.CASES[name][0], str(tmp_path))
+def test_output_unchanged(name: str, planned: tuple[Path, dict[str, object]]) -> None:
+    folder, plan = planned
+    value = (
+        plan if name == "plan_local_cpu" else golden.run_case(golden.CASES[name][0], str(folder))
+    )
     assert value == json.loads((golden.GOLDEN / f"{name}.json").read_text())
