@@ -4,6 +4,8 @@ the GPT to the losses and gradients of one process on the whole batch."""
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 import pytest
@@ -38,8 +40,16 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def _check(plan: ParallelPlan, steps: int = 2) -> None:
-    model = _model()
+def _check(
+    plan: ParallelPlan,
+    steps: int = 2,
+    *,
+    build: Callable[[], GPT] = lambda: _model(),
+    around: Callable[[int], AbstractContextManager[object]] = lambda _step: nullcontext(),
+) -> None:
+    """`plan` against one process on the whole batch; `around(step)` wraps the reference's
+    forward and backward (keyed dropout's step)."""
+    model = build()
     ref = copy.deepcopy(model)
     engine = parallelize(
         model,
@@ -54,8 +64,9 @@ def _check(plan: ParallelPlan, steps: int = 2) -> None:
     for step in range(steps):
         x, y = _batch(step)
         ref_opt.zero_grad()
-        ref_loss = GPT.loss(ref(x), y)
-        ref_loss.backward()
+        with around(step):
+            ref_loss = GPT.loss(ref(x), y)
+            ref_loss.backward()
         report = engine.step((x, y))
         where = f"{plan} step {step} rank {dist.get_rank()}"
         torch.testing.assert_close(torch.tensor(report.loss), ref_loss.detach(), **TOL, msg=where)

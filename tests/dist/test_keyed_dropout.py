@@ -4,21 +4,17 @@ draws them (plait.keyed). torch's dropout would give each layout other masks."""
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from plait.blocks import as_blocks
 from plait.config import ParallelPlan
 from plait.keyed import drawing
 from plait.models import GPT, GPTConfig
-from plait.train.parallelize import parallelize
 
 from .harness import run_world
-from .test_hybrid import TOL, _batch, _full
+from .test_hybrid import _check
 
 pytestmark = pytest.mark.dist
 
@@ -31,29 +27,6 @@ def _model() -> GPT:
                          dropout=0.2))  # fmt: skip
 
 
-def _check(plan: ParallelPlan, steps: int = 2) -> None:
-    model = _model()
-    ref = copy.deepcopy(model)
-    sgd = lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)  # noqa: E731
-    engine = parallelize(model, plan, sgd, GPT.loss, device="cpu")
-    ref_opt, ref_blocks = sgd(ref.parameters()), as_blocks(ref)
-    for step in range(steps):
-        x, y = _batch(step)
-        ref_opt.zero_grad()
-        with drawing(SEED, step, 0):  # one micro-batch: the whole batch
-            ref_loss = GPT.loss(ref(x), y)
-            ref_loss.backward()
-        report = engine.step((x, y), index=step)
-        where = f"{plan} step {step} rank {dist.get_rank()}"
-        torch.testing.assert_close(torch.tensor(report.loss), ref_loss.detach(), **TOL, msg=where)
-        for stage in engine.stages.values():
-            for j, block in enumerate(stage.blocks):
-                theirs = list(ref_blocks[stage.first_block + j].parameters())
-                for p, q in zip(block.parameters(), theirs, strict=True):
-                    torch.testing.assert_close(_full(p.grad), q.grad, **TOL, msg=where)
-        ref_opt.step()
-
-
 def _layouts(rank: int, world: int) -> None:
     torch.use_deterministic_algorithms(True)
     for plan in (
@@ -64,7 +37,7 @@ def _layouts(rank: int, world: int) -> None:
         ParallelPlan(tp=2, pp=1, microbatches=2, sequence_parallel=True),
         ParallelPlan(dp=2, pp=1, microbatches=1, zero=3, recompute="selective"),
     ):
-        _check(plan)
+        _check(plan, build=_model, around=lambda step: drawing(SEED, step, 0))
 
 
 def test_dropout_is_the_same_under_every_layout(tmp_path: Path) -> None:

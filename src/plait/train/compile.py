@@ -18,7 +18,7 @@ compiled backward again (a compiled block is one autograd node), and compiled ba
 keep their saved buffers for it (no donated buffers, for every schedule: the compiled
 code is shared by all engines of a process). Activation offload's saved-tensor hooks
 apply to the compiled blocks' saved tensors. Expert parallelism (collectives inside the
-blocks) is refused with compile (`check_compile`).
+blocks) is refused with compile (`compile_refusal`, asked by the compile pass).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from torch import nn
 
 from plait.compat import keep_compiled_backward_graphs
 
-__all__ = ["apply_compile", "check_compile", "compile_refusal"]
+__all__ = ["apply_compile", "compile_refusal"]
 
 
 def apply_compile(stage: nn.Module) -> None:
@@ -52,10 +52,3 @@ def compile_refusal(*, ep: int) -> str | None:
             "compiled by plait yet; use ep=1 or drop compile"
         )
     return None
-
-
-def check_compile(*, ep: int) -> None:
-    """Raise `compile_refusal`'s reason, if any."""
-    why = compile_refusal(ep=ep)
-    if why is not None:
-        raise ValueError(why)

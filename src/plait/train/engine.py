@@ -135,7 +135,8 @@ class Engine:
         self.params = [p for s in stages.values() for p in s.parameters() if p.requires_grad]
         self.uncounted = uncounted_params(schedule, stages)  # replicas: a part counts once
         self.scaler = LossScaler() if plan.dtype == "fp16" else None
-        self.dp_index = mesh.get_local_rank("dp")
+        # which of dp equal slices of a global batch this rank trains on (and evaluates)
+        self.dp_index = plan.layout.batch_shard(dist.get_rank())[0] if plan.dp > 1 else 0
         self.synchronous = schedule.policy == "sync"
         self.executor = PipelineExecutor(
             schedule,
@@ -159,8 +160,7 @@ class Engine:
         self._deferred: list[int] = []  # stages whose lr schedule waits for the flag
         self._losses = LossExchange(plan, schedule, device, timeout_s)
         # dropout keyed by (seed, step, sample, site), the same under any layout
-        replica = plan.layout.batch_shard(dist.get_rank())[0] if plan.dp > 1 else 0
-        self.draws = StepDraws(seed, plan.microbatches, replica * plan.microbatches)
+        self.draws = StepDraws(seed, plan.microbatches, self.dp_index * plan.microbatches)
         self.executor.backend.draw = (
             self.draws if has_keyed_dropout(list(stages.values())) else None
         )
@@ -282,8 +282,7 @@ class Engine:
         """This rank's slice of a global batch (dim 0), cut over the layout's batch axes."""
         if self.plan.dp == 1:
             return value
-        index, count = self.plan.layout.batch_shard(dist.get_rank())
-        return split_microbatches(value, count)[index]
+        return split_microbatches(value, self.plan.dp)[self.dp_index]
 
     # ---------------------------------------------------------------- updates
     def _update(self, stage: int, version: int) -> None:
