@@ -56,7 +56,6 @@ __all__ = [
     "get_grad_fn_or_grad_acc",
     "get_param_groups",
     "keep_compiled_backward_graphs",
-    "local_shape_and_offset",
     "profiler_enabled",
     "pytree",
     "stage_backward_input",
@@ -83,18 +82,7 @@ PRIVATE_NAMES = (
     ("torch.utils._foreach_utils", "_get_fused_kernels_supported_devices"),
     ("torch", "_amp_foreach_non_finite_check_and_unscale_"),
     ("torch._functorch.config", "donated_buffer"),
-    ("torch.distributed.tensor._utils", "compute_local_shape_and_global_offset"),
 )
-
-
-def local_shape_and_offset(
-    global_shape: Any, mesh: Any, placements: Any
-) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """A DTensor's local block: its shape and its offset in the global tensor (keyed
-    dropout draws the block's own elements)."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    return compute_local_shape_and_global_offset(global_shape, mesh, placements)
 
 
 def keep_compiled_backward_graphs() -> None:

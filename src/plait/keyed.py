@@ -132,16 +132,8 @@ def mask_like(
     x: torch.Tensor, draw: Draw, site: int, p: float, offsets: Sequence[int] | None = None,
     global_shape: Sequence[int] | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """`x`'s keep mask as a tensor of its dtype (a DTensor's: its local block, wrapped
-    alike). `offsets`/`global_shape` place a plain local `x` (e.g. tensor-parallel heads)."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(x, DTensor):
-        from plait.compat import local_shape_and_offset
-
-        shape, offset = local_shape_and_offset(x.shape, x.device_mesh, x.placements)
-        local = keep_mask(draw, site, p, x.shape, offset, shape, x.device).to(x.dtype)
-        return DTensor.from_local(local, x.device_mesh, x.placements, run_check=False)
+    """`x`'s keep mask as a tensor of its dtype; `offsets`/`global_shape` place a local `x`
+    in the tensor the mask is keyed over (tensor-parallel heads, a sequence shard)."""
     shape = tuple(x.shape) if global_shape is None else tuple(global_shape)
     at = offsets if offsets is not None else (0,) * x.dim()
     return keep_mask(draw, site, p, shape, at, x.shape, x.device).to(x.dtype)
