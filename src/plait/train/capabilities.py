@@ -69,9 +69,9 @@ def refusal(*features: Feature) -> str | None:
     fields: dict[str, Any] = {}
     for feature in features:
         for key, value in feature.plan:
-            if key in fields and fields[key] != value and key not in ("dp", "microbatches"):
+            if fields.get(key, value) != value:
                 return None
-            fields[key] = max(fields.get(key, value), value) if key == "dp" else value
+            fields[key] = value
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
