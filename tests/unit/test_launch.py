@@ -83,3 +83,15 @@ def test_under_torchrun_restarts_must_be_asked_of_torchrun(
     assert code == 2
     err = capsys.readouterr().err
     assert "pass --max-restarts 1 to torchrun" in err and "started with --max-restarts 0" in err
+
+
+def test_a_backends_bare_timeout_reads_as_one_line_that_says_so() -> None:
+    raw = (
+        "RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/"
+        "unbound_buffer.cc:81] Timed out waiting 8000ms for recv operation to complete"
+    )
+    cause = _root_cause(_ChildFailed({0: _raised(raw, 5)})).cause
+    assert cause.startswith("timed out in a collective waiting for a peer (Timed out waiting")
+    assert "unbound_buffer.cc" not in cause and "--timeout" in cause
+    other = _root_cause(_ChildFailed({0: _raised("RuntimeError: [x/y.cpp:3] bad", 5)})).cause
+    assert other == "RuntimeError: bad"

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -279,12 +280,30 @@ def _root_cause(err: Any) -> WorkerFailure:
     return min(failures, key=order)
 
 
+# a C++ source location torch prefixes to a backend's error: "[/path/to/file.cc:81] "
+_SOURCE = re.compile(r"\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\]\s*")
+
+
+def _backend_timeout(message: str) -> str:
+    """A backend's bare timeout (gloo's "Timed out waiting 8000ms for recv operation to
+    complete", raised by a blocking collective outside plait's named waits) as a line that
+    says what it means; any other message unchanged but for its C++ source location."""
+    cleaned = _SOURCE.sub("", message)
+    if "timed out" not in cleaned.lower() or "PipelineTimeout" in cleaned:
+        return cleaned
+    detail = cleaned.split(": ", 1)[-1]
+    return (
+        f"timed out in a collective waiting for a peer ({detail}); a peer may have failed or "
+        "stalled: check its log; raise --timeout if steps are this slow"
+    )
+
+
 def _describe(rank: int, failure: Any) -> WorkerFailure:
     if failure.exitcode < 0:
         return WorkerFailure(rank, failure.signal_name())
     data = failure.error_file_data.get("message") if failure.error_file_data else None
     if isinstance(data, dict) and data.get("message"):
-        message = str(data["message"]).strip().splitlines()[0][:400]
+        message = _backend_timeout(str(data["message"]).strip().splitlines()[0])[:400]
         trace = str(data.get("extraInfo", {}).get("py_callstack", ""))
         return WorkerFailure(rank, message, trace)
     return WorkerFailure(rank, f"exit code {failure.exitcode}")
