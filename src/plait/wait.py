@@ -15,11 +15,19 @@ NCCL's watchdog enforces; `timeout_s=None` does the same on CPU workers.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["DEFAULT_TIMEOUT_S", "PipelineTimeout", "check_timeout", "timed_wait", "timeout_message"]
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "PipelineTimeout",
+    "check_timeout",
+    "named_timeout",
+    "timed_wait",
+    "timeout_message",
+]
 
 #: Seconds a rank waits for a peer's message or reduction before `PipelineTimeout`: far
 #: longer than a healthy step (a first step's warm-up included), far shorter than 30 min
@@ -32,14 +40,15 @@ class PipelineTimeout(RuntimeError):
 
 
 def timeout_message(
-    rank: str, action: str, timeout_s: float, awaited: str, *, peers: int = 1
+    rank: str, action: str, timeout_s: float | None, awaited: str, *, peers: int = 1
 ) -> str:
     """The text of a `PipelineTimeout`: `rank` (``rank 0``) ran `action` (``0B5``, ``REDUCE
     stage 1``) and waited `timeout_s` for `awaited` from `peers` other ranks."""
     who = "the peer" if peers == 1 else "a peer"
     its, their = ("its log", "its") if peers == 1 else ("their logs", "their")
+    waited = "the process group's timeout" if timeout_s is None else f"{timeout_s:g} s"
     return (
-        f"{rank}: {action} waited {timeout_s:g} s for {awaited}; {who} may have failed or "
+        f"{rank}: {action} waited {waited} for {awaited}; {who} may have failed or "
         f"stalled: check {its}; raise timeout_s if {their} steps are this slow"
     )
 
@@ -72,3 +81,17 @@ def timed_wait(work: Any, timeout_s: float | None, explain: Callable[[], str]) -
         raise PipelineTimeout(explain()) from error
     if done is False:  # a backend that reports expiry instead of raising
         raise PipelineTimeout(explain())
+
+
+@contextlib.contextmanager
+def named_timeout(explain: Callable[[], str]) -> Iterator[None]:
+    """Blocking collectives (the clipped norm's reduction over the stages, the fp16
+    overflow flag's) wait the process group's timeout and raise the backend's bare error;
+    this turns that error into `PipelineTimeout(explain())`, which names the rank and what
+    it waited for. Other errors pass unchanged."""
+    try:
+        yield
+    except RuntimeError as error:
+        if isinstance(error, PipelineTimeout) or "timed out" not in str(error).lower():
+            raise
+        raise PipelineTimeout(explain()) from error

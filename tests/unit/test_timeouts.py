@@ -18,7 +18,7 @@ from plait.runtime.transport import Transport
 from plait.schedule import Action, Op, build
 from plait.schedule.lower import Batch, Message, lower
 from plait.train.parallelize import parallelize
-from plait.wait import timed_wait, timeout_message
+from plait.wait import named_timeout, timed_wait, timeout_message
 
 # what gloo's Work.wait raises when a receive outlasts its timeout (torch 2.13)
 GLOO_TIMEOUT = (
@@ -129,3 +129,13 @@ def test_the_default_timeout_is_documented_and_shared() -> None:
     for bad in (0.0, 1e-4, -1.0, float("nan")):  # torch reads under 1 ms as no timeout
         with pytest.raises(ValueError, match=r"at least 0\.001 seconds"):
             Transport(build("1f1b", 2, 2), 0, None, timeout_s=bad)
+
+
+def test_a_blocking_collectives_bare_timeout_is_named() -> None:
+    said = timeout_message("rank 2", "the clipped norm", None, "the other ranks' norms", peers=3)
+    with pytest.raises(PipelineTimeout, match="rank 2: the clipped norm waited the process"):
+        with named_timeout(lambda: said):
+            raise RuntimeError("[x.cc:81] Timed out waiting 8000ms for recv operation")
+    with pytest.raises(RuntimeError, match="Connection closed by peer"):
+        with named_timeout(lambda: said):
+            raise RuntimeError("Connection closed by peer")

@@ -58,7 +58,7 @@ from plait.train.batches import rows as _rows
 from plait.train.batches import to_device as _to
 from plait.train.losses import LossExchange
 from plait.train.precision import LossScaler, skips_on_device, step_unless_found
-from plait.wait import DEFAULT_TIMEOUT_S
+from plait.wait import DEFAULT_TIMEOUT_S, named_timeout, timeout_message
 
 __all__ = ["Engine", "EvalReport", "StepReport"]
 
@@ -324,12 +324,20 @@ class Engine:
         global norm; the flag and the norm stay on the device (`_flags`)."""
         if self.grad_sync is not None:
             self.grad_sync.finish()
-        if self.scaler is not None:
-            self._found_inf = self.scaler.unscale_(self.params, self.device)
-        if self.grad_clip is not None:
-            self._norm = clip_grad_norm(self.params, self.grad_clip, pp_group=self._pp_group,
-                                        ep_group=self.ep_group, ep_params=self.ep_params,
-                                        uncounted=self.uncounted)  # fmt: skip
+        with named_timeout(self._explain_check):
+            if self.scaler is not None:
+                self._found_inf = self.scaler.unscale_(self.params, self.device)
+            if self.grad_clip is not None:
+                self._norm = clip_grad_norm(self.params, self.grad_clip,
+                                            pp_group=self._pp_group, ep_group=self.ep_group,
+                                            ep_params=self.ep_params,
+                                            uncounted=self.uncounted)  # fmt: skip
+
+    def _explain_check(self) -> str:
+        return timeout_message(
+            f"rank {dist.get_rank()}", "the step's overflow check and clipped gradient norm",
+            self.timeout_s, "the other ranks' norms", peers=dist.get_world_size() - 1,
+        )  # fmt: skip
 
     def _clip_stage(self, stage: int) -> None:
         if self.grad_sync is not None:
