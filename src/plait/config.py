@@ -804,6 +804,16 @@ class TrainConfig:
             "weights; a run resumed from it trains as one that was never stopped)",
         },
     )
+    flush_every: int | None = field(
+        default=None,
+        metadata={
+            "group": "pipeline",
+            "help": "asynchronous schedules: finish every micro-batch in flight and start a "
+            "new stream every N steps; their checkpoints are saved at these flushes, so a run "
+            "with --checkpoint-every (a multiple of N) trains exactly as the same run without",
+            "metavar": "N",
+        },
+    )
     keep: int | None = field(
         default=3,
         metadata={
@@ -971,14 +981,12 @@ class TrainConfig:
             check_offload_blocks(par.offload_activations, blocks)
         if self.model.known_blocks and par.partition and sum(par.partition) != blocks:
             raise ValueError(f"partition={list(par.partition)} must add up to {blocks} blocks")
-        saves = self.checkpoint_every or self.checkpoint_start
-        if (par.pipelines is not None or par.wsp_staleness is not None) and saves:
-            given = [f"{k}={v}" for k, v in (("checkpoint_every", self.checkpoint_every),
-                     ("checkpoint_start", self.checkpoint_start)) if v]  # fmt: skip
+        every, wave = self.checkpoint_every, par.wsp_wave
+        if par.wsp_staleness is not None and every is not None and every % wave:
             raise ValueError(
-                f"{' and '.join(given)} with heterogeneous pipelines or wsp_staleness: their "
-                "checkpoints (per-pipeline cuts, WSP's waves in flight) are not written yet; "
-                f"drop {' and '.join(g.split('=')[0] for g in given)}"
+                f"checkpoint_every={every} is not a multiple of wsp_wave={wave}: a WSP "
+                f"checkpoint is saved at a wave's end; use --checkpoint-every "
+                f"{every - every % wave or wave}"
             )
         if par.pipelines is not None:
             sizes = [list(p.partition) for p in par.pipelines]
@@ -1128,6 +1136,10 @@ class TrainConfig:
             raise ValueError(f"checkpoint_every={every!r} must be a positive integer, or unset")
         if keep is not None and (not isinstance(keep, int) or keep < 0):
             raise ValueError(f"keep={keep!r} must be a positive integer, or 0 to keep every one")
+        flush = self.flush_every
+        if flush is not None and (not isinstance(flush, int) or flush < 1):
+            raise ValueError(f"flush_every={flush!r} must be a positive integer, or unset")
+        self._check_flushes()
         if not isinstance(self.max_restarts, int) or self.max_restarts < 0:
             raise ValueError(f"max_restarts={self.max_restarts!r} must be 0 or more")
         if self.max_restarts and self.checkpoint_every is None:
@@ -1169,6 +1181,32 @@ class TrainConfig:
         if self.tensorboard is not None and Path(self.tensorboard).is_file():
             raise ValueError(f"tensorboard={self.tensorboard!r} is a file: give a folder")
 
+    def _check_flushes(self) -> None:
+        """An asynchronous stream is saved where it flushes (nothing in flight): saves fall
+        on flushes, and the flushes do not depend on whether the run saves."""
+        every, flush = self.checkpoint_every, self.flush_every
+        stale = not schedule_kind(self.parallel.schedule).synchronous or (
+            self.plan == "auto" and self.allow_staleness
+        )
+        if not stale or every is None:
+            return
+        kind = "plan='auto' with allow_staleness" if self.plan == "auto" else (
+            f"schedule={self.parallel.schedule!r}"
+        )  # fmt: skip
+        if flush is None:
+            raise ValueError(
+                f"checkpoint_every={every} with {kind}: an asynchronous stream is saved where it "
+                f"flushes, so the flushes must not depend on the saves; add flush_every "
+                f"(--flush-every {every}, or a divisor of {every}) and give the same to a run "
+                "without checkpoints that should train the same"
+            )
+        if every % flush:
+            raise ValueError(
+                f"checkpoint_every={every} is not a multiple of flush_every={flush}: an "
+                f"asynchronous stream is saved where it flushes; use --checkpoint-every "
+                f"{every - every % flush or flush} or a flush_every dividing {every}"
+            )
+
     def _warn_unused(self) -> None:
         """Settings accepted but read by nothing in this run warn, naming what would use them.
         Called where a config is made from the user's input (`load_config`), not on every
@@ -1186,6 +1224,11 @@ class TrainConfig:
             (("beta1", "beta2", "eps"), self.optimizer == "sgd", "with optimizer='sgd' (AdamW's)"),
             (("min_lr",), self.lr_schedule == "constant", "with lr_schedule='constant'"),
             (("keep",), self.checkpoint_every is None, "without checkpoint_every (no saves)"),
+            (
+                ("flush_every",),
+                self.plan != "auto" and schedule_kind(self.parallel.schedule).synchronous,
+                "with a synchronous schedule (nothing is in flight between steps)",
+            ),
             (("eval_every",), self.eval_batches == 0, "with eval_batches=0 (no validation)"),
             (("allow_staleness",), self.plan != "auto", "unless plan='auto' (the planner's)"),
             (("sample_chars",), not samples, "unless a language model trains on data='stdlib'"),

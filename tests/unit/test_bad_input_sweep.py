@@ -78,7 +78,8 @@ def _flag_case(*argv: str, flag: str, value: str, field: str | None = None) -> C
 _INT_MIN: dict[str, int | None] = {
     "nproc": 1, "max_steps": 1, "batch_size": 1, "warmup_steps": 0, "eval_every": 1,
     "eval_batches": 0, "seed": None, "log_every": 1, "sample_chars": 0, "checkpoint_every": 1,
-    "keep": 0, "max_restarts": 0, "verbosity": -1, "trace_steps": 1, "model.layers": 1,
+    "flush_every": 1, "keep": 0, "max_restarts": 0, "verbosity": -1, "trace_steps": 1,
+    "model.layers": 1,
     "model.hidden": 1, "model.heads": 1, "model.seq_len": 1, "model.ffn_hidden": 1,
     "model.width": 1, "parallel.dp": 1, "parallel.tp": 1,
     "parallel.dp_replicate": 1, "parallel.dp_shard": 1, "parallel.pp": 1,
@@ -666,6 +667,7 @@ NO_EFFECT = [
     (("--model", "resnet18", "--data", "synthetic", "--layers", "8"), "layers"),
     (("--data", "synthetic", "--sample-chars", "50"), "sample_chars"),
     (("--resume", "auto"), "resume"),
+    (("--pp", "2", "--flush-every", "2"), "flush_every"),
 ]  # fmt: skip
 
 

@@ -71,8 +71,10 @@ def test_wsp_needs_replicas() -> None:
     assert ParallelPlan(dp=2, pp=1, wsp_staleness=0).world_size == 2
 
 
-def test_checkpoints_of_pipelines_and_wsp_are_refused() -> None:
+def test_wsp_checkpoints_fall_at_the_end_of_a_wave() -> None:
     from plait.config import TrainConfig
 
-    with pytest.raises(ValueError, match="checkpoint_every=5 with heterogeneous pipelines"):
-        TrainConfig(parallel=ParallelPlan(dp=2, pp=1, wsp_staleness=1), checkpoint_every=5)
+    wsp = ParallelPlan(dp=2, pp=1, wsp_staleness=1, wsp_wave=2)
+    with pytest.raises(ValueError, match="checkpoint_every=5 is not a multiple of wsp_wave=2"):
+        TrainConfig(parallel=wsp, checkpoint_every=5)
+    assert TrainConfig(parallel=wsp, checkpoint_every=4).checkpoint_every == 4

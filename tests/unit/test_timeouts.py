@@ -133,9 +133,9 @@ def test_the_default_timeout_is_documented_and_shared() -> None:
 
 def test_a_blocking_collectives_bare_timeout_is_named() -> None:
     said = timeout_message("rank 2", "the clipped norm", None, "the other ranks' norms", peers=3)
-    with pytest.raises(PipelineTimeout, match="rank 2: the clipped norm waited the process"):
-        with named_timeout(lambda: said):
-            raise RuntimeError("[x.cc:81] Timed out waiting 8000ms for recv operation")
-    with pytest.raises(RuntimeError, match="Connection closed by peer"):
-        with named_timeout(lambda: said):
-            raise RuntimeError("Connection closed by peer")
+    expired = pytest.raises(PipelineTimeout, match="rank 2: the clipped norm waited the process")
+    with expired, named_timeout(lambda: said):
+        raise RuntimeError("[x.cc:81] Timed out waiting 8000ms for recv operation")
+    closed = pytest.raises(RuntimeError, match="Connection closed by peer")
+    with closed, named_timeout(lambda: said):
+        raise RuntimeError("Connection closed by peer")

@@ -18,6 +18,11 @@ factors and step counts), and only under the same compression and buckets too:
 otherwise, or when the checkpoint lacks it, it starts afresh (PowerSGD with its plain
 all-reduce steps).
 An asynchronous stream is drained before a save, so no stashed weight version exists then.
+Each pipeline of a heterogeneous plan holds weights of its own (under WSP it trains on
+them): pipeline 0's are the model's, pipeline i's are saved beside them under
+"pipeline<i>" and loaded by the same layout (another layout loads the model's); under WSP
+with the others' updates not yet taken in ("wsp", per rank; `plait.train.wsp`). `steps`,
+given to the load, is where WSP's waves resume.
 
 Under expert parallelism each rank of an ep group holds a slice of every expert tensor
 (`plait.parallel.experts.shard_experts`: experts [r·E/ep, (r+1)·E/ep) on ep rank r) under
@@ -51,7 +56,13 @@ if TYPE_CHECKING:
     from plait.mesh import Meshes
     from plait.runtime.sync import GradSync
 
-__all__ = ["Engine", "drop_unsaved_comm", "engine_state", "load_engine_state"]
+__all__ = [
+    "Engine",
+    "drop_unsaved_comm",
+    "engine_state",
+    "load_engine_state",
+    "pipeline_key",
+]
 
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 _STAGE_KEY = re.compile(r"^(state\.|param_groups\.)?blocks\.(\d+)\.(.+)$")
@@ -129,11 +140,27 @@ def engine_state(engine: Engine, *, for_load: bool = False) -> dict[str, Any]:
     rank = torch.distributed.get_rank()
     rng = {f"rank{rank}.{k}" if k != "cpu" else f"rank{rank}": v
            for k, v in rng_state(engine.device).items()}  # fmt: skip
-    state = {"model": model, "optim": optim, "rng": rng}
+    own = pipeline_key(engine)
+    state: dict[str, Any] = {"model": model, "optim": optim, "rng": rng}
+    if own is not None:  # this pipeline's own weights, not the model's
+        state.update({"model": {}, "optim": {}, own: {"model": model, "optim": optim}})
     comm = _comm_state(engine, for_load=for_load)
     if comm:
         state["comm"] = comm
+    waves = getattr(engine, "waves", None)
+    if waves is not None:
+        state["wsp"] = {f"rank{rank}.{k}": v for k, v in waves.state(for_load=for_load).items()}
     return state
+
+
+def pipeline_key(engine: Any) -> str | None:
+    """The pipelines of a heterogeneous plan hold weights of their own: under WSP they
+    train on them; synchronous, they differ in the last bits (each clips by a norm summed
+    in its own order). Pipeline 0's are saved as the model's (what another layout loads,
+    and what an export writes), pipeline i's under "pipeline<i>". None where every rank's
+    weights are the model's."""
+    groups = getattr(engine, "groups", None)
+    return None if groups is None or groups.pipeline == 0 else f"pipeline{groups.pipeline}"
 
 
 def _comm_state(engine: Engine, *, for_load: bool) -> dict[str, Any]:
@@ -180,10 +207,18 @@ def drop_unsaved_comm(state: dict[str, Any], saved_keys: Collection[str]) -> Non
     checkpointed, as PowerSGD's was not at first): that state starts afresh; and the
     random states it lacks; and, for a checkpoint saved before the first update (step 0,
     or steps an fp16 overflow skipped), the optimizer state it has none of."""
-    if not any(key.startswith("optim.state.") for key in saved_keys):
-        optim = state.get("optim", {})
+    own = next((k for k in state if k.startswith("pipeline")), None)
+    if own is not None and any(f"{own}.model.{k}" not in saved_keys for k in state[own]["model"]):
+        state.update(state.pop(own))  # saved under another layout: the model's weights
+        own = None
+    prefix = f"{own}.optim.state." if own is not None else "optim.state."
+    if not any(key.startswith(prefix) for key in saved_keys):
+        optim = state[own]["optim"] if own is not None else state.get("optim", {})
         for key in [k for k in optim if k.startswith("state.")]:
             del optim[key]
+    wsp = state.get("wsp", {})
+    if any(f"wsp.{key}" not in saved_keys for key in wsp):
+        state.pop("wsp")
     comm = state.get("comm", {})
     if any(f"comm.{key}" not in saved_keys for key in comm):
         state.pop("comm")
@@ -193,22 +228,26 @@ def drop_unsaved_comm(state: dict[str, Any], saved_keys: Collection[str]) -> Non
         del rng[key]
 
 
-def load_engine_state(engine: Engine, state: Mapping[str, Any], *, same_world: bool) -> None:
+def load_engine_state(
+    engine: Engine, state: Mapping[str, Any], *, same_world: bool, steps: int = 0
+) -> None:
     """Apply `state` (an `engine_state` that `dcp.load` filled) to the engine's stages and
     optimizers; restore this rank's RNG when the world size is the one saved."""
+    own = pipeline_key(engine)
+    weights = state[own] if own is not None and own in state else state
     for s, stage in engine.stages.items():
         rename = _renamer(engine.block_names, _first_block(stage))
         ours = {key: rename(key) for key in get_model_state_dict(stage)}
-        own = get_model_state_dict(stage)
-        values = {key: _local_slice(state["model"][ours[key]], own[key]) for key in ours}
+        mine = get_model_state_dict(stage)
+        values = {key: _local_slice(weights["model"][ours[key]], mine[key]) for key in ours}
         set_model_state_dict(stage, values)
         inner = _inner(engine.optimizers[s])
         with _implementation_kept(inner), _without_empty_groups(inner):
             keys = get_optimizer_state_dict(stage, inner, options=_OPTIONS)
-            if any(rename(k) not in state["optim"] for k in keys if k.startswith("state.")):
+            if any(rename(k) not in weights["optim"] for k in keys if k.startswith("state.")):
                 _forget_state(inner)  # saved before its first update: it starts as it did
                 continue
-            values = {key: _local_slice(state["optim"][rename(key)], keys[key]) for key in keys}
+            values = {key: _local_slice(weights["optim"][rename(key)], keys[key]) for key in keys}
             set_optimizer_state_dict(stage, inner, values, options=_OPTIONS)
     rank = f"rank{torch.distributed.get_rank()}"
     saved = state.get("rng", {})
@@ -217,6 +256,11 @@ def load_engine_state(engine: Engine, state: Mapping[str, Any], *, same_world: b
                  if k == rank or k.startswith(rank + ".")}  # fmt: skip
         set_rng_state(kinds, engine.device)
     _load_comm(engine, state.get("comm", {}), rank)
+    waves = getattr(engine, "waves", None)
+    if waves is not None:
+        saved_waves = {k.partition(".")[2]: v for k, v in state.get("wsp", {}).items()
+                       if k.startswith(rank + ".")}  # fmt: skip
+        waves.load_state(saved_waves, steps)
     if engine.grad_sync is not None:
         engine.grad_sync.zero_grad()
 

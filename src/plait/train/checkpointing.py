@@ -5,9 +5,11 @@ to resume at (data is a function of the step and the seed), the world size and p
 saved under, the config, the fp16 loss scale and the learning-rate schedule's position (its
 updates done: the schedule is a closed-form function of it, see `plait.train.optim`, and
 the optimizer state holds each group's current learning rate). An asynchronous stream is
-drained before the save and restarted after it, so the checkpoint holds no weight version
-in flight; a run that resumes from it starts a new stream at that step, as the run that
-saved it did.
+saved where it flushes (`flush_every`, a divisor of `checkpoint_every`): the loop has
+finished its micro-batches in flight and started a new stream there, whether the run saves
+or not, so the checkpoint holds no weight version in flight and a run that resumes from it
+starts a new stream at that step, as the run that saved it did. Only the save after the
+last step may find a stream in flight (the run ends there): it is drained first.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ def save(
 ) -> StepReport | None:
     """Start saving the checkpoint of `step` (the steps done); returns the drain's report
     when an asynchronous stream had to be drained first."""
-    drained = None if engine.synchronous else engine.drain()
+    drained = engine.drain() if engine.in_flight else None
     extra: dict[str, Any] = {
         "world_size": dist.get_world_size(),
         "compress": engine.plan.compress,
@@ -40,6 +42,9 @@ def save(
     }
     if engine.scaler is not None:
         extra["loss_scale"] = engine.scaler.state_dict()
+    waves = getattr(engine, "waves", None)
+    if waves is not None:
+        extra["wsp"] = _waves(engine, len(waves.pending))
     if engine.schedulers:  # every stage has taken the same updates (a drained stream)
         first = engine.schedulers[min(engine.schedulers)]
         extra["lr_schedule"] = {"last_epoch": first.last_epoch, "step_count": first._step_count}
@@ -47,6 +52,15 @@ def save(
     if drained is not None:
         engine.restart()
     return drained
+
+
+def _waves(engine: Any, pending: int) -> dict[str, Any]:
+    """What a WSP checkpoint's wave state fits (a `HeteroEngine`'s): the pipelines, D, the
+    wave, and the number of waves whose others' updates it holds."""
+    layout, waves = engine.groups.layout, engine.waves
+    return {"pipelines": [list(r) for r in layout.ranks],
+            "sizes": [list(x) for x in layout.sizes],
+            "staleness": waves.staleness, "wave": waves.wave, "pending": pending}  # fmt: skip
 
 
 def _buckets(engine: Engine) -> list[list[int]] | None:
@@ -71,6 +85,11 @@ def resume(engine: Engine, store: CheckpointStore, target: str | Checkpoint) -> 
     if found is None:
         return None
     same_world = int(found.info.get("world_size", -1)) == dist.get_world_size()
+    waves = getattr(engine, "waves", None)
+    saved_waves: dict[str, Any] = found.info.get("wsp") or {}
+    if waves is not None:  # the same pipelines and waves: their updates in flight too
+        alike = same_world and dict(saved_waves, pending=0) == _waves(engine, 0)
+        waves.expect(int(saved_waves["pending"]) if alike else 0)
     state = engine_state(engine, for_load=True)
     if not same_world:  # other ranks' RNG streams: nothing of ours to restore
         state.pop("rng")
@@ -88,7 +107,7 @@ def resume(engine: Engine, store: CheckpointStore, target: str | Checkpoint) -> 
         planner=SafeLoadPlanner(),
         process_group=store.group,
     )
-    load_engine_state(engine, state, same_world=same_world)
+    load_engine_state(engine, state, same_world=same_world, steps=found.step)
     scale = found.info.get("loss_scale")
     if engine.scaler is not None and scale is not None:
         engine.scaler.load_state_dict(scale)

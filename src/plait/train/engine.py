@@ -192,6 +192,12 @@ class Engine:
         result = self.executor.drain()
         return self._report(result, last=True)
 
+    @property
+    def in_flight(self) -> bool:
+        """An asynchronous stream has begun micro-batches that no drain has finished."""
+        stream = self.executor.stream
+        return not self.synchronous and bool(self.executor.windows) and not stream.drained
+
     def restart(self) -> None:
         """Start a new stream after `drain` (an asynchronous schedule's next step begins
         with a warm-up again)."""
@@ -231,7 +237,7 @@ class Engine:
         drained first and restarted after (as a checkpoint save does), so its later windows
         begin with a warm-up again; the drain's report is returned."""
         drained = None
-        if not self.synchronous and self.executor.windows and not self.executor.stream.drained:
+        if self.in_flight:
             drained = self.drain()
         inputs, targets = batch
         values: torch.Tensor | None = None

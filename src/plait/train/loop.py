@@ -118,6 +118,8 @@ def train_worker(
         if log is not None:
             log.step(step, report, times[-1], val if val is not None and val.step == step else None,
                      lr=lr, peak_memory_bytes=peak_memory_bytes(device))  # fmt: skip
+        if cfg.flush_every and (step + 1) % cfg.flush_every == 0 and step + 1 < cfg.max_steps:
+            _flush(engine, step + 1, log)
         if store is not None:
             _maybe_save(cfg, engine, store, step + 1, log, record)
     drained = engine.drain()  # an asynchronous pipeline's last backwards and updates
@@ -170,6 +172,19 @@ def _checkpoints(
     return store, found.step if found is not None else 0
 
 
+def _flush(engine: Engine, done: int, log: RunLogger | None) -> None:
+    """Finish an asynchronous stream's micro-batches in flight after `done` steps and start
+    a new one (`flush_every`): where the run's checkpoints are saved, whether it saves or
+    not, so saving does not change what it trains."""
+    if engine.synchronous:
+        return
+    drained = engine.drain()
+    engine.restart()
+    if log is not None:
+        log.updates(done - 1, drained)
+        log.restarted(done)
+
+
 def _maybe_save(
     cfg: TrainConfig,
     engine: Engine,
@@ -196,6 +211,8 @@ def _save(
     record: dict[str, Any] | None,
 ) -> None:
     """Start saving the checkpoint of `done` steps."""
+    if done == cfg.max_steps and hasattr(engine, "finish"):
+        engine.finish()  # WSP: the last save holds the global weights, every wave taken in
     # the plan the engine runs (a re-partitioned split), and the run's own config
     info = {"plan": current_plan(cfg, engine.plan), "config": cfg.to_dict(), "model": record}
     drained = save(engine, store, done, info)

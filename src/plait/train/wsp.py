@@ -34,6 +34,10 @@ timing, so such runs are not reproducible bit for bit; `lags` records it per wav
 
 Limits: the schedule inside each worker must be synchronous (one flush per minibatch);
 optimizer state is each worker's own; learning-rate schedules step per own minibatch.
+
+Checkpoints (`state`, `load_state`) are taken at a wave's end: each worker's own weights and
+optimizer state (`plait.checkpoint.state`), and the others' updates of the waves it has not
+taken in yet, so a run resumed on the same layout goes on bit for bit.
 """
 
 from __future__ import annotations
@@ -61,6 +65,7 @@ class WaveExchange:
         self.start: list[torch.Tensor] = []  # weights at the start of the current wave
         # per pushed wave: (own updates, reductions in flight with their buffers)
         self.pending: deque[tuple[list[torch.Tensor], list[tuple[Any, torch.Tensor]]]] = deque()
+        self._expected = 0  # pushed waves the checkpoint to be loaded holds (`expect`)
 
     @property
     def waves(self) -> int:
@@ -100,6 +105,43 @@ class WaveExchange:
             works.append((dist.all_reduce(total, group=group, async_op=True), total))
         self.pending.append((own, works))
 
+    # ------------------------------------------------------------ checkpoints
+    def state(self, *, for_load: bool = False) -> dict[str, torch.Tensor]:
+        """What a checkpoint keeps to continue exactly, saved at a wave's end: per pushed
+        wave whose others' updates are not taken in yet, per bucket, those updates
+        (`pending.<wave>.<bucket>`; the reduction is waited for, which changes nothing: the
+        sum is the same whenever it is read). `for_load`: buffers for `expect` waves."""
+        if for_load:
+            shapes = [self.buckets.flat(i) for i in range(len(self.buckets))]
+            return {f"pending.{j}.{i}": torch.zeros_like(flat)
+                    for j in range(self._expected) for i, flat in enumerate(shapes)}  # fmt: skip
+        if self.steps % self.wave:
+            raise RuntimeError(
+                f"a WSP checkpoint is saved at a wave's end, not after {self.steps} steps of "
+                f"waves of {self.wave}: save every multiple of wsp_wave"
+            )
+        out = {}
+        for j, (own, works) in enumerate(self.pending):
+            for i, (work, total) in enumerate(works):
+                work.wait()
+                out[f"pending.{j}.{i}"] = total - own[i]
+        return out
+
+    def expect(self, pending: int) -> None:
+        """The number of pushed waves the checkpoint about to be loaded holds."""
+        self._expected = pending
+
+    def load_state(self, state: dict[str, torch.Tensor], steps: int) -> None:
+        """Continue after `steps` minibatches from a checkpoint's `state`: the others'
+        updates of its pending waves are taken in when their turn comes, as they would
+        have been. Without it (another layout's checkpoint) none is pending."""
+        self.steps, self.pending = steps, deque()
+        self.start = [self.buckets.flat(i) for i in range(len(self.buckets))]
+        for j in range(self._expected if state else 0):
+            others = [state[f"pending.{j}.{i}"] for i in range(len(self.buckets))]
+            zero = [torch.zeros_like(x) for x in others]
+            self.pending.append((zero, [(_Done(), x) for x in others]))
+
     @staticmethod
     def _reduced(entry: tuple[list[torch.Tensor], list[tuple[Any, torch.Tensor]]]) -> bool:
         return all(work.is_completed() for work, _ in entry[1])
@@ -109,3 +151,13 @@ class WaveExchange:
         for i, (work, total) in enumerate(works):
             work.wait()
             self.buckets.add(i, total - own[i])  # the others' updates: own is applied
+
+
+class _Done:
+    """A reduction read from a checkpoint: already complete."""
+
+    def wait(self) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
