@@ -67,11 +67,23 @@ def test_auto_planning_is_refused_only_when_no_layout_can_fit() -> None:
     assert held is not None and held.peak_bytes > found.peak_bytes
 
 
-def test_models_outside_the_cost_model_are_not_judged() -> None:
-    pytest.importorskip("sklearn")
-    cfg = load_config(data="digits", **{"model.name": "resnet18", "parallel.pp": 1})
-    assert estimate_memory(cfg, 1) is None
-    check_memory(cfg, 1, available=1.0)  # nothing to say: no error
+@pytest.mark.parametrize(
+    "model", [{"model.name": "resnet18", "data": "synthetic"}, {"model.name": "moe-gpt"}]
+)
+def test_models_outside_the_cost_model_get_a_bound_below_their_need(model: dict[str, str]) -> None:
+    cfg = load_config(**{"parallel.pp": 1, "batch_size": 8, **model})  # type: ignore[arg-type]
+    found = estimate_memory(cfg, 2)
+    assert found is not None and found.bound
+    task = task_from_config(cfg)
+    real = task.model()
+    params = sum(p.numel() for p in real.parameters())
+    # fp32 AdamW: weights, gradients and two moments, 16 bytes a parameter, over 2 workers
+    assert found.model_state_bytes == params * 16 / 2
+    drawn = sum(x.numel() * x.element_size() for x in task.batch(0))
+    assert found.batch_bytes == drawn  # the whole global batch, on every worker
+    check_memory(cfg, 2, available=found.peak_bytes)  # at the bound: allowed
+    with pytest.raises(ValueError, match=r"batch_size=8 \(.*\): each worker needs at least"):
+        check_memory(cfg, 2, available=found.peak_bytes * 0.99)
 
 
 def test_a_batch_of_ten_billion_is_refused_at_once(

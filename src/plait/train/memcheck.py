@@ -6,13 +6,16 @@ machine's memory down first). This check predicts the largest worker's peak with
 simulator's memory model (`plait.sim`: model state by ZeRO stage, activations held by
 the schedule's micro-batches in flight) for the transformer models, and refuses a run
 whose prediction exceeds what each worker has: a CPU worker's share of the memory now
-available, or a GPU's memory.
+available, or a GPU's memory. Any other model (ResNet-18, MoE-GPT, a user's module) gets a
+bound below its need: its parameters, gradients and optimizer state (counted on a model
+built on the meta device) spread evenly over every worker, plus the global batch, which
+every worker draws whole (its bytes per sample measured on a one-sample-per-micro-batch
+batch); a run over that bound cannot fit under any layout.
 
 Under `--plan auto` the layout is not known yet, so the check asks whether the most
 frugal layout of the workers fits (a pipeline as deep as the model allows, micro-batches
 of one sample, full recomputation, ZeRO-3 over any data-parallel ranks); if even that
-does not, no plan will. Models outside the cost model (ResNet-18, a user's module) are
-not checked. The prediction leaves out allocator fragmentation and framework workspace,
+does not, no plan will. The prediction leaves out allocator fragmentation and framework workspace,
 so a run it passes can still run out of memory near the limit; a run it refuses would
 need more than the memory there is.
 """
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, replace
+from typing import Any
 
 from plait.cluster import GIB
 from plait.config import TrainConfig
@@ -41,6 +45,7 @@ class MemoryEstimate:
     activation_bytes: float
     layout: str  # the layout predicted (the frugal one under --plan auto)
     batch_bytes: float = 0.0  # the step's token windows, which every worker draws in full
+    bound: bool = False  # a bound below the need (a model outside the cost model)
 
 
 def worker_memory_bytes(nproc: int, device: str = "auto") -> float:
@@ -73,15 +78,12 @@ def _available_bytes() -> float:
 def estimate_memory(cfg: TrainConfig, nproc: int) -> MemoryEstimate | None:
     """The largest worker's predicted peak under `cfg` on `nproc` workers; None for a
     model the cost model does not describe."""
-    from plait.cluster import local_cpu
-    from plait.device import resolve
-    from plait.plan.predict import predict
     from plait.profile import GPTSpec
     from plait.sim import SimPlan
 
     m, par = cfg.model, cfg.parallel
     if m.name not in ("gpt", "hf-gpt2", "hf-llama") or cfg.data not in _VOCAB:
-        return None
+        return _lower_bound(cfg, nproc)
     vocab = _VOCAB[cfg.data]
     if cfg.init_from is not None:  # the pretrained model's vocabulary, however small the data's
         from plait.pretrained import read_pretrained
@@ -98,10 +100,30 @@ def estimate_memory(cfg: TrainConfig, nproc: int) -> MemoryEstimate | None:
         plan = SimPlan(dp=dp, pp=pp, microbatches=max(1, cfg.batch_size // (dp * size)),
                        micro_batch_size=size, recompute="full", zero=3 if dp > 1 else 0,
                        dtype=par.dtype, optimizer=optimizer, seq_len=m.seq_len)  # fmt: skip
+    elif par.pipelines is not None:  # heterogeneous: the worst pipeline's worker
+        size = max(1, cfg.batch_size // sum(p.microbatches for p in par.pipelines))
+        plans = [SimPlan.of(replace(par, pipelines=None, wsp_staleness=None, dp=1,
+                                    dp_replicate=None, dp_shard=None,
+                                    pp=len(p.partition) // par.chunks,
+                                    microbatches=p.microbatches, partition=None),
+                            micro_batch_size=size, optimizer=optimizer, seq_len=m.seq_len)
+                 for p in par.pipelines]  # fmt: skip
+        found = [_estimate(cfg, spec, one) for one in plans]
+        return max(found, key=lambda e: e.peak_bytes)
     else:
         plan = SimPlan.of(replace(par, partition=None),
                           micro_batch_size=max(1, cfg.batch_size // (par.dp * par.microbatches)),
                           optimizer=optimizer, seq_len=m.seq_len)  # fmt: skip
+    return _estimate(cfg, spec, plan)
+
+
+def _estimate(cfg: TrainConfig, spec: Any, plan: Any) -> MemoryEstimate:
+    """The largest worker's predicted peak of `plan` (a `SimPlan`) for the GPT `spec`."""
+    from plait.cluster import local_cpu
+    from plait.device import resolve
+    from plait.plan.predict import predict
+
+    m = cfg.model
     device_type = resolve(cfg.device)  # where the workers train
     blocks = spec.block_costs(micro_batch_size=plan.micro_batch_size, dtype=plan.dtype,
                               layout=plan, device_type=device_type)  # fmt: skip
@@ -132,6 +154,31 @@ def estimate_memory(cfg: TrainConfig, nproc: int) -> MemoryEstimate | None:
     return MemoryEstimate(total + batch, state, total - state, layout, batch)
 
 
+def _lower_bound(cfg: TrainConfig, nproc: int) -> MemoryEstimate | None:
+    """What any worker needs at least (see the module docstring); None when the model
+    cannot be built on the meta device or its data not drawn small."""
+    import torch
+
+    from plait.compat import pytree
+    from plait.train.task import task_from_config
+
+    small = replace(cfg, batch_size=cfg.parallel.step_microbatches)
+    try:
+        task = task_from_config(small)
+        with torch.device("meta"):
+            model = task.model()
+        batch = task.batch(0)
+    except Exception:  # a model or data this cannot build cheaply: no check
+        return None
+    leaves = [x for x in pytree.tree_leaves(batch) if isinstance(x, torch.Tensor)]
+    per_sample = sum(x.numel() * x.element_size() for x in leaves) / small.batch_size
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    moments = 2 if cfg.optimizer == "adamw" else int(cfg.momentum > 0)
+    state = weights * (2 + moments) / nproc  # weights, gradients, optimizer state
+    drawn = per_sample * cfg.batch_size
+    return MemoryEstimate(state + drawn, state, 0.0, "any layout", drawn, bound=True)
+
+
 def check_memory(cfg: TrainConfig, nproc: int, available: float | None = None) -> None:
     """Refuse a run whose largest worker is predicted to need more memory than it has
     (`available` bytes per worker; default `worker_memory_bytes`)."""
@@ -148,6 +195,16 @@ def check_memory(cfg: TrainConfig, nproc: int, available: float | None = None) -
         fix = "use a smaller --batch-size or --seq-len (every worker draws the whole batch)"
     which = ("even the most frugal layout of the workers (" + found.layout + ")"
              if cfg.plan == "auto" else "the largest worker")  # fmt: skip
+    if found.bound:
+        fix = ("use a smaller --batch-size (every worker draws the whole batch)"
+               if found.batch_bytes > have else "use more workers or a smaller model")  # fmt: skip
+        raise ValueError(
+            f"batch_size={cfg.batch_size} ({m.name}): each worker needs at least "
+            f"{found.peak_bytes / GIB:.1f} GiB under any layout "
+            f"({found.model_state_bytes / GIB:.1f} model state spread over all {nproc} "
+            f"workers, {found.batch_bytes / GIB:.1f} the batch, which every worker draws "
+            f"whole) but each has {have / GIB:.1f} GiB: {fix}"
+        )
     raise ValueError(
         f"batch_size={cfg.batch_size} × seq_len={m.seq_len} (hidden {m.hidden}, "
         f"{m.layers} layers): {which} needs about {found.peak_bytes / GIB:.1f} GiB "
