@@ -117,3 +117,24 @@ def test_many_microbatches_are_extrapolated_as_simulated(
     assert simulated is not None and extrapolated is not None
     assert extrapolated.peak_bytes == pytest.approx(simulated.peak_bytes, rel=1e-9)
     assert extrapolated.activation_bytes == pytest.approx(simulated.activation_bytes, rel=1e-9)
+
+
+def test_a_heterogeneous_plan_is_judged_by_its_worst_pipeline() -> None:
+    from plait.config import ParallelPlan, PipelineSpec, TrainConfig
+
+    pipes = (PipelineSpec(partition=(6,), microbatches=2),
+             PipelineSpec(partition=(3, 3), microbatches=2))  # fmt: skip
+    cfg = load_config(data="synthetic", batch_size=8)
+    hetero = TrainConfig(**{**cfg.__dict__, "nproc": 3,
+                            "parallel": ParallelPlan(dp=2, pp=2, pipelines=pipes)})  # fmt: skip
+    found = estimate_memory(hetero, 3)
+    # each pipeline on its own: 2 micro-batches of 2 samples (8 over 4 micro-batches)
+    alone = [
+        estimate_memory(TrainConfig(**{**cfg.__dict__, "batch_size": 4, "nproc": pp,
+                                       "parallel": ParallelPlan(pp=pp, microbatches=2)}), pp)
+        for pp in (1, 2)
+    ]  # fmt: skip
+    assert found is not None and all(a is not None for a in alone)
+    # the batch's bytes are the whole global batch's on every worker
+    want = max(a.peak_bytes - a.batch_bytes for a in alone) + found.batch_bytes  # type: ignore[union-attr]
+    assert found.peak_bytes == pytest.approx(want)
