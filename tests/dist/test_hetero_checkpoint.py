@@ -85,3 +85,37 @@ def _exact(rank: int, world: int, tmp: str) -> None:
 
 def test_heterogeneous_and_wsp_runs_resume_bit_identical(tmp_path: Path) -> None:
     run_world(tmp_path, 4, _exact, str(tmp_path))
+
+
+def test_plait_train_resumes_a_heterogeneous_plan_bit_identical(tmp_path: Path) -> None:
+    """As a user runs it: a plan file of a 1-rank and a 2-rank pipeline, stopped after
+    step 4 and resumed, logs the losses and ends on the weights of the run never stopped
+    (whose text sample, gathered from pipeline 0, is written too)."""
+    import json
+
+    from plait.bench.faults import final_weights
+    from plait.cli.main import main
+
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({
+        "dp": 2, "pp": 2, "tp": 1, "schedule": "1f1b", "microbatches": 2,
+        "pipelines": [{"partition": [4], "microbatches": 2},
+                      {"partition": [2, 2], "microbatches": 2}],
+    }))  # fmt: skip
+    flags = ["--nproc", "3", "--plan", str(plan), "--layers", "2", "--hidden", "16", "--heads",
+             "2", "--seq-len", "16", "--batch-size", "8", "--eval-batches", "0", "-q"]  # fmt: skip
+    whole, stopped = tmp_path / "whole", tmp_path / "stopped"
+    assert main(["train", "--run-dir", str(whole), "--max-steps", "6", "--checkpoint-every",
+                 "6", "--sample-chars", "8", *flags]) == 0  # fmt: skip
+    assert json.loads((whole / "summary.json").read_text())["sample"]
+    base = ["train", "--run-dir", str(stopped), "--checkpoint-every", "2", "--sample-chars", "0"]
+    assert main([*base, *flags, "--max-steps", "4"]) == 0
+    assert main([*base, *flags, "--max-steps", "6", "--resume", "auto"]) == 0
+
+    def losses(run_dir: Path) -> list[float]:
+        rows = (run_dir / "metrics.jsonl").read_text().splitlines()
+        return [json.loads(r)["loss"] for r in rows]
+
+    assert losses(stopped) == losses(whole)
+    a, b = final_weights(whole), final_weights(stopped)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

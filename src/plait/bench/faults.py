@@ -30,26 +30,74 @@ from typing import Any
 
 from plait.bench import _common as common
 
-__all__ = ["FaultsConfig", "run_bench", "train_command", "workers_of"]
+__all__ = ["MODES", "FaultsConfig", "run_bench", "train_command", "workers_of"]
+
+# a mode: its workers and the layout flags of its runs (PLAN: the heterogeneous plan file)
+_HETERO_PLAN = {
+    "dp": 2, "pp": 2, "tp": 1, "schedule": "1f1b", "microbatches": 2,
+    "pipelines": [{"partition": [4], "microbatches": 2}, {"partition": [2, 2], "microbatches": 2}],
+}  # fmt: skip
+MODES: dict[str, tuple[int, tuple[str, ...]]] = {
+    "1f1b": (2, ("--pp", "2")),
+    "interleaved": (2, ("--pp", "2", "--schedule", "interleaved", "--chunks", "2")),
+    "pipedream": (2, ("--pp", "2", "--schedule", "pipedream", "--flush-every", "EVERY")),
+    "2bw": (2, ("--pp", "2", "--schedule", "2bw", "--flush-every", "EVERY")),
+    "zb-v": (2, ("--pp", "2", "--schedule", "zb-v", "--chunks", "2")),
+    "heterogeneous": (3, ("--plan", "PLAN")),
+    "wsp": (2, ("--dp", "2", "--pp", "1", "--wsp-staleness", "1", "--wsp-wave", "2")),
+    "zero3": (2, ("--dp", "2", "--pp", "1", "--zero", "3")),
+    "tp": (2, ("--tp", "2", "--pp", "1")),
+    "ep": (2, ("--dp", "2", "--pp", "1", "--model", "moe-gpt", "--ep", "2")),
+    "compression": (2, ("--dp", "2", "--pp", "1", "--compress", "powersgd:2")),
+    "repartition": (2, ("--pp", "2", "--repartition", "auto", "--cluster", "SLOW")),
+}
+# rank 1 of the re-partitioning runs trains 3× slower (`plait.train.slowdown`), so blocks move
+_SLOW_CLUSTER = """name = "one-slow"
+inter_node = { latency_s = 2e-5, bandwidth_Bps = 4e9 }
+
+[[nodes]]
+count = 1
+devices_per_node = 1
+intra_node = { latency_s = 2e-5, bandwidth_Bps = 4e9 }
+device = { name = "fast", peak_flops = { fp32 = 2e10 }, memory_gib = 4 }
+
+[[nodes]]
+count = 1
+devices_per_node = 1
+intra_node = { latency_s = 2e-5, bandwidth_Bps = 4e9 }
+device = { name = "slow", peak_flops = { fp32 = 2e10 }, memory_gib = 4, slowdown = 3 }
+"""
+
+
+def parse_modes(text: str) -> tuple[str, ...]:
+    """`--modes`: "all" or names of `MODES`, comma-separated."""
+    names = tuple(MODES) if text.strip() == "all" else tuple(m.strip() for m in text.split(","))
+    unknown = [m for m in names if m not in MODES]
+    if unknown or not names:
+        raise ValueError(f"modes={text!r}: unknown {unknown}; choose 'all' or of {list(MODES)}")
+    return names
+
 
 _RESTART = re.compile(r"rank (\d+) failed \((.+)\); restart 1 of \d+, resuming from step (\d+)")
 
 
 @dataclass(frozen=True)
 class FaultsConfig:
-    trials: int = 20
-    nproc: int = 2  # pipeline stages (local workers)
+    trials: int = 20  # per mode
+    nproc: int = 2  # pipeline stages (local workers) of the 1f1b mode
     steps: int = 24
     every: int = 4  # checkpoint cadence
     seed: int = 0
     model: str = "--layers 2 --hidden 64 --seq-len 32 --batch-size 16 --sample-chars 1"
     trial_timeout_s: float = 300.0
+    modes: tuple[str, ...] = ("1f1b",)
 
     def __post_init__(self) -> None:
         if self.trials < 1 or self.nproc < 2:
             raise ValueError(
                 f"trials={self.trials}, nproc={self.nproc}: give ≥ 1 trial, ≥ 2 workers"
             )
+        parse_modes(",".join(self.modes))
         if not 1 <= self.every < self.steps - 1:
             raise ValueError(
                 f"every={self.every}, steps={self.steps}: checkpoint more than once a run "
@@ -57,26 +105,33 @@ class FaultsConfig:
             )
 
 
-def train_command(run_dir: Path, config: FaultsConfig, *extra: str) -> list[str]:
-    """The `plait train` command of one run (the reference and every trial run it)."""
+def train_command(
+    run_dir: Path, config: FaultsConfig, *extra: str, mode: str = "1f1b"
+) -> list[str]:
+    """The `plait train` command of one run of `mode` (the reference and every trial run
+    it); a mode's files (a plan, a cluster) are written beside `run_dir`."""
+    workers, flags = MODES[mode]
+    if mode == "1f1b":
+        workers, flags = config.nproc, ("--pp", str(config.nproc))
+    layout = []
+    for flag in flags:
+        if flag == "PLAN":
+            flag = _write(run_dir.parent / "hetero-plan.json", json.dumps(_HETERO_PLAN))
+        elif flag == "SLOW":
+            flag = _write(run_dir.parent / "one-slow.toml", _SLOW_CLUSTER)
+        layout.append(str(config.every) if flag == "EVERY" else flag)
     return [
-        sys.executable,
-        "-m",
-        "plait.cli.main",
-        "train",
-        "--run-dir",
-        str(run_dir),
-        "--pp",
-        str(config.nproc),
-        "--max-steps",
-        str(config.steps),
-        "--checkpoint-every",
-        str(config.every),
-        "--log-every",
-        "1",
-        *config.model.split(),
+        sys.executable, "-m", "plait.cli.main", "train", "--run-dir", str(run_dir),
+        "--nproc", str(workers), *layout, "--max-steps", str(config.steps),
+        "--checkpoint-every", str(config.every), "--log-every", "1", *config.model.split(),
         *extra,
-    ]
+    ]  # fmt: skip
+
+
+def _write(path: Path, text: str) -> str:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return str(path)
 
 
 def workers_of(pid: int) -> list[int]:
@@ -148,14 +203,19 @@ class _Stderr:
 
 
 def run_trial(
-    config: FaultsConfig, folder: Path, index: int, rng: random.Random, reference: dict[str, Any]
+    config: FaultsConfig,
+    folder: Path,
+    index: int,
+    rng: random.Random,
+    reference: dict[str, Any],
+    mode: str = "1f1b",
 ) -> dict[str, Any]:
     """One trial: train, kill a random worker after a random step, let it recover."""
     run_dir = folder / f"trial-{index:02d}"
     kill_after = rng.randrange(1, config.steps - 1)  # steps finished before the kill
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
-        train_command(run_dir, config, "--max-restarts", "1"),
+        train_command(run_dir, config, "--max-restarts", "1", mode=mode),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
@@ -201,46 +261,72 @@ def run_trial(
     return outcome
 
 
-def run_bench(config: FaultsConfig, folder: Path | None = None) -> dict[str, Any]:
-    rng = random.Random(config.seed)
-    with tempfile.TemporaryDirectory(prefix="plait-faults-") as tmp:
-        root = folder or Path(tmp)
-        ref_dir = root / "reference"
-        subprocess.run(
-            train_command(ref_dir, config),
-            check=True,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-        )
-        reference = final_weights(ref_dir)
-        trials = []
-        for i in range(config.trials):
-            trials.append(run_trial(config, root, i, rng, reference))
-            t = trials[-1]
-            print(
-                f"trial {i + 1}/{config.trials}: killed after step {t['steps_done_at_kill']}, "
-                + (
-                    f"rank {t['failed_rank']} ({t['cause']}), resumed from step "
-                    f"{t['resumed_from']}, recovered in {t['recovery_s']:.2f} s, "
-                    f"bit-identical: {t['bit_identical']}"
-                    if t["recovered"]
-                    else f"NOT recovered (exit {t['exit_code']})"
-                ),
-                file=sys.stderr,
-                flush=True,
-            )
+def _summary(trials: list[dict[str, Any]]) -> dict[str, Any]:
     recovered = [t for t in trials if t["recovered"]]
     times = [t["recovery_s"] for t in recovered]
+    lost = [t["lost_steps"] for t in recovered]
     return {
-        "config": asdict(config) | {"schedule": "1f1b"},
-        "trials": config.trials,
+        "trials": len(trials),
         "recovered": len(recovered),
         "bit_identical": sum(bool(t["bit_identical"]) for t in trials),
         "median_recovery_s": statistics.median(times) if times else None,
         "max_recovery_s": max(times) if times else None,
-        "lost_steps_median": statistics.median(t["lost_steps"] for t in recovered)
-        if recovered
-        else None,
+        "lost_steps_median": statistics.median(lost) if lost else None,
+    }
+
+
+def _run_mode(config: FaultsConfig, root: Path, mode: str) -> list[dict[str, Any]]:
+    """The uninterrupted reference run of `mode`, then its trials."""
+    rng = random.Random(f"{config.seed}:{mode}")
+    ref_dir = root / "reference"
+    done = subprocess.run(
+        train_command(ref_dir, config, mode=mode), stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    if done.returncode:
+        last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise RuntimeError(f"mode {mode}: the uninterrupted run failed: {last}")
+    reference = final_weights(ref_dir)
+    trials = []
+    for i in range(config.trials):
+        trials.append(run_trial(config, root, i, rng, reference, mode))
+        t = trials[-1]
+        print(
+            f"{mode} trial {i + 1}/{config.trials}: killed after step "
+            f"{t['steps_done_at_kill']}, "
+            + (
+                f"rank {t['failed_rank']} ({t['cause']}), resumed from step "
+                f"{t['resumed_from']}, recovered in {t['recovery_s']:.2f} s, "
+                f"bit-identical: {t['bit_identical']}"
+                if t["recovered"]
+                else f"NOT recovered (exit {t['exit_code']})"
+            ),
+            file=sys.stderr,
+            flush=True,
+        )
+    return trials
+
+
+def run_bench(config: FaultsConfig, folder: Path | None = None) -> dict[str, Any]:
+    """Every mode's trials; the totals over all modes at the top, each mode's in `modes`
+    (with the 1f1b mode alone, the same numbers)."""
+    per_mode: dict[str, list[dict[str, Any]]] = {}
+    failed: dict[str, str] = {}  # modes whose uninterrupted run failed: why
+    with tempfile.TemporaryDirectory(prefix="plait-faults-") as tmp:
+        root = folder or Path(tmp)
+        for mode in config.modes:
+            try:
+                per_mode[mode] = _run_mode(config, root / mode, mode)
+            except RuntimeError as error:  # the other modes still say what they can
+                print(f"{mode}: {error}", file=sys.stderr, flush=True)
+                per_mode[mode], failed[mode] = [], str(error)
+    trials = [t | {"mode": m} for m, ts in per_mode.items() for t in ts]
+    modes = {m: _summary(ts) | ({"error": failed[m]} if m in failed else {})
+             for m, ts in per_mode.items()}  # fmt: skip
+    return {
+        "config": asdict(config) | {"schedule": "1f1b"},
+        **_summary(trials),
+        "modes": modes,
         "per_trial": trials,
     }
 
@@ -254,13 +340,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--steps", type=int, default=d.steps, help="training steps per run")
     a("--every", type=int, default=d.every, help="checkpoint every N steps")
     a("--seed", type=int, default=d.seed, help="seed of the kill steps and victims")
+    a("--modes", default=",".join(d.modes),
+      help=f"'all' or modes to kill runs of, comma-separated: {', '.join(MODES)}")  # fmt: skip
     a("--json", action="store_true", help="print one JSON object instead of a table")
 
 
 def run(args: argparse.Namespace) -> int:
     config = FaultsConfig(
-        trials=args.trials, nproc=args.nproc, steps=args.steps, every=args.every, seed=args.seed
-    )
+        trials=args.trials, nproc=args.nproc, steps=args.steps, every=args.every,
+        seed=args.seed, modes=parse_modes(args.modes),
+    )  # fmt: skip
     result = run_bench(config)
     if args.json:
         common.print_json(result)
@@ -270,25 +359,15 @@ def run(args: argparse.Namespace) -> int:
         return "-" if x is None else f"{x:.2f}"
 
     common.print_table(
-        f"faults: {config.trials} runs of {config.steps} steps on {config.nproc} workers, "
-        f"checkpoint every {config.every}, one worker SIGKILLed per run",
+        f"faults: {config.trials} runs per mode of {config.steps} steps, checkpoint every "
+        f"{config.every}, one worker SIGKILLed per run",
+        ["mode", "trials", "recovered", "bit-identical", "median recovery s",
+         "max recovery s", "median lost steps"],
         [
-            "trials",
-            "recovered",
-            "bit-identical",
-            "median recovery s",
-            "max recovery s",
-            "median lost steps",
+            [mode, r["trials"], r["recovered"], r["bit_identical"],
+             show(r["median_recovery_s"]), show(r["max_recovery_s"]),
+             show(r["lost_steps_median"])]
+            for mode, r in result["modes"].items()
         ],
-        [
-            [
-                result["trials"],
-                result["recovered"],
-                result["bit_identical"],
-                show(result["median_recovery_s"]),
-                show(result["max_recovery_s"]),
-                show(result["lost_steps_median"]),
-            ]
-        ],
-    )
+    )  # fmt: skip
     return 0

@@ -334,6 +334,9 @@ def gathered_model(
 
     parts = engine.schedule.parts  # replicas of a part (Chimera) hold the same weights
     states = {parts[s]: _full_state(m) for s, m in engine.stages.items()}
+    groups = getattr(engine, "groups", None)  # heterogeneous pipelines cut the model apart:
+    if groups is not None and groups.pipeline != 0:  # pipeline 0's stages (rank 0's) count
+        states = {}
     expert = getattr(getattr(engine, "meshes", None), "expert", None)
     ep_index = expert.get_local_rank("ep") if expert is not None else 0
     sliced = {parts[s]: expert_param_names(m) for s, m in engine.stages.items()} if expert else {}
