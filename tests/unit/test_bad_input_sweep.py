@@ -510,6 +510,7 @@ _BENCH: dict[str, list[tuple[tuple[str, ...], str | tuple[str, ...]]]] = {
     "faults": [
         (("--trials", "0"), "trials"), (("--nproc", "1"), "nproc"), (("--every", "0"), "every"),
         (("--steps", "3"), "steps"), (("--trials", "x"), "--trials"),
+        (("--modes", "1f1b,bogus"), "bogus"), (("--modes", ""), "modes"),
     ],
     "planner": [
         (("--workers", "1"), "workers"), (("--steps", "0"), "steps"),
