@@ -85,6 +85,58 @@ def test_under_torchrun_restarts_must_be_asked_of_torchrun(
     assert "pass --max-restarts 1 to torchrun" in err and "started with --max-restarts 0" in err
 
 
+def test_under_torchrun_restarts_need_the_agents_shared_store_off(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from plait.cli.main import main
+
+    torchrun = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2",
+                "TORCHELASTIC_MAX_RESTARTS": "1",
+                "TORCHELASTIC_USE_AGENT_STORE": "True"}  # fmt: skip
+    for key, value in torchrun.items():
+        monkeypatch.setenv(key, value)
+    code = main(["train", "--pp", "2", "--checkpoint-every", "2", "--dry-run"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in err and "--max-restarts 1" in err
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")  # what that variable gives
+    assert main(["train", "--pp", "2", "--checkpoint-every", "2", "--dry-run"]) == 0
+
+
+def test_under_torchrun_a_rank_is_named_with_its_node(monkeypatch: pytest.MonkeyPatch) -> None:
+    from plait.cli.train import _with_nodes
+
+    text = "rank 0: 0B3 lost the connection while waiting for the gradients from rank 3"
+    assert _with_nodes(text) == text  # not under torchrun: no nodes to name
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("GROUP_RANK", "0")
+    assert _with_nodes(text) == (
+        "rank 0 (node 0): 0B3 lost the connection while waiting for the gradients from "
+        "rank 3 (node 1)"
+    )
+
+
+def test_a_broken_connection_names_the_peer_it_was_waiting_for() -> None:
+    from plait.wait import PeerLost, timed_wait, timeout_message
+
+    class Broken:
+        def wait(self, timeout: object = None) -> bool:
+            raise RuntimeError(
+                "[/__w/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:27045: "
+                "Connection reset by peer. This is typically caused by a remote worker"
+            )
+
+    explain = lambda: timeout_message("rank 0", "0B3", 20, "the gradients from rank 1 (stage 1)")  # noqa: E731
+    with pytest.raises(PeerLost) as lost:
+        timed_wait(Broken(), 20, explain)
+    assert str(lost.value) == (
+        "rank 0: 0B3 lost the connection while waiting for the gradients from rank 1 "
+        "(stage 1) (Read error [127.0.0.1]:27045: Connection reset by peer): that rank's "
+        "process or its machine is gone; check its log"
+    )
+
+
 def test_a_backends_bare_timeout_reads_as_one_line_that_says_so() -> None:
     raw = (
         "RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/"

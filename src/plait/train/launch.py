@@ -44,6 +44,7 @@ _PEER_LOST = (
     "broken pipe",
     "timed out",
     "PipelineTimeout",
+    "PeerLost",
 )
 
 
