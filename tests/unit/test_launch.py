@@ -49,6 +49,24 @@ def test_an_error_comes_before_the_timeouts_it_caused() -> None:
     assert "ValueError" in cause.traceback
 
 
+def test_a_workers_own_report_counts_when_the_agent_saw_only_its_peer(tmp_path: Any) -> None:
+    """The agent reports the first worker it sees end; a failed save's rank may end after
+    the peer that lost it, and its error file under the launch's logs still names it."""
+    import json
+
+    from plait.train.launch import _error_files
+
+    saved = "SaveFailed: OSError: [Errno 28] No space left on device while saving step 4"
+    folder = tmp_path / "plait-xyz" / "attempt_0" / "0"
+    folder.mkdir(parents=True)
+    info = {"py_callstack": "Traceback", "timestamp": "100"}
+    (folder / "error.json").write_text(json.dumps({"message": {"message": saved,
+                                                               "extraInfo": info}}))  # fmt: skip
+    agent_saw = _ChildFailed({1: _raised("PeerLost: rank 1: 1F3 lost the connection", 99)})
+    cause = _root_cause(agent_saw, _error_files(str(tmp_path)))
+    assert (cause.rank, cause.cause) == (0, saved)
+
+
 def test_among_equals_the_earliest_then_the_lowest_rank() -> None:
     err = _ChildFailed(
         {2: _raised("OSError: a", 7), 1: _raised("OSError: b", 7), 0: _raised("OSError: c", 9)}

@@ -303,7 +303,10 @@ def _kept_traceback(err: WorkerFailed, run_dir: Path) -> str:
     if not err.failure.traceback:
         return ""
     path = run_dir / f"failure-rank{err.failure.rank}.txt"
-    path.write_text(err.failure.traceback)
+    try:
+        path.write_text(err.failure.traceback)
+    except OSError as cannot:  # the run folder's disk is full or read-only (the failure?)
+        return f"; traceback not kept ({cannot.strerror} writing {path})"
     return f"; traceback in {path}"
 
 
