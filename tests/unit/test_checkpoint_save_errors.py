@@ -32,3 +32,12 @@ def test_a_read_only_folder_and_an_unknown_error_name_their_remedy() -> None:
     assert said.endswith("the folder is read-only: make it writable or give another --run-dir")
     other = str(_saving_failed(ValueError("bad state\nmore"), 2, Path("c")))
     assert other == "ValueError: bad state while saving step 2 to c: check that folder"
+
+
+def test_a_peer_lost_during_a_save_is_not_blamed_on_the_folder() -> None:
+    lost = RuntimeError("Connection closed by peer [127.0.0.1]:8087")
+    said = str(_saving_failed(CheckpointException("write", {1: (lost, None)}), 8, Path("c")))
+    assert said == (
+        "RuntimeError: Connection closed by peer [127.0.0.1]:8087 while saving step 8 to c: "
+        "a worker was lost or stalled meanwhile: see its error"
+    )

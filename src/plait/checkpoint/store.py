@@ -142,8 +142,12 @@ def _saving_failed(err: BaseException, step: int, root: Path) -> SaveFailed:
         cause = f"OSError: [Errno {found.errno}] {found.strerror}"
         remedy = _REMEDIES.get(found.errno or 0, "check that folder")
     else:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-        cause, remedy = f"{type(err).__name__}: {first}".rstrip(": "), "check that folder"
+        failures = getattr(err, "failures", None)  # DCP's header names ranks, not causes
+        inner = next(iter(failures.values()))[0] if isinstance(failures, dict) and failures else err
+        first = str(inner).strip().splitlines()[0] if str(inner).strip() else ""
+        cause, remedy = f"{type(inner).__name__}: {first}".rstrip(": "), "check that folder"
+        if any(word in first.lower() for word in ("connection", "broken pipe", "timed out")):
+            remedy = "a worker was lost or stalled meanwhile: see its error"
     return SaveFailed(f"{cause} while saving step {step} to {root}: {remedy}")
 
 
