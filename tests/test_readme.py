@@ -128,6 +128,8 @@ OTHER = {
     r"python3\.11 -m venv \.venv$": "run with this interpreter (test_a_virtual_env_line)",
     r"tensorboard --logdir \S+$": "the folder a documented --tensorboard writes",
     r"head=\$\(scontrol ": "the SLURM script's first node, substituted in its torchrun line",
+    r"export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1$": "torchrun's environment; "
+    "tests/dist/test_torchrun_nodes.py starts its agents with it",
 }
 
 

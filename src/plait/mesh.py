@@ -20,12 +20,14 @@ from plait.layout import AXES, Layout
 __all__ = [
     "Meshes",
     "WorkerEnv",
+    "agreed_restart_count",
     "build_mesh",
     "check_fits",
     "cpu_cores_for",
     "expert_grid",
     "init_worker",
     "launched_env",
+    "node_of",
     "pipeline_mesh",
     "rank_grid",
     "restart_count",
@@ -190,11 +192,30 @@ def launched_env() -> WorkerEnv | None:
     return worker_env() if "RANK" in os.environ and "WORLD_SIZE" in os.environ else None
 
 
+def node_of(rank: int) -> int | None:
+    """The node (torchrun's group rank) global rank `rank` runs on, None outside torchrun:
+    torchrun numbers ranks node by node, LOCAL_WORLD_SIZE to a node (the same on every
+    node, as `check_fits` assumes)."""
+    local = _local_world_size()
+    return rank // local if local and "GROUP_RANK" in os.environ else None
+
+
 def restart_count() -> int:
     """How many times the launcher has restarted this run's workers (torchrun's elastic
     agent or `plait.train.launch` says so; 0 on the first attempt or without a launcher)."""
     counts = (os.environ.get(k, "0") for k in ("TORCHELASTIC_RESTART_COUNT", "PLAIT_ATTEMPT"))
     return max(int(c) for c in counts)
+
+
+def agreed_restart_count(device: torch.device) -> int:
+    """`restart_count` as every worker of the launch agrees: the largest over the workers
+    (a collective on the default group). torchrun's agents count restarts each for itself:
+    the agent whose worker failed counts one, while another agent, whose workers were
+    healthy, restarts them for the new rendezvous round without counting
+    (pytorch/pytorch#108158), so on its own a worker may not know the run restarted."""
+    count = torch.tensor([restart_count()], dtype=torch.int64, device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    return int(count.item())
 
 
 def run_id() -> str | None:

@@ -3,9 +3,11 @@ that names who waited for whom when it expires.
 
 Hangs become errors: every wait here lasts at most `timeout_s`, after which it raises
 `PipelineTimeout` naming this rank, the action that waited and the peer it waited for. A
-peer that crashed is reported by the backend at once ("Connection closed by peer"); one
-that stalls would otherwise block this rank for the process group's timeout (torch's
-default: 30 min) with an error that names neither the action nor the peer. On gloo an
+peer that crashed is reported by the backend at once ("Connection reset by peer"), with
+the address of a socket but not the rank: that error becomes `PeerLost`, naming the rank,
+the action and the peer as a timeout would. One that stalls would otherwise block this
+rank for the process group's timeout (torch's default: 30 min) with an error that names
+neither the action nor the peer. On gloo an
 untimed wait is bounded by that same group timeout, so a timed one costs nothing extra.
 On NCCL a timed wait would block the CPU until the message arrives (torch polls the work,
 where an untimed wait only orders the CUDA streams), so a GPU's messages are waited on
@@ -17,11 +19,13 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
+    "PeerLost",
     "PipelineTimeout",
     "check_timeout",
     "named_timeout",
@@ -37,6 +41,15 @@ DEFAULT_TIMEOUT_S = 300.0
 class PipelineTimeout(RuntimeError):
     """A wait for a peer outlasted its timeout: the peer failed, stalled, or is slower than
     the timeout allows. The message names this rank, the action and the peer."""
+
+
+class PeerLost(RuntimeError):
+    """A wait for a peer ended because the connection to it broke: the peer's process (or
+    its machine) is gone. The message names this rank, the action and the peer."""
+
+
+# what gloo and NCCL say when the process at the other end of a connection is gone
+_BROKEN = ("connection reset", "connection closed", "broken pipe", "connection refused")
 
 
 def timeout_message(
@@ -75,12 +88,28 @@ def timed_wait(work: Any, timeout_s: float | None, explain: Callable[[], str]) -
     except RuntimeError as error:
         # gloo raises "Timed out waiting ... ms" (p2p) or "Operation timed out!"
         # (collectives), NCCL "... timed out in blocking wait"; a peer that crashed raises
-        # something else ("Connection closed by peer"), which already says what happened
+        # something else ("Connection reset by peer"), which names an address, not a rank
         if "timed out" not in str(error).lower():
+            if any(b in str(error).lower() for b in _BROKEN):
+                raise PeerLost(_lost(explain(), error)) from error
             raise
         raise PipelineTimeout(explain()) from error
     if done is False:  # a backend that reports expiry instead of raising
         raise PipelineTimeout(explain())
+
+
+def _lost(explained: str, error: RuntimeError) -> str:
+    """`PeerLost`'s text, from the `timeout_message` the same wait would have timed out
+    with (`explained`: "RANK: ACTION waited T for AWAITED; ...") and the backend's error."""
+    head, _, rest = explained.partition(" waited ")
+    awaited = rest.partition(" for ")[2].partition("; ")[0] or "a peer"
+    cause = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    cause = re.sub(r"\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\]\s*", "", cause)
+    cause = cause.split(". This is typically", 1)[0]
+    return (
+        f"{head} lost the connection while waiting for {awaited} ({cause}): that rank's "
+        "process or its machine is gone; check its log"
+    )
 
 
 @contextlib.contextmanager

@@ -1,20 +1,30 @@
-"""Hangs, as a user meets them running `plait train`: a worker stopped with SIGSTOP
-(alive, silent) is reported within `--timeout` in one line naming the rank and what it
-waited for."""
+"""Hangs and storage faults, as a user meets them running `plait train`.
+
+A worker stopped with SIGSTOP (alive, silent) is reported within `--timeout` in one line
+naming the rank and what it waited for. A checkpoint saved onto a full disk (a tmpfs
+filled, once the first checkpoint is out, to less than a checkpoint's room) or into a
+checkpoints folder turned read-only (a read-only bind mount) ends the run with one line
+naming the cause and the step (docs/checkpoints.md), and the checkpoint published before
+stays whole: it verifies, `plait checkpoint inspect` reads it and a run resumes from it.
+The disk faults mount, so they need root (they skip otherwise, saying so).
+"""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from plait.bench.faults import workers_of
+from plait.checkpoint.store import published, verify
 
 pytestmark = pytest.mark.dist
 
@@ -75,3 +85,94 @@ def test_a_stopped_worker_is_reported_within_the_timeout(tmp_path: Path) -> None
     assert "rank" in errors[0] and ("timed out" in errors[0] or "timeout" in errors[0]), errors
     # the waiting rank gives up after --timeout; the launcher then ends the stopped one
     assert took < 8 + 60, took
+
+
+def _mount(*args: str) -> None:
+    out = subprocess.run(["mount", *args], capture_output=True, text=True, check=False)
+    if out.returncode:
+        pytest.skip(f"cannot mount here (needs root): mount {' '.join(args)}: {out.stderr}")
+
+
+@contextlib.contextmanager
+def _mounted(path: Path, *args: str) -> Iterator[Path]:
+    path.mkdir(parents=True, exist_ok=True)
+    _mount(*args, str(path))
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def _fill(disk: Path, leave: int) -> None:
+    """Fill `disk` until `leave` bytes are free (less than a checkpoint, more than the
+    metrics rows the run writes meanwhile)."""
+    free = shutil.disk_usage(disk).free - leave
+    with (disk / "filler").open("wb") as f:
+        while free > 0:
+            chunk = min(free, 1 << 20)
+            f.write(b"\0" * chunk)
+            free -= chunk
+
+
+def _until_a_save_fails(run_dir: Path, fault: object) -> str:
+    """Train until a checkpoint is published, cause `fault`, and return the stderr of
+    the run, which must end by itself."""
+    proc = _start(run_dir, "--max-steps", "100000", "--checkpoint-every", "2", "--keep", "5")
+    try:
+        _wait(proc, lambda: bool(published(run_dir / "checkpoints")), "a checkpoint")
+        fault()  # type: ignore[operator]
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 1, err
+    return err
+
+
+def _kept_whole(run_dir: Path, tmp_path: Path, *, resume: bool) -> None:
+    """The checkpoint published before the fault verifies, reads, and (`resume`) a run
+    resumes from a copy of it."""
+    kept = published(run_dir / "checkpoints")
+    assert kept and verify(kept[0]) is None, kept
+    inspect = [sys.executable, "-m", "plait", "checkpoint", "inspect", str(kept[0])]
+    out = subprocess.run(inspect, capture_output=True, text=True, check=False, timeout=120)
+    assert out.returncode == 0 and "verified    OK" in out.stdout, out.stdout + out.stderr
+    if not resume:
+        return
+    again = tmp_path / "again"
+    shutil.copytree(kept[0], again / "checkpoints" / kept[0].name)
+    step = int(kept[0].name.removeprefix("step-"))
+    out = subprocess.run(_train(again, "--max-steps", str(step + 1), "--resume", "auto", "-q"),
+                         capture_output=True, text=True, check=False, timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert f"resuming from step {step}" in out.stderr, out.stderr
+
+
+def test_a_full_disk_stops_the_run_in_one_line_and_keeps_the_checkpoint_before(
+    tmp_path: Path,
+) -> None:
+    with _mounted(tmp_path / "disk", "-t", "tmpfs", "-o", "size=32m", "tmpfs") as disk:
+        run_dir = disk / "run"
+        err = _until_a_save_fails(run_dir, lambda: _fill(disk, 256 * 1024))
+        errors = _errors(err)
+        assert len(errors) == 1 and "Traceback" not in err, err
+        line = errors[0]
+        assert "No space left on device while saving step" in line, line
+        assert str(run_dir / "checkpoints") in line and "--keep" in line, line
+        (disk / "filler").unlink()  # room again: the kept checkpoint is read from here
+        _kept_whole(run_dir, tmp_path, resume=True)
+
+
+def test_a_checkpoints_folder_turned_read_only_stops_the_run_in_one_line(
+    tmp_path: Path,
+) -> None:
+    run_dir = tmp_path / "run"
+    folder = run_dir / "checkpoints"
+    with _mounted(folder, "--bind", str(tmp_path / "run" / "checkpoints")):
+        made_read_only = lambda: _mount("-o", "remount,ro,bind", str(folder))  # noqa: E731
+        err = _until_a_save_fails(run_dir, made_read_only)
+        errors = _errors(err)
+        assert len(errors) == 1 and "Traceback" not in err, err
+        assert "Read-only file system while saving step" in errors[0], errors
+        assert "--run-dir" in errors[0], errors
+        _kept_whole(run_dir, tmp_path, resume=False)

@@ -49,6 +49,24 @@ def test_an_error_comes_before_the_timeouts_it_caused() -> None:
     assert "ValueError" in cause.traceback
 
 
+def test_a_workers_own_report_counts_when_the_agent_saw_only_its_peer(tmp_path: Any) -> None:
+    """The agent reports the first worker it sees end; a failed save's rank may end after
+    the peer that lost it, and its error file under the launch's logs still names it."""
+    import json
+
+    from plait.train.launch import _error_files
+
+    saved = "SaveFailed: OSError: [Errno 28] No space left on device while saving step 4"
+    folder = tmp_path / "plait-xyz" / "attempt_0" / "0"
+    folder.mkdir(parents=True)
+    info = {"py_callstack": "Traceback", "timestamp": "100"}
+    (folder / "error.json").write_text(json.dumps({"message": {"message": saved,
+                                                               "extraInfo": info}}))  # fmt: skip
+    agent_saw = _ChildFailed({1: _raised("PeerLost: rank 1: 1F3 lost the connection", 99)})
+    cause = _root_cause(agent_saw, _error_files(str(tmp_path)))
+    assert (cause.rank, cause.cause) == (0, saved)
+
+
 def test_among_equals_the_earliest_then_the_lowest_rank() -> None:
     err = _ChildFailed(
         {2: _raised("OSError: a", 7), 1: _raised("OSError: b", 7), 0: _raised("OSError: c", 9)}
@@ -83,6 +101,58 @@ def test_under_torchrun_restarts_must_be_asked_of_torchrun(
     assert code == 2
     err = capsys.readouterr().err
     assert "pass --max-restarts 1 to torchrun" in err and "started with --max-restarts 0" in err
+
+
+def test_under_torchrun_restarts_need_the_agents_shared_store_off(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from plait.cli.main import main
+
+    torchrun = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2",
+                "TORCHELASTIC_MAX_RESTARTS": "1",
+                "TORCHELASTIC_USE_AGENT_STORE": "True"}  # fmt: skip
+    for key, value in torchrun.items():
+        monkeypatch.setenv(key, value)
+    code = main(["train", "--pp", "2", "--checkpoint-every", "2", "--dry-run"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in err and "--max-restarts 1" in err
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")  # what that variable gives
+    assert main(["train", "--pp", "2", "--checkpoint-every", "2", "--dry-run"]) == 0
+
+
+def test_under_torchrun_a_rank_is_named_with_its_node(monkeypatch: pytest.MonkeyPatch) -> None:
+    from plait.cli.train import _with_nodes
+
+    text = "rank 0: 0B3 lost the connection while waiting for the gradients from rank 3"
+    assert _with_nodes(text) == text  # not under torchrun: no nodes to name
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("GROUP_RANK", "0")
+    assert _with_nodes(text) == (
+        "rank 0 (node 0): 0B3 lost the connection while waiting for the gradients from "
+        "rank 3 (node 1)"
+    )
+
+
+def test_a_broken_connection_names_the_peer_it_was_waiting_for() -> None:
+    from plait.wait import PeerLost, timed_wait, timeout_message
+
+    class Broken:
+        def wait(self, timeout: object = None) -> bool:
+            raise RuntimeError(
+                "[/__w/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:27045: "
+                "Connection reset by peer. This is typically caused by a remote worker"
+            )
+
+    explain = lambda: timeout_message("rank 0", "0B3", 20, "the gradients from rank 1 (stage 1)")  # noqa: E731
+    with pytest.raises(PeerLost) as lost:
+        timed_wait(Broken(), 20, explain)
+    assert str(lost.value) == (
+        "rank 0: 0B3 lost the connection while waiting for the gradients from rank 1 "
+        "(stage 1) (Read error [127.0.0.1]:27045: Connection reset by peer): that rank's "
+        "process or its machine is gone; check its log"
+    )
 
 
 def test_a_backends_bare_timeout_reads_as_one_line_that_says_so() -> None:

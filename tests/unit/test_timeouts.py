@@ -18,7 +18,7 @@ from plait.runtime.transport import Transport
 from plait.schedule import Action, Op, build
 from plait.schedule.lower import Batch, Message, lower
 from plait.train.parallelize import parallelize
-from plait.wait import named_timeout, timed_wait, timeout_message
+from plait.wait import PeerLost, named_timeout, timed_wait, timeout_message
 
 # what gloo's Work.wait raises when a receive outlasts its timeout (torch 2.13)
 GLOO_TIMEOUT = (
@@ -64,9 +64,18 @@ def test_only_a_timed_out_wait_becomes_a_pipeline_timeout() -> None:
     with pytest.raises(PipelineTimeout):  # a backend that returns False instead
         timed_wait(FakeWork(done=False), 2.0, lambda: "x")
     crashed = RuntimeError("Connection closed by peer [127.0.0.1]:1234")
-    with pytest.raises(RuntimeError) as other:  # says what happened already: kept as is
-        timed_wait(FakeWork(crashed), 2.0, lambda: "x")
-    assert other.value is crashed
+    said = timeout_message("rank 0", "0B1", 2.0, "the gradients from rank 1 (stage 1)")
+    with pytest.raises(
+        PeerLost,
+        match=r"^rank 0: 0B1 lost the connection while waiting for "
+        r"the gradients from rank 1 \(stage 1\) \(Connection closed",
+    ) as lost:
+        timed_wait(FakeWork(crashed), 2.0, lambda: said)  # fmt: skip
+    assert lost.value.__cause__ is crashed  # the backend's own words kept
+    wrong = RuntimeError("Tensors must be contiguous")
+    with pytest.raises(RuntimeError) as other:  # not about a peer: kept as is
+        timed_wait(FakeWork(wrong), 2.0, lambda: "x")
+    assert other.value is wrong
     untimed = FakeWork()
     timed_wait(untimed, None, lambda: "x")
     assert untimed.timeouts == [None]

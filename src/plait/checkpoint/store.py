@@ -14,10 +14,17 @@ whole or not at all, and a crash mid-save leaves the previous ones untouched. Lo
 verifies the manifest first; a checkpoint that is partial, truncated or altered is skipped,
 with a message, for the one before it. Tensors are read by DCP with `weights_only`;
 `plait.json` and the manifest are JSON.
+
+A save that cannot be written (a full disk, a folder turned read-only) raises `SaveFailed`
+on the training thread at the next step boundary, on every rank that saw it: one line
+naming the step, the folder, the operating system's error and the remedy. The run stops
+there; the checkpoints published before are untouched (the failed one stays a `.tmp`
+folder, which no load reads and the next save of that step replaces).
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -33,7 +40,7 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict_saver import async_save
 
-__all__ = ["Checkpoint", "CheckpointStore", "find", "published", "verify"]
+__all__ = ["Checkpoint", "CheckpointStore", "SaveFailed", "find", "published", "verify"]
 
 MANIFEST, INFO = "manifest.json", "plait.json"
 _PREFIX, _PENDING = "step-", ".tmp"
@@ -111,12 +118,59 @@ def find(target: str | Path, root: Path) -> Checkpoint | None:
     return None
 
 
+class SaveFailed(RuntimeError):
+    """A checkpoint could not be written or published (its message: the cause, the step,
+    the folder and the remedy, in one line)."""
+
+
+# what a user can do about the operating system's error, by errno
+_REMEDIES = {
+    errno.ENOSPC: "free space on that disk or lower --keep",
+    errno.EDQUOT: "free space within the disk quota or lower --keep",
+    errno.EROFS: "the folder is read-only: make it writable or give another --run-dir",
+    errno.EACCES: "no permission to write there: fix the permissions or give another --run-dir",
+    errno.EPERM: "no permission to write there: fix the permissions or give another --run-dir",
+}
+
+
+def _saving_failed(err: BaseException, step: int, root: Path) -> SaveFailed:
+    """`err` (DCP's CheckpointException, which gathers every rank's error, or an OSError of
+    the publication) as one line: the first operating-system error inside it, or its own
+    first line, then the step, the folder and the remedy."""
+    found = _os_error(err)
+    if found is not None:
+        cause = f"OSError: [Errno {found.errno}] {found.strerror}"
+        remedy = _REMEDIES.get(found.errno or 0, "check that folder")
+    else:
+        failures = getattr(err, "failures", None)  # DCP's header names ranks, not causes
+        inner = next(iter(failures.values()))[0] if isinstance(failures, dict) and failures else err
+        first = str(inner).strip().splitlines()[0] if str(inner).strip() else ""
+        cause, remedy = f"{type(inner).__name__}: {first}".rstrip(": "), "check that folder"
+        if any(word in first.lower() for word in ("connection", "broken pipe", "timed out")):
+            remedy = "a worker was lost or stalled meanwhile: see its error"
+    return SaveFailed(f"{cause} while saving step {step} to {root}: {remedy}")
+
+
+def _os_error(err: BaseException, depth: int = 0) -> OSError | None:
+    if isinstance(err, OSError) or depth > 8:
+        return err if isinstance(err, OSError) else None
+    failures = getattr(err, "failures", None)  # DCP: {rank: (exception, stack)}
+    inner = [pair[0] for pair in failures.values()] if isinstance(failures, dict) else []
+    for candidate in (*inner, err.__cause__, err.__context__):
+        found = _os_error(candidate, depth + 1) if candidate is not None else None
+        if found is not None:
+            return found
+    return None
+
+
 class _Save:
     """One save in flight: DCP's future and, on rank 0, the thread that publishes the
     checkpoint as soon as that future resolves."""
 
-    def __init__(self, future: Future[Any], publish: Callable[[], None] | None) -> None:
-        self.future = future
+    def __init__(
+        self, future: Future[Any], publish: Callable[[], None] | None, step: int, root: Path
+    ) -> None:
+        self.future, self.step, self.root = future, step, root
         self.error: BaseException | None = None
         self.thread: threading.Thread | None = None
         if publish is not None:
@@ -136,13 +190,19 @@ class _Save:
         return self.future.done() and (self.thread is None or not self.thread.is_alive())
 
     def result(self) -> None:
-        """Wait for the write (and the publication); raise what either raised."""
-        if self.thread is not None:
-            self.thread.join()
-            if self.error is not None:
-                raise self.error
-        else:
-            self.future.result()
+        """Wait for the write (and the publication); raise what either raised, as
+        `SaveFailed` (DCP raises a BaseException, which would pass `except Exception`)."""
+        try:
+            if self.thread is not None:
+                self.thread.join()
+                if self.error is not None:
+                    raise self.error
+            else:
+                self.future.result()
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as err:
+            raise _saving_failed(err, self.step, self.root) from err
 
 
 class CheckpointStore:
@@ -165,12 +225,15 @@ class CheckpointStore:
         pending = self.root / f"{_name(step)}{_PENDING}"
         if self.rank == 0:
             shutil.rmtree(pending, ignore_errors=True)  # a save that died before
-            pending.mkdir(parents=True)
+            try:
+                pending.mkdir(parents=True)
+            except OSError as err:
+                raise _saving_failed(err, step, self.root) from err
         dist.barrier(group=self.group)
         future = async_save(state, checkpoint_id=str(pending), process_group=self.group)
         full = {**info, "step": step}
         publish = (lambda: self._publish(step, full)) if self.rank == 0 else None
-        self._pending = _Save(_future(future), publish)
+        self._pending = _Save(_future(future), publish, step, self.root)
 
     def poll(self) -> None:
         """Raise what a finished save raised (cheap; call every step)."""

@@ -125,11 +125,7 @@ def _run(args: argparse.Namespace, started: dict[str, Any]) -> int:
     if env is None:  # tokenize text once, here; torchrun's workers each find or make the cache
         _prepare_data(cfg)
     if env is not None:  # inside torchrun: this process is one worker
-        summary = train_worker(cfg, str(run_dir))
-        if summary is not None:
-            _write_resolved(cfg, summary, run_dir)
-            _report(summary, run_dir, quiet=cfg["verbosity"] < 0)
-        return 0
+        return _torchrun_worker(cfg, run_dir, env.rank)
     how = "planning the layout first" if cfg["plan"] == "auto" else "layout as given"
     if cfg["verbosity"] >= 0:
         print(f"plait train: {cfg['nproc']} workers ({how}), run folder {run_dir}", flush=True)
@@ -150,6 +146,44 @@ def _run(args: argparse.Namespace, started: dict[str, Any]) -> int:
     _write_resolved(cfg, summary, run_dir)
     _report(summary, run_dir, quiet=cfg["verbosity"] < 0)
     return 0
+
+
+def _torchrun_worker(cfg: dict[str, Any], run_dir: Path, rank: int) -> int:
+    """One worker of a torchrun launch. Its failure ends it with one line naming its rank,
+    its node and the cause (a lost or stalled peer's rank and node too), the traceback in
+    the run folder; torchrun's own report follows."""
+    from plait.train.launch import WorkerFailed, WorkerFailure
+    from plait.train.loop import train_worker
+
+    try:
+        summary = train_worker(cfg, str(run_dir))
+    except (KeyboardInterrupt, ValueError):
+        raise
+    except Exception as err:
+        import traceback
+
+        cause = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        failed = WorkerFailed(WorkerFailure(rank, cause[:400], traceback.format_exc()), 0)
+        line = _with_nodes(f"{failed}{_kept_traceback(failed, run_dir)}")
+        print(f"plait train: error: {line}", file=sys.stderr, flush=True)
+        return 1
+    if summary is not None:
+        _write_resolved(cfg, summary, run_dir)
+        _report(summary, run_dir, quiet=cfg["verbosity"] < 0)
+    return 0
+
+
+def _with_nodes(text: str) -> str:
+    """`text` with each "rank N" followed by its node, under torchrun ("rank 1 (node 1)")."""
+    import re
+
+    from plait.mesh import node_of
+
+    def named(match: re.Match[str]) -> str:
+        node = node_of(int(match.group(1)))
+        return match.group(0) if node is None else f"{match.group(0)} (node {node})"
+
+    return re.sub(r"\brank (\d+)\b", named, text)
 
 
 def _check_user_model(cfg: dict[str, Any]) -> None:
@@ -229,7 +263,8 @@ def _write_resolved(cfg: dict[str, Any], summary: dict[str, Any], run_dir: Path)
 
 def _check_torchrun_restarts(cfg: dict[str, Any]) -> None:
     """Under torchrun, torchrun restarts the workers (plait's workers only resume): a
-    `--max-restarts` that torchrun was not given would silently not happen."""
+    `--max-restarts` that torchrun was not given would silently not happen, and one it
+    was given fails at the restart unless its agents' shared store is turned off."""
     wanted = int(str(cfg.get("max_restarts") or 0))
     given = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
     if wanted > given:
@@ -237,6 +272,14 @@ def _check_torchrun_restarts(cfg: dict[str, Any]) -> None:
             f"--max-restarts {wanted} inside torchrun, which was started with "
             f"--max-restarts {given}: under torchrun the restarts are torchrun's; pass "
             f"--max-restarts {wanted} to torchrun (plait's workers resume by themselves)"
+        )
+    if given > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torch keeps the agent's store across rendezvous rounds without a per-round prefix
+        raise ValueError(
+            f"torchrun --max-restarts {given} with the store its agents share: a restarted "
+            "worker group reads the addresses the group before it left there and cannot "
+            "connect (pytorch/pytorch#135712); start torchrun with "
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment on every node"
         )
 
 
@@ -260,7 +303,10 @@ def _kept_traceback(err: WorkerFailed, run_dir: Path) -> str:
     if not err.failure.traceback:
         return ""
     path = run_dir / f"failure-rank{err.failure.rank}.txt"
-    path.write_text(err.failure.traceback)
+    try:
+        path.write_text(err.failure.traceback)
+    except OSError as cannot:  # the run folder's disk is full or read-only (the failure?)
+        return f"; traceback not kept ({cannot.strerror} writing {path})"
     return f"; traceback in {path}"
 
 

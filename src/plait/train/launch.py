@@ -18,6 +18,7 @@ binds the loopback interface. The only sockets open are the workers' on 127.0.0.
 from __future__ import annotations
 
 import contextlib
+import glob
 import logging
 import os
 import re
@@ -44,6 +45,7 @@ _PEER_LOST = (
     "broken pipe",
     "timed out",
     "PipelineTimeout",
+    "PeerLost",
 )
 
 
@@ -171,7 +173,7 @@ def _attempt(
         with _environment(env, loopback), _quiet_launcher(), _workers_start_sigint_blocked():
             return dict(elastic_launch(config, _worker)(fn, *args))
     except ChildFailedError as err:
-        raise _Failed(_root_cause(err)) from None
+        raise _Failed(_root_cause(err, _error_files(os.path.join(folder, "logs")))) from None
     except SignalException as err:
         raise Interrupted(int(err.sigval)) from None
     except KeyboardInterrupt:
@@ -266,11 +268,28 @@ def _quiet_launcher() -> Iterator[None]:
             h.removeFilter(quiet)
 
 
-def _root_cause(err: Any) -> WorkerFailure:
-    """The failure that started it: a worker killed by a signal before one that raised, one
-    that raised before one that lost its peer, then the earliest, then the lowest rank."""
-    failures = [_describe(rank, f) for rank, f in err.failures.items()]
-    stamps = {rank: f.timestamp for rank, f in err.failures.items()}
+def _error_files(logs: str) -> dict[int, Any]:
+    """Every failed worker's report under the launch's `logs` folder, by rank (the error
+    file torch's `record` writes). The agent reports only the first worker it sees end,
+    and a worker that lost its peer often ends before the one whose error started it (a
+    failed save's rank is still tearing down its threads)."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    found: dict[int, Any] = {}
+    for path in glob.glob(os.path.join(logs, "*", "attempt_*", "*", "error.json")):
+        rank = os.path.basename(os.path.dirname(path))  # one node: local rank = rank
+        with contextlib.suppress(ValueError, OSError):
+            found[int(rank)] = ProcessFailure(int(rank), pid=0, exitcode=1, error_file=path)
+    return found
+
+
+def _root_cause(err: Any, reports: dict[int, Any] | None = None) -> WorkerFailure:
+    """The failure that started it, among the agent's and the workers' own `reports`: a
+    worker killed by a signal before one that raised, one that raised before one that
+    lost its peer, then the earliest, then the lowest rank."""
+    reported = {**(reports or {}), **err.failures}
+    failures = [_describe(rank, f) for rank, f in reported.items()]
+    stamps = {rank: f.timestamp for rank, f in reported.items()}
 
     def order(f: WorkerFailure) -> tuple[int, int, int]:
         peer_lost = any(p.lower() in f.cause.lower() for p in _PEER_LOST)

@@ -15,7 +15,7 @@ from torch import nn
 from plait.checkpoint import Checkpoint, CheckpointStore
 from plait.config import ModelConfig, ParallelPlan, TrainConfig
 from plait.device import deterministic, peak_memory_bytes, tf32
-from plait.mesh import init_worker, restart_count
+from plait.mesh import agreed_restart_count, init_worker
 from plait.runtime import StepResult
 from plait.train.checkpointing import resume, save
 from plait.train.engine import Engine, StepReport
@@ -62,7 +62,8 @@ def train_worker(
     task = custom.task(cfg) if custom is not None else task_from_config(cfg)
     model = task.model()
     num_params = sum(p.numel() for p in model.parameters())
-    cfg = _layout(cfg, model, task, Path(run_dir), env.rank, device)
+    restarts = agreed_restart_count(device)
+    cfg = _layout(cfg, model, task, Path(run_dir), env.rank, device, restarts)
 
     def build(plan: ParallelPlan) -> Engine:
         return parallelize(model, plan, optimizer_factory(cfg), task.loss, device=device,
@@ -71,11 +72,11 @@ def train_worker(
                            compile=cfg.compile)  # fmt: skip
 
     record = _model_record(model)  # checkpoints carry it: exports rebuild the model from it
-    target = cfg.resume or ("auto" if restart_count() > 0 else None)
+    target = cfg.resume or ("auto" if restarts > 0 else None)
     found = find_checkpoint(target, Path(run_dir) / "checkpoints")
     engine = build(resumed_layout(cfg, found))  # a re-partitioned run's split is kept
     moving = repartitioner(cfg, model, build)
-    store, start = _checkpoints(cfg, engine, Path(run_dir), found)
+    store, start = _checkpoints(cfg, engine, Path(run_dir), found, target)
     if env.rank == 0:  # before the first step: a long run shows what it runs under at once
         how = "planned on the workers" if cfg.plan == "auto" else cfg.plan or "as given"
         at = f"; resuming at step {start}" if start else ""
@@ -142,7 +143,13 @@ def train_worker(
 
 
 def _layout(
-    cfg: TrainConfig, model: nn.Module, task: Task, run_dir: Path, rank: int, device: Any
+    cfg: TrainConfig,
+    model: nn.Module,
+    task: Task,
+    run_dir: Path,
+    rank: int,
+    device: Any,
+    restarts: int,
 ) -> TrainConfig:
     """The layout to train under: as given, or planned on the workers (`plan="auto"`); a
     restarted run keeps the plan its first attempt chose (replanning could choose another
@@ -150,7 +157,7 @@ def _layout(
     if cfg.plan != "auto":
         return cfg
     chosen = run_dir / "plan.json"
-    if restart_count() > 0 and chosen.is_file():
+    if restarts > 0 and chosen.is_file():
         from plait.train.autoplan import parallel_plan_from
 
         layout = parallel_plan_from(json.loads(chosen.read_text()))
@@ -159,11 +166,11 @@ def _layout(
 
 
 def _checkpoints(
-    cfg: TrainConfig, engine: Engine, run_dir: Path, found: Checkpoint | None
+    cfg: TrainConfig, engine: Engine, run_dir: Path, found: Checkpoint | None, target: str | None
 ) -> tuple[CheckpointStore | None, int]:
     """The run's checkpoint store (None when the run neither saves nor resumes) and the
-    step to start at: that of `found`, the checkpoint resumed from, else 0."""
-    target = cfg.resume or ("auto" if restart_count() > 0 else None)
+    step to start at: that of `found`, the checkpoint resumed from (`target` named it),
+    else 0."""
     if cfg.checkpoint_every is None and not cfg.checkpoint_start and target is None:
         return None, 0
     store = CheckpointStore(run_dir / "checkpoints", keep=cfg.keep or None)  # 0: all
