@@ -1,6 +1,6 @@
-"""Spawning small gloo worlds for distributed tests: one thread per process, a FileStore,
-a 60 s process-group timeout, and every check of a test run inside one spawned world
-(spawning is the expensive part).
+"""Starting small gloo worlds for distributed tests: one thread per process, a FileStore,
+a 60 s process-group timeout, and every check of a test run inside one world (starting
+workers is the expensive part).
 
 Workers start from a fork server that has imported torch and plait once per test process:
 a freshly spawned worker spends seconds importing them, a forked one none. Forking from
