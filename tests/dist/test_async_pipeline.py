@@ -12,9 +12,11 @@ over at least 3·p updates per stage.
 from __future__ import annotations
 
 import copy
+import io
 import math
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -187,6 +189,44 @@ def emulate(
 
 
 # ------------------------------------------------------------ the distributed run
+Reference = tuple[list[float], list[list[torch.Tensor]]]
+
+
+class Case(NamedTuple):
+    kind: str
+    model: str
+    opt: str
+    dtype: str = "fp32"
+    options: tuple[tuple[str, object], ...] = ()
+
+
+def _windows(kind: str, pp: int, m: int) -> int:
+    """At least 3p updates per stage: one per micro-batch, or one per window."""
+    per_micro = kind in ("pipedream", "pipedream-vs", "spectrain")
+    return max(2, -(-3 * pp // m)) if per_micro else 3 * pp
+
+
+def _references(world: int, pp: int, m: int, cases: list[Case]) -> bytes:
+    """The emulator's losses and weights for each case, computed once in the test process
+    and handed to every rank (each rank computing them all cost the world size over),
+    serialised: tensors handed to a worker as they are travel as one file each."""
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        refs = [emulate(c.kind, pp, m, c.model, c.opt, _windows(c.kind, pp, m),
+                        2 * (world // pp), c.dtype == "bf16") for c in cases]  # fmt: skip
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+    out = io.BytesIO()
+    torch.save(refs, out)
+    return out.getvalue()
+
+
+def _loaded(references: bytes) -> list[Reference]:
+    refs: list[Reference] = torch.load(io.BytesIO(references), weights_only=True)
+    return refs
+
+
 def _check(
     rank: int,
     world: int,
@@ -197,12 +237,12 @@ def _check(
     opt_name: str,
     dtype: str = "fp32",
     compile: bool = False,
+    reference: Reference | None = None,
     **options: object,
 ) -> None:
+    """The engine's run against the emulator's (`reference`: computed ahead, else here)."""
     dp = world // pp
-    per_micro = kind in ("pipedream", "pipedream-vs", "spectrain")
-    # at least 3p updates per stage: one per micro-batch, or one per window
-    windows = max(2, -(-3 * pp // m)) if per_micro else 3 * pp
+    windows = _windows(kind, pp, m)
     size = 2 * dp  # each replica trains on 2 samples of every global micro-batch
     model, loss_fn = _model(model_name)
     plan = ParallelPlan(dp=dp, pp=pp, schedule=kind, microbatches=m, dtype=dtype, **options)  # type: ignore[arg-type]
@@ -217,7 +257,9 @@ def _check(
     stream = (_microbatch(model_name, k, size) for k in range(windows * m))
     reports = list(engine.run(stream))
     got = [loss for report in reports for loss in report.losses]
-    want, final = emulate(kind, pp, m, model_name, opt_name, windows, size, dtype == "bf16")
+    if reference is None:
+        reference = emulate(kind, pp, m, model_name, opt_name, windows, size, dtype == "bf16")
+    want, final = reference
     where = f"{kind} pp={pp} dp={dp} m={m} {model_name} {opt_name} {dtype} {options} rank {rank}"
     tol = TOL if dtype == "fp32" else BF16_TOL
     assert sum(r.updates for r in reports) >= 3 * pp, where  # per stage, drain included
@@ -233,38 +275,49 @@ def _check(
 KINDS = ("pipedream", "pipedream-vs", "2bw", "spectrain", "xpipe")
 
 
-def _pipelines(rank: int, world: int, m: int) -> None:
-    torch.use_deterministic_algorithms(True)
-    for kind in KINDS:
-        for model_name in ("gpt", "skip"):
-            for opt_name in ("sgd", "adamw"):
-                _check(rank, world, kind, world, m, model_name, opt_name)
+def _pipeline_cases(world: int) -> list[Case]:
+    cases = [Case(kind, model_name, opt_name) for kind in KINDS for model_name in ("gpt", "skip")
+             for opt_name in ("sgd", "adamw")]  # fmt: skip
     if world == 2:  # mixed precision: against the emulator under one bf16 autocast
-        for kind in KINDS:
-            _check(rank, world, kind, world, m, "gpt", "adamw", "bf16")
-        for kind in ("pipedream", "2bw", "spectrain"):  # forwards recomputed on weight copies
-            _check(rank, world, kind, world, m, "gpt", "sgd", recompute="full")
+        cases += [Case(kind, "gpt", "adamw", "bf16") for kind in KINDS]
+        # forwards recomputed on weight copies
+        cases += [Case(kind, "gpt", "sgd", options=(("recompute", "full"),))
+                  for kind in ("pipedream", "2bw", "spectrain")]  # fmt: skip
+    return cases
+
+
+def _pipelines(rank: int, world: int, m: int, references: bytes) -> None:
+    torch.use_deterministic_algorithms(True)
+    for c, ref in zip(_pipeline_cases(world), _loaded(references), strict=True):
+        _check(rank, world, c.kind, world, m, c.model, c.opt, c.dtype, reference=ref,
+               **dict(c.options))  # fmt: skip
     dist.barrier()
 
 
 def test_two_stages_match_the_emulator(tmp_path: Path) -> None:
-    run_world(tmp_path, 2, _pipelines, 4)
+    run_world(tmp_path, 2, _pipelines, 4, _references(2, 2, 4, _pipeline_cases(2)))
 
 
 def test_four_stages_match_the_emulator(tmp_path: Path) -> None:
     """m = 2 < p - 1: 2BW caps its warm-up at m; windows reach two back."""
-    run_world(tmp_path, 4, _pipelines, 2)
+    run_world(tmp_path, 4, _pipelines, 2, _references(4, 4, 2, _pipeline_cases(4)))
 
 
-def _replicated(rank: int, world: int) -> None:
+def _replicated_cases() -> list[Case]:
+    cases = [Case(kind, "gpt", opt_name) for kind in KINDS for opt_name in ("sgd", "adamw")]
+    # ZeRO-1: each replica steps its shard, per update
+    return cases + [
+        Case(kind, "skip", "adamw", options=(("zero", 1),)) for kind in ("pipedream", "2bw")
+    ]
+
+
+def _replicated(rank: int, world: int, references: bytes) -> None:
     torch.use_deterministic_algorithms(True)
-    for kind in KINDS:
-        for opt_name in ("sgd", "adamw"):
-            _check(rank, world, kind, 2, 3, "gpt", opt_name)
-    for kind in ("pipedream", "2bw"):  # ZeRO-1: each replica steps its shard, per update
-        _check(rank, world, kind, 2, 3, "skip", "adamw", zero=1)
+    for c, ref in zip(_replicated_cases(), _loaded(references), strict=True):
+        _check(rank, world, c.kind, 2, 3, c.model, c.opt, c.dtype, reference=ref,
+               **dict(c.options))  # fmt: skip
 
 
 def test_data_parallel_replicas_of_an_asynchronous_pipeline(tmp_path: Path) -> None:
     """dp = 2 × pp = 2: each update averages both replicas' gradients."""
-    run_world(tmp_path, 4, _replicated)
+    run_world(tmp_path, 4, _replicated, _references(4, 2, 3, _replicated_cases()))
