@@ -226,7 +226,11 @@ def _workers_start_sigint_blocked() -> Iterator[None]:
     ):
         yield
         return
-    original = util.spawnv_passfds
+    from multiprocessing import resource_tracker
+
+    from torch.distributed.elastic.multiprocessing import api
+
+    original, start_all = util.spawnv_passfds, api.MultiprocessContext._start
 
     def spawn(path: Any, args: Any, passfds: Any) -> Any:
         old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
@@ -235,11 +239,26 @@ def _workers_start_sigint_blocked() -> Iterator[None]:
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
+    def start(context: Any) -> None:
+        # a Ctrl-C answered between two workers' starts would leave the ones started but
+        # not yet recorded in the context unstopped: each then reads its start-up data
+        # from a parent that has gone and prints a traceback. Held until every worker is
+        # recorded, it stops them all. The resource tracker, which restores this thread's
+        # mask as it starts, is started first.
+        resource_tracker.ensure_running()
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            start_all(context)  # type: ignore[no-untyped-call]
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
     util.spawnv_passfds = spawn
+    api.MultiprocessContext._start = start  # type: ignore[method-assign]
     try:
         yield
     finally:
         util.spawnv_passfds = original
+        api.MultiprocessContext._start = start_all  # type: ignore[method-assign]
 
 
 class _DropLauncherLogs(logging.Filter):
