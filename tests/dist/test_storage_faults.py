@@ -12,6 +12,7 @@ The disk faults mount, so they need root (they skip otherwise, saying so).
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import signal
@@ -106,12 +107,19 @@ def _mounted(path: Path, *args: str) -> Iterator[Path]:
 def _fill(disk: Path, leave: int) -> None:
     """Fill `disk` until `leave` bytes are free (less than a checkpoint, more than the
     metrics rows the run writes meanwhile)."""
-    free = shutil.disk_usage(disk).free - leave
-    with (disk / "filler").open("wb") as f:
-        while free > 0:
-            chunk = min(free, 1 << 20)
-            f.write(b"\0" * chunk)
-            free -= chunk
+    with (disk / "filler").open("wb", buffering=0) as f:
+        # the run writes meanwhile (a save in flight): fill by what is free at each chunk,
+        # and give back what it took if the disk filled before `leave` was reached
+        while (free := shutil.disk_usage(disk).free - leave) > 0:
+            try:
+                f.write(b"\0" * min(free, 1 << 20))
+            except OSError as error:
+                if error.errno != errno.ENOSPC:
+                    raise
+                break
+        short = leave - shutil.disk_usage(disk).free
+        if short > 0:
+            f.truncate(max(0, os.fstat(f.fileno()).st_size - short))
 
 
 def _until_a_save_fails(run_dir: Path, fault: object) -> str:
