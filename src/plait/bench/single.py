@@ -12,11 +12,19 @@ same batches with AdamW and the same clipping:
 - `plain_fused`: the same loop with `AdamW(fused=True)`;
 - `plain_compiled`: fused AdamW and `model.compile()` on the whole model.
 
-A repeat runs, for every variant in an order that rotates from repeat to repeat, `warmup`
-untimed steps then `steps` timed ones; each variant is built afresh for its block and
-freed after it, so no two hold memory at once (five copies of a 24-layer GPT with their
-optimizer state would not fit one GPU). A variant's time in a repeat is the median of its
-block; the result gives each variant's median over the repeats and its spread ((max -
+Two ways to interleave (`--interleave`):
+
+- `step` (the default on the CPU): every variant is built once and warmed up, then each
+  repeat is one round in which every variant takes `steps` steps one at a time, turn by
+  turn (A B C A B C ...), the order rotating from round to round. On a shared CPU host the
+  speed drifts by ±20% over seconds; blocks of consecutive steps see different drifts,
+  steps taken turn by turn see the same.
+- `block` (the default on a GPU): a repeat runs, for every variant in an order that
+  rotates from repeat to repeat, `warmup` untimed steps then `steps` timed ones; each
+  variant is built afresh for its block and freed after it, so no two hold memory at once
+  (five copies of a 24-layer GPT with their optimizer state would not fit one GPU).
+
+A variant's time in a repeat is the median of its steps there; the result gives each variant's median over the repeats and its spread ((max -
 min) / median), and `ratio_vs_best_plain`: plait's best configuration over the best plain
 loop (each chosen by its median), the median of their per-repeat ratios; the same in CPU
 seconds of the worker (`*_cpu_s`, `cpu_ratio_vs_best_plain`), which other work sharing
@@ -43,6 +51,8 @@ from plait.bench import _single_runners as runners
 from plait.device import synchronize
 
 if TYPE_CHECKING:
+    from collections.abc import Iterator
+
     import torch
 
 __all__ = ["SingleBenchConfig", "SingleBenchResult", "add_arguments", "run", "run_bench"]
@@ -79,8 +89,11 @@ class SingleBenchConfig:
     grad_clip: float = 1.0
     seed: int = 0
     device: str = "auto"
+    interleave: str = "auto"  # "step", "block", or "auto": step on the CPU, block elsewhere
 
     def __post_init__(self) -> None:
+        if self.interleave not in ("auto", "step", "block"):
+            raise ValueError(f"interleave={self.interleave!r}: choose auto, step or block")
         for name in ("num_steps", "num_warmup", "batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
@@ -213,10 +226,12 @@ def _measure(config: SingleBenchConfig, device: torch.device) -> SingleBenchResu
     times: dict[str, list[float]] = {v: [] for v in variants}
     cpu: dict[str, list[float]] = {v: [] for v in variants}
     losses: dict[str, float] = {}
-    for repeat in range(config.num_repeats):
-        shift = repeat % len(variants)
-        for variant in variants[shift:] + variants[:shift]:
-            block, first = _block(context, variant)
+    by_step = config.interleave == "step" or (
+        config.interleave == "auto" and device.type == "cpu"
+    )
+    rounds = _rounds(context) if by_step else _blocks(context)
+    for round_ in rounds:
+        for variant, block, first in round_:
             losses.setdefault(variant, first)
             times[variant].append(common.median([t.wall_s for t in block]))
             cpu[variant].append(common.median([t.cpu_s for t in block]))
@@ -227,6 +242,39 @@ def _measure(config: SingleBenchConfig, device: torch.device) -> SingleBenchResu
         peak_flops=peak_flops(name, config.dtype) if device.type != "cpu" else None,
         cpu_s=cpu,
     )  # fmt: skip
+
+
+Round = list[tuple[str, list[common.Timing[None]], float]]  # (variant, timings, first loss)
+
+
+def _blocks(context: runners.Context) -> Iterator[Round]:
+    """A repeat: each variant built, warmed up and timed for a block of steps, in turn."""
+    variants = context.config.variants
+    for repeat in range(context.config.num_repeats):
+        shift = repeat % len(variants)
+        yield [(v, *_block(context, v)) for v in variants[shift:] + variants[:shift]]
+
+
+def _rounds(context: runners.Context) -> Iterator[Round]:
+    """Every variant built and warmed up once; a repeat gives each a step in turn."""
+    config, device = context.config, context.device
+    variants = config.variants
+    built = {v: runners.build(v, context) for v in variants}
+    first = {v: built[v].step(*common.token_batch(config, 0, device)) for v in variants}
+    for i in range(1, config.num_warmup):
+        for v in variants:
+            built[v].step(*common.token_batch(config, i, device))
+    for repeat in range(config.num_repeats):
+        shift = repeat % len(variants)
+        order = variants[shift:] + variants[:shift]
+        timed: dict[str, list[common.Timing[None]]] = {v: [] for v in order}
+        for i in range(config.num_steps):
+            x, y = common.token_batch(config, config.num_warmup + repeat * config.num_steps + i,
+                                      device)  # fmt: skip
+            for v in order:
+                synchronize(device)
+                timed[v].append(common.timed(functools.partial(_step, built[v], x, y, device)))
+        yield [(v, timed[v], first[v]) for v in order]
 
 
 def _block(context: runners.Context, variant: str) -> tuple[list[common.Timing[None]], float]:
@@ -270,6 +318,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--repeats", type=int, default=d.num_repeats, help="blocks per variant (at least 3)")
     a("--no-compile", action="store_true", help="skip the torch.compile variants")
     a("--device", default=d.device, help="auto, cpu or cuda (plait.device)")
+    a("--interleave", choices=("auto", "step", "block"), default=d.interleave,
+      help="take the variants' steps in turn (step), or each variant's block of steps in "
+           "turn, built afresh (block); auto: step on the CPU, block on a GPU")  # fmt: skip
     a("--seed", type=int, default=d.seed, help="seed of the model and the data")
     a("--json", action="store_true", help="print one JSON object instead of a table")
 
@@ -280,7 +331,7 @@ def run(args: argparse.Namespace) -> int:
         seq_len=args.seq_len, batch_size=args.batch_size, vocab_size=args.vocab_size,
         dtype=args.dtype, num_steps=args.steps, num_warmup=args.warmup,
         num_repeats=args.repeats, compile=not args.no_compile, seed=args.seed,
-        device=args.device,
+        device=args.device, interleave=args.interleave,
     )  # fmt: skip
     return common.report(run_bench(config), as_json=args.json, table=_print_table)
 
