@@ -18,7 +18,7 @@ FLOORS: dict[int, tuple[str, ...]] = {
     5: ("sim", "profile", "checkpoint"),
     4: ("parallel", "config", "emulate"),
     3: ("runtime",),
-    2: ("device", "mesh", "models", "cost", "data", "pipelines"),
+    2: ("device", "mesh", "heartbeat", "models", "cost", "data", "pipelines"),
     1: (
         "schedule",
         "cluster",

@@ -24,9 +24,11 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 __all__ = [
+    "BROKEN_CONNECTION",
     "DEFAULT_TIMEOUT_S",
     "PeerLost",
     "PipelineTimeout",
+    "backend_cause",
     "check_timeout",
     "named_timeout",
     "timed_wait",
@@ -49,7 +51,7 @@ class PeerLost(RuntimeError):
 
 
 # what gloo and NCCL say when the process at the other end of a connection is gone
-_BROKEN = ("connection reset", "connection closed", "broken pipe", "connection refused")
+BROKEN_CONNECTION = ("connection reset", "connection closed", "broken pipe", "connection refused")
 
 
 def timeout_message(
@@ -90,7 +92,7 @@ def timed_wait(work: Any, timeout_s: float | None, explain: Callable[[], str]) -
         # (collectives), NCCL "... timed out in blocking wait"; a peer that crashed raises
         # something else ("Connection reset by peer"), which names an address, not a rank
         if "timed out" not in str(error).lower():
-            if any(b in str(error).lower() for b in _BROKEN):
+            if any(b in str(error).lower() for b in BROKEN_CONNECTION):
                 raise PeerLost(_lost(explain(), error)) from error
             raise
         raise PipelineTimeout(explain()) from error
@@ -104,12 +106,19 @@ def _lost(explained: str, error: RuntimeError) -> str:
     head, _, rest = explained.partition(" waited ")
     awaited = rest.partition(" for ")[2].partition("; ")[0] or "a peer"
     cause = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    cause = re.sub(r"\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\]\s*", "", cause)
-    cause = cause.split(". This is typically", 1)[0]
+    cause = backend_cause(cause)
     return (
         f"{head} lost the connection while waiting for {awaited} ({cause}): that rank's "
         "process or its machine is gone; check its log"
     )
+
+
+def backend_cause(text: str) -> str:
+    """A backend's error line without the C++ source location torch prefixes and the advice
+    gloo appends ("[.../pair.cc:553] Connection closed by peer [127.0.0.1]:29917. This is
+    typically caused by ..." -> "Connection closed by peer [127.0.0.1]:29917")."""
+    text = re.sub(r"\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\]\s*", "", text)
+    return text.split(". This is typically", 1)[0]
 
 
 @contextlib.contextmanager

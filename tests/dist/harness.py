@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["run_world"]
+__all__ = ["run_world", "start_world"]
 
 # imported once by the fork server; a module missing here is imported by each worker
 _PRELOAD = ["torch", "torch.distributed", "plait.train", "plait.models", "tests.dist.harness"]
@@ -76,11 +76,19 @@ def _entry(
 
 def run_world(tmp_path: Path, world_size: int, fn: Callable[..., None], *args: Any) -> None:
     """Run `fn(rank, world_size, *args)` on `world_size` gloo processes; re-raise failures."""
+    start_world(tmp_path, world_size, fn, *args, join=True)
+
+
+def start_world(
+    tmp_path: Path, world_size: int, fn: Callable[..., None], *args: Any, join: bool = False
+) -> Any:
+    """`run_world`, returning at once (join=False) with torch's process context, whose
+    `processes` a test that kills some of them waits for one by one."""
     store = tmp_path / f"store-{world_size}-{fn.__name__}"
-    mp.start_processes(
+    return mp.start_processes(
         _entry,
         args=(world_size, str(store), dict(os.environ), (_Fd(1), _Fd(2)), fn, args),
         nprocs=world_size,
-        join=True,
+        join=join,
         start_method="forkserver",
     )

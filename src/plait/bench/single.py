@@ -24,12 +24,13 @@ Two ways to interleave (`--interleave`):
   variant is built afresh for its block and freed after it, so no two hold memory at once
   (five copies of a 24-layer GPT with their optimizer state would not fit one GPU).
 
-A variant's time in a repeat is the median of its steps there; the result gives each variant's median over the repeats and its spread ((max -
-min) / median), and `ratio_vs_best_plain`: plait's best configuration over the best plain
-loop (each chosen by its median), the median of their per-repeat ratios; the same in CPU
-seconds of the worker (`*_cpu_s`, `cpu_ratio_vs_best_plain`), which other work sharing
-a CPU host disturbs less. The first step
-of every variant starts from the same weights on the same batch: the losses must agree.
+A variant's time in a repeat is the median of its steps there; the result gives each
+variant's median over the repeats and its spread ((max - min) / median), and
+`ratio_vs_best_plain`: plait's best configuration over the best plain loop (each chosen by
+its median), the median of their per-repeat ratios; the same in CPU seconds of the worker
+(`*_cpu_s`, `cpu_ratio_vs_best_plain`), which other work sharing a CPU host disturbs less.
+The first step of every variant starts from the same weights on the same batch: the
+losses must agree.
 `mfu` is the model's FLOPs per step (`plait.cost.transformer_block_costs`, as the
 simulator counts them) per second over the device's peak for the dtype, from a small
 table of GPUs by name (null on the CPU or an unknown GPU); fp32 counts without TF32.
@@ -226,9 +227,7 @@ def _measure(config: SingleBenchConfig, device: torch.device) -> SingleBenchResu
     times: dict[str, list[float]] = {v: [] for v in variants}
     cpu: dict[str, list[float]] = {v: [] for v in variants}
     losses: dict[str, float] = {}
-    by_step = config.interleave == "step" or (
-        config.interleave == "auto" and device.type == "cpu"
-    )
+    by_step = config.interleave == "step" or (config.interleave == "auto" and device.type == "cpu")
     rounds = _rounds(context) if by_step else _blocks(context)
     for round_ in rounds:
         for variant, block, first in round_:

@@ -162,8 +162,11 @@ def _torchrun_worker(cfg: dict[str, Any], run_dir: Path, rank: int) -> int:
     except Exception as err:
         import traceback
 
+        from plait.heartbeat import explain_lost
+
         cause = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        failed = WorkerFailed(WorkerFailure(rank, cause[:400], traceback.format_exc()), 0)
+        cause = explain_lost(cause[:400])  # a broken connection: which rank is gone
+        failed = WorkerFailed(WorkerFailure(rank, cause, traceback.format_exc()), 0)
         line = _with_nodes(f"{failed}{_kept_traceback(failed, run_dir)}")
         print(f"plait train: error: {line}", file=sys.stderr, flush=True)
         return 1

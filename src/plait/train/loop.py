@@ -12,6 +12,7 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
+from plait import heartbeat
 from plait.checkpoint import Checkpoint, CheckpointStore
 from plait.config import ModelConfig, ParallelPlan, TrainConfig
 from plait.device import deterministic, peak_memory_bytes, tf32
@@ -57,6 +58,7 @@ def train_worker(
     if cfg.deterministic:  # before any kernel runs (cuBLAS reads its workspace setting once)
         deterministic(True)
     env, device = init_worker(timeout_s=cfg.timeout_s, device=cfg.device)
+    heartbeat.start_from_env(env.rank, env.world_size)  # names lost peers under torchrun
     tf32(cfg.tf32, device)
     setup(cfg.verbosity, env.rank, all_ranks=cfg.log_all_ranks)
     task = custom.task(cfg) if custom is not None else task_from_config(cfg)
