@@ -29,44 +29,11 @@ from pathlib import Path
 from typing import Any
 
 from plait.bench import _common as common
+from plait.bench._fault_modes import HETERO_PLAN, MODES, SLOW_CLUSTER
 
 __all__ = ["MODES", "FaultsConfig", "run_bench", "train_command", "workers_of"]
 
 # a mode: its workers and the layout flags of its runs (PLAN: the heterogeneous plan file)
-_HETERO_PLAN = {
-    "dp": 2, "pp": 2, "tp": 1, "schedule": "1f1b", "microbatches": 2,
-    "pipelines": [{"partition": [4], "microbatches": 2}, {"partition": [2, 2], "microbatches": 2}],
-}  # fmt: skip
-MODES: dict[str, tuple[int, tuple[str, ...]]] = {
-    "1f1b": (2, ("--pp", "2")),
-    "interleaved": (2, ("--pp", "2", "--schedule", "interleaved", "--chunks", "2")),
-    "pipedream": (2, ("--pp", "2", "--schedule", "pipedream", "--flush-every", "EVERY")),
-    "2bw": (2, ("--pp", "2", "--schedule", "2bw", "--flush-every", "EVERY")),
-    "zb-v": (2, ("--pp", "2", "--schedule", "zb-v", "--chunks", "2")),
-    "heterogeneous": (3, ("--plan", "PLAN")),
-    "wsp": (2, ("--dp", "2", "--pp", "1", "--wsp-staleness", "1", "--wsp-wave", "2")),
-    "zero3": (2, ("--dp", "2", "--pp", "1", "--zero", "3")),
-    "tp": (2, ("--tp", "2", "--pp", "1")),
-    "ep": (2, ("--dp", "2", "--pp", "1", "--model", "moe-gpt", "--ep", "2")),
-    "compression": (2, ("--dp", "2", "--pp", "1", "--compress", "powersgd:2")),
-    "repartition": (2, ("--pp", "2", "--repartition", "auto", "--cluster", "SLOW")),
-}
-# rank 1 of the re-partitioning runs trains 3× slower (`plait.train.slowdown`), so blocks move
-_SLOW_CLUSTER = """name = "one-slow"
-inter_node = { latency_s = 2e-5, bandwidth_Bps = 4e9 }
-
-[[nodes]]
-count = 1
-devices_per_node = 1
-intra_node = { latency_s = 2e-5, bandwidth_Bps = 4e9 }
-device = { name = "fast", peak_flops = { fp32 = 2e10 }, memory_gib = 4 }
-
-[[nodes]]
-count = 1
-devices_per_node = 1
-intra_node = { latency_s = 2e-5, bandwidth_Bps = 4e9 }
-device = { name = "slow", peak_flops = { fp32 = 2e10 }, memory_gib = 4, slowdown = 3 }
-"""
 
 
 def parse_modes(text: str) -> tuple[str, ...]:
@@ -116,9 +83,9 @@ def train_command(
     layout = []
     for flag in flags:
         if flag == "PLAN":
-            flag = _write(run_dir.parent / "hetero-plan.json", json.dumps(_HETERO_PLAN))
+            flag = _write(run_dir.parent / "hetero-plan.json", json.dumps(HETERO_PLAN))
         elif flag == "SLOW":
-            flag = _write(run_dir.parent / "one-slow.toml", _SLOW_CLUSTER)
+            flag = _write(run_dir.parent / "one-slow.toml", SLOW_CLUSTER)
         layout.append(str(config.every) if flag == "EVERY" else flag)
     return [
         sys.executable, "-m", "plait.cli.main", "train", "--run-dir", str(run_dir),
@@ -307,19 +274,53 @@ def _run_mode(config: FaultsConfig, root: Path, mode: str) -> list[dict[str, Any
     return trials
 
 
-def run_bench(config: FaultsConfig, folder: Path | None = None) -> dict[str, Any]:
+def _kept(out: Path | None, config: FaultsConfig, mode: str) -> dict[str, Any] | None:
+    """A mode's results that an earlier run with the same settings left in `out`."""
+    if out is None or not (out / f"{mode}.json").is_file():
+        return None
+    kept = json.loads((out / f"{mode}.json").read_text())
+    return kept if kept.get("config") == _settings(config) else None
+
+
+def _settings(config: FaultsConfig) -> dict[str, Any]:
+    """What a mode's trials depend on: every setting but the list of modes."""
+    return {k: v for k, v in asdict(config).items() if k != "modes"}
+
+
+def run_bench(
+    config: FaultsConfig, folder: Path | None = None, out: Path | None = None
+) -> dict[str, Any]:
     """Every mode's trials; the totals over all modes at the top, each mode's in `modes`
-    (with the 1f1b mode alone, the same numbers)."""
+    (with the 1f1b mode alone, the same numbers). With `out`, each mode's trials are
+    written there as the mode ends (`<mode>.json`), and a mode already there under the
+    same settings is taken from it rather than run again: a run of every mode (hours on
+    a small host) can stop and go on."""
     per_mode: dict[str, list[dict[str, Any]]] = {}
     failed: dict[str, str] = {}  # modes whose uninterrupted run failed: why
     with tempfile.TemporaryDirectory(prefix="plait-faults-") as tmp:
         root = folder or Path(tmp)
         for mode in config.modes:
+            kept = _kept(out, config, mode)
+            if kept is not None:
+                print(f"{mode}: {len(kept['trials'])} trials kept in {out}", file=sys.stderr)
+                per_mode[mode] = kept["trials"]
+                if "error" in kept:
+                    failed[mode] = kept["error"]
+                continue
             try:
                 per_mode[mode] = _run_mode(config, root / mode, mode)
             except RuntimeError as error:  # the other modes still say what they can
                 print(f"{mode}: {error}", file=sys.stderr, flush=True)
                 per_mode[mode], failed[mode] = [], str(error)
+            if out is not None:
+                out.mkdir(parents=True, exist_ok=True)
+                record = {"config": _settings(config), "trials": per_mode[mode]}
+                _write(
+                    out / f"{mode}.json",
+                    json.dumps(
+                        record | ({"error": failed[mode]} if mode in failed else {}), indent=1
+                    ),
+                )
     trials = [t | {"mode": m} for m, ts in per_mode.items() for t in ts]
     modes = {m: _summary(ts) | ({"error": failed[m]} if m in failed else {})
              for m, ts in per_mode.items()}  # fmt: skip
@@ -342,6 +343,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--seed", type=int, default=d.seed, help="seed of the kill steps and victims")
     a("--modes", default=",".join(d.modes),
       help=f"'all' or modes to kill runs of, comma-separated: {', '.join(MODES)}")  # fmt: skip
+    a("--out", type=Path, help="keep each mode's trials in this folder as the mode ends; "
+      "modes already there under the same settings are not run again")  # fmt: skip
     a("--json", action="store_true", help="print one JSON object instead of a table")
 
 
@@ -350,7 +353,7 @@ def run(args: argparse.Namespace) -> int:
         trials=args.trials, nproc=args.nproc, steps=args.steps, every=args.every,
         seed=args.seed, modes=parse_modes(args.modes),
     )  # fmt: skip
-    result = run_bench(config)
+    result = run_bench(config, out=args.out)
     if args.json:
         common.print_json(result)
         return 0
