@@ -1,7 +1,9 @@
 """Suite-wide settings: one intra-op thread per process (tiny tensors on a shared 2-core
 machine only lose time to thread hand-offs), as every distributed worker also uses; and
 GPUs hidden from every test not marked `gpu`, so that the suite runs the same on a GPU
-host as on this CPU one (its workers would otherwise pick `cuda:LOCAL_RANK` and NCCL)."""
+host as on this CPU one (its workers would otherwise pick `cuda:LOCAL_RANK` and NCCL); and
+a folder of its own per test for the decisions `--plan auto` keeps, so no test trains under
+a plan another one decided."""
 
 from __future__ import annotations
 
@@ -36,3 +38,10 @@ def _gpus_for_gpu_tests_only(
     monkeypatch.setattr(torch.accelerator, "device_count", lambda: 0)
     monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *_, **__: None)
     yield
+
+
+@pytest.fixture(autouse=True)
+def _decisions_of_its_own(
+    monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    monkeypatch.setenv("PLAIT_PLANS_DIR", str(tmp_path_factory.mktemp("plans")))

@@ -768,6 +768,14 @@ class TrainConfig:
             "help": "let --plan auto choose an asynchronous schedule (stale weights)",
         },
     )
+    replan: bool = field(
+        default=False,
+        metadata={
+            "group": "layout",
+            "help": "with --plan auto: measure and decide again, replacing the decision kept "
+            "for these flags on this host (which --dry-run shows and a run reuses)",
+        },
+    )
     seed: int = field(
         default=0, metadata={"group": "data", "help": "seed of the model and the data order"}
     )
@@ -1231,6 +1239,7 @@ class TrainConfig:
             ),
             (("eval_every",), self.eval_batches == 0, "with eval_batches=0 (no validation)"),
             (("allow_staleness",), self.plan != "auto", "unless plan='auto' (the planner's)"),
+            (("replan",), self.plan != "auto", "unless plan='auto' (nothing is decided)"),
             (("sample_chars",), not samples, "unless a language model trains on data='stdlib'"),
             (
                 ("repartition_threshold", "repartition_patience"),

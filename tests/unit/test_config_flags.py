@@ -185,7 +185,7 @@ def test_dry_run_plans_when_the_layout_is_left_to_the_planner(
     small = ["--layers", "2", "--hidden", "32", "--seq-len", "16", "--batch-size", "8"]
     assert main(["train", "--dry-run", "--nproc", "2", *small]) == 0
     first = capsys.readouterr().out.splitlines()[0]
-    found = re.search(r"would choose dp=(\d+), tp=(\d+), pp=(\d+)", first)
+    found = re.search(r"--plan auto chooses dp=(\d+), tp=(\d+), pp=(\d+)", first)
     assert found is not None, first
     dp, tp, pp = map(int, found.groups())
     assert dp * tp * pp == 2 and list(tmp_path.iterdir()) == []

@@ -226,8 +226,12 @@ def _check_run_dir(run_dir: Path) -> None:
 
 def _dry_run(cfg: dict[str, Any], run_dir: Path) -> int:
     """Print what a run would do, having validated it; start nothing."""
+    from plait.mesh import launched_env
+
     par = cfg["parallel"]
-    if cfg["plan"] == "auto":
+    if cfg["plan"] == "auto" and launched_env() is not None:
+        how = "--plan auto: the workers decide the layout when the run starts"
+    elif cfg["plan"] == "auto":
         how = _preview(cfg)
     else:
         layout = ", ".join(f"{k}={v}" for k, v in par.items() if v is not None)
@@ -238,8 +242,9 @@ def _dry_run(cfg: dict[str, Any], run_dir: Path) -> int:
 
 
 def _preview(cfg: dict[str, Any]) -> str:
-    """The layout `--plan auto` would choose, planned here; for a model that needs a
-    custom task (a user's module) the workers plan it."""
+    """The layout `--plan auto` chooses: the one kept for these flags on this host
+    (`plait.train.decisions`), else one planned here and kept, so that the run with
+    these flags trains under exactly this plan."""
     from plait.train.autoplan import preview_plan
     from plait.train.loop import config_from_dict
 
@@ -247,9 +252,17 @@ def _preview(cfg: dict[str, Any]) -> str:
     layout = ", ".join(f"{k}={chosen[k]}" for k in ("dp", "tp", "pp", "schedule", "microbatches",
                                                      "chunks", "zero", "recompute"))  # fmt: skip
     step = chosen["predicted"]["step_time_s"]
+    decision = chosen.get("decision", {})
+    if decision.get("source") != "kept":
+        how = "planned now"
+    elif decision.get("kept_from") == "measured":
+        how = "decided earlier by the workers of a run with these flags on this host"
+    else:
+        how = "planned earlier for these flags on this host"
+    where = f"; kept in {decision['file']}" if decision.get("file") else ""
     return (
-        f"--plan auto would choose {layout} (predicted {step * 1e3:.1f} ms a step; the "
-        "workers measure their links and plan again when they start)"
+        f"--plan auto chooses {layout} (predicted {step * 1e3:.1f} ms a step; {how}{where}; "
+        "`plait train` with these flags trains under it; --replan decides again)"
     )
 
 

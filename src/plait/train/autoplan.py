@@ -11,9 +11,10 @@ core among the workers computing on it (with ideal efficiency unless one was mea
 from __future__ import annotations
 
 import os
+import time
 import warnings
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -220,44 +221,72 @@ def auto_plan(
     dtype: str = "fp32",
     allow_staleness: bool = False,
     device: torch.device | None = None,
+    key: dict[str, Any] | None = None,
+    replan: bool = False,
 ) -> dict[str, Any]:
     """The plan every worker trains under (call on every worker; a collective). `samples`
     are micro-batches of one or two sizes, to learn how block costs grow with the size;
     rank 0 times the blocks on its `device` (default: the worker's) in the training
-    `dtype`; `allow_staleness` lets the planner choose an asynchronous schedule."""
+    `dtype`; `allow_staleness` lets the planner choose an asynchronous schedule. With a
+    `key` (`plait.train.decisions.decision_key`), a decision kept under it is taken as it
+    is, and a new one is kept, unless `replan`; the plan's `decision` says which."""
+    from plait.train import decisions
+
     world = dist.get_world_size()
     device = device or current()
-    link = measure_collectives(device)
     box: list[Any] = [None]
+    if dist.get_rank() == 0 and key is not None and not replan:
+        box[0] = decisions.load(key)
+    dist.broadcast_object_list(box, src=0)
+    if box[0] is not None:
+        return dict(box[0])
+    link = measure_collectives(device)
     if dist.get_rank() == 0:
-        box[0] = _search(model, samples, loss_fn, link, world, num_heads=num_heads,
+        chosen = _search(model, samples, loss_fn, link, world, num_heads=num_heads,
                          seq_len=seq_len, global_batch=global_batch, dtype=dtype,
                          allow_staleness=allow_staleness, device=device)  # fmt: skip
+        chosen["decision"] = _why("measured", world, link)
+        box[0] = decisions.save(key, chosen) if key is not None else chosen
     dist.broadcast_object_list(box, src=0)
-    return dict(box[0])
+    return dict(cast("dict[str, Any]", box[0]))  # mypy keeps box[0] as None from above
 
 
 def preview_plan(cfg: Any, world: int) -> dict[str, Any]:
-    """What `--plan auto` would choose for `cfg` (a TrainConfig) on `world` local workers,
-    planned in this process before any worker starts (`plait train --dry-run`): the blocks
-    are profiled here on one thread as a worker would run them, but the collectives are
-    the local-cpu preset's loopback figures, not measured; the workers measure them and
-    may choose another plan when the two plans are close. On a GPU host the blocks are
-    timed on GPU 0, as rank 0 times them."""
+    """What `--plan auto` trains `cfg` (a TrainConfig) under on `world` local workers
+    (`plait train --dry-run`): the decision kept for these flags on this host
+    (`plait.train.decisions`), else one planned in this process and kept for the run.
+    Planned here, the blocks are profiled on one thread as a worker would run them (on GPU
+    0 on a GPU host, as rank 0 times them), and the collectives are the local-cpu preset's
+    loopback figures, not measured among workers."""
     from plait.cluster import local_cpu
-    from plait.device import resolve
+    from plait.device import device_name, resolve
+    from plait.train import decisions
     from plait.train.task import task_from_config
 
-    task = task_from_config(cfg)
     kind = resolve(cfg.device)
     device = torch.device(kind, 0) if kind != "cpu" else torch.device("cpu")
+    key = decisions.decision_key(cfg.to_dict(), world, device_name(device))
+    kept = None if cfg.replan else decisions.load(key)
+    if kept is not None:
+        return kept
+    task = task_from_config(cfg)
+    link = local_cpu(devices=1).groups[0].intra_node
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _search(task.model(), plan_samples(task, cfg.batch_size, world), task.loss,
-                       local_cpu(devices=1).groups[0].intra_node, world,
-                       num_heads=task.num_heads, seq_len=task.seq_len,
-                       global_batch=cfg.batch_size, dtype=cfg.parallel.dtype,
-                       allow_staleness=cfg.allow_staleness, device=device)  # fmt: skip
+        chosen = _search(task.model(), plan_samples(task, cfg.batch_size, world), task.loss,
+                         link, world, num_heads=task.num_heads, seq_len=task.seq_len,
+                         global_batch=cfg.batch_size, dtype=cfg.parallel.dtype,
+                         allow_staleness=cfg.allow_staleness, device=device)  # fmt: skip
     finally:
         torch.set_num_threads(threads)
+    chosen["decision"] = _why("previewed", world, link)
+    return decisions.save(key, chosen)
+
+
+def _why(source: str, world: int, link: Link) -> dict[str, Any]:
+    """What a decision was made from: who planned it, when, and the link it assumed."""
+    return {
+        "source": source, "measured_at": time.time(), "workers": world,
+        "link": {"latency_s": link.latency_s, "bandwidth_Bps": link.bandwidth_Bps},
+    }  # fmt: skip

@@ -235,9 +235,24 @@ def _planned(
 ) -> TrainConfig:
     """`cfg` under the plan the workers agree on (profiled on rank 0's `device` and
     searched there)."""
-    from plait.train.autoplan import auto_plan, parallel_plan_from, plan_samples
+    from plait.train.autoplan import parallel_plan_from
 
-    chosen = auto_plan(
+    chosen = _decided(cfg, model, task, device)
+    if rank == 0:
+        (run_dir / "plan.json").write_text(json.dumps(chosen, indent=2))
+    return dataclasses.replace(cfg, parallel=parallel_plan_from(chosen), plan="auto")
+
+
+def _decided(cfg: TrainConfig, model: nn.Module, task: Task, device: Any) -> dict[str, Any]:
+    """The plan `--plan auto` decides for `cfg` (a collective), or the one it kept for
+    the same flags on this host (`plait.train.decisions`)."""
+    from plait.device import device_name
+    from plait.train.autoplan import auto_plan, plan_samples
+    from plait.train.decisions import decision_key
+
+    world = dist.get_world_size()
+    key = decision_key(cfg.to_dict(), world, device_name(device))
+    return auto_plan(
         model,
         plan_samples(task, cfg.batch_size, dist.get_world_size()),
         task.loss,
@@ -247,10 +262,9 @@ def _planned(
         dtype=cfg.parallel.dtype,
         allow_staleness=cfg.allow_staleness,
         device=device,
+        key=key,
+        replan=cfg.replan,
     )
-    if rank == 0:
-        (run_dir / "plan.json").write_text(json.dumps(chosen, indent=2))
-    return dataclasses.replace(cfg, parallel=parallel_plan_from(chosen), plan="auto")
 
 
 def _records(result: StepResult) -> list[dict[str, Any]]:
