@@ -26,6 +26,7 @@ from typing import Any
 __all__ = [
     "BROKEN_CONNECTION",
     "DEFAULT_TIMEOUT_S",
+    "Explained",
     "PeerLost",
     "PipelineTimeout",
     "backend_cause",
@@ -54,18 +55,35 @@ class PeerLost(RuntimeError):
 BROKEN_CONNECTION = ("connection reset", "connection closed", "broken pipe", "connection refused")
 
 
+class Explained(str):
+    """A `timeout_message`: its text, and the parts another error about the same wait
+    reuses (`rank`: ``rank 0``, `action`, `awaited`)."""
+
+    rank: str
+    action: str
+    awaited: str
+
+    # the parts default to "" so that pickle, which rebuilds a str from its text alone
+    # before restoring the attributes, can rebuild one sent to another process
+    def __new__(cls, text: str, rank: str = "", action: str = "", awaited: str = "") -> Explained:
+        made = super().__new__(cls, text)
+        made.rank, made.action, made.awaited = rank, action, awaited
+        return made
+
+
 def timeout_message(
     rank: str, action: str, timeout_s: float | None, awaited: str, *, peers: int = 1
-) -> str:
+) -> Explained:
     """The text of a `PipelineTimeout`: `rank` (``rank 0``) ran `action` (``0B5``, ``REDUCE
     stage 1``) and waited `timeout_s` for `awaited` from `peers` other ranks."""
     who = "the peer" if peers == 1 else "a peer"
     its, their = ("its log", "its") if peers == 1 else ("their logs", "their")
     waited = "the process group's timeout" if timeout_s is None else f"{timeout_s:g} s"
-    return (
+    return Explained(
         f"{rank}: {action} waited {waited} for {awaited}; {who} may have failed or "
-        f"stalled: check {its}; raise timeout_s if {their} steps are this slow"
-    )
+        f"stalled: check {its}; raise timeout_s if {their} steps are this slow",
+        rank, action, awaited,
+    )  # fmt: skip
 
 
 def check_timeout(timeout_s: float | None) -> float | None:
@@ -101,10 +119,13 @@ def timed_wait(work: Any, timeout_s: float | None, explain: Callable[[], str]) -
 
 
 def _lost(explained: str, error: RuntimeError) -> str:
-    """`PeerLost`'s text, from the `timeout_message` the same wait would have timed out
-    with (`explained`: "RANK: ACTION waited T for AWAITED; ...") and the backend's error."""
-    head, _, rest = explained.partition(" waited ")
-    awaited = rest.partition(" for ")[2].partition("; ")[0] or "a peer"
+    """`PeerLost`'s text, from what the same wait would have timed out with (`explained`,
+    a `timeout_message`; its parts, where it carries them) and the backend's error."""
+    if isinstance(explained, Explained):
+        head, awaited = f"{explained.rank}: {explained.action}", explained.awaited
+    else:  # an explanation written by hand: "RANK: ACTION waited T for AWAITED; ..."
+        head, _, rest = explained.partition(" waited ")
+        awaited = rest.partition(" for ")[2].partition("; ")[0] or "a peer"
     cause = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     cause = backend_cause(cause)
     return (
