@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from plait.checkpoint.inspect import export_model
 from plait.cli.main import main
 
 from .test_moe_train import BATCH, LR, STEPS, exported_weights, sgd_reference
@@ -150,18 +150,12 @@ def _engine_world(rank: int, world: int, out: str, clip: float) -> None:
                     "samples": evaluated.samples, "state": state}, out)  # fmt: skip
 
 
-def test_engine_clips_evaluates_and_gathers_under_ep(tmp_path: Path) -> None:
-    """The global gradient norm counts every expert once (clipped to a third of it), the
-    evaluation runs every forward on every ep rank, and rank 0's gathered model holds
-    every expert whole: all as one process computes them."""
-    from plait.data import SyntheticTokens
-    from tests.dist.harness import run_world
-
-    data = SyntheticTokens(vocab=64, seq_len=32, size=4096, seed=0)
-    model = _model(1.0)
-    ids, targets = data.batch(0, BATCH)
-    pieces = 2 * M
-    loss = (
+def _mean_loss(
+    model: torch.nn.Module, ids: torch.Tensor, targets: torch.Tensor, pieces: int
+) -> Any:
+    """One process's loss of the batch cut into `pieces` micro-batches: each one's token
+    cross-entropy plus its router's auxiliary loss, averaged."""
+    return (
         sum(
             F.cross_entropy(logits.reshape(-1, 64), y.flatten()) + carried[0]
             for x, y in zip(ids.chunk(pieces), targets.chunk(pieces), strict=True)
@@ -169,6 +163,21 @@ def test_engine_clips_evaluates_and_gathers_under_ep(tmp_path: Path) -> None:
         )
         / pieces
     )
+
+
+def test_engine_clips_evaluates_and_gathers_under_ep(tmp_path: Path) -> None:
+    """The global gradient norm counts every expert once (clipped to a third of it), the
+    evaluation runs every forward on every ep rank, and rank 0's gathered model holds
+    every expert whole: all as one process computes them."""
+    from tests.dist.harness import run_world
+
+    from plait.data import SyntheticTokens
+
+    data = SyntheticTokens(vocab=64, seq_len=32, size=4096, seed=0)
+    model = _model(1.0)
+    ids, targets = data.batch(0, BATCH)
+    pieces = 2 * M
+    loss = _mean_loss(model, ids, targets, pieces)
     loss.backward()  # type: ignore[union-attr]
     norm = float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]))  # type: ignore[misc]
     clip = norm / 3
@@ -177,14 +186,7 @@ def test_engine_clips_evaluates_and_gathers_under_ep(tmp_path: Path) -> None:
         for p in model.parameters():
             p -= LR * p.grad  # type: ignore[operator]
         ids, targets = data.batch(1, BATCH)
-        evaluated = (
-            sum(
-                F.cross_entropy(logits.reshape(-1, 64), y.flatten()) + carried[0]
-                for x, y in zip(ids.chunk(pieces), targets.chunk(pieces), strict=True)
-                for logits, carried in [model(x)]
-            )
-            / pieces
-        )
+        evaluated = _mean_loss(model, ids, targets, pieces)
 
     out = tmp_path / "engine.pt"
     run_world(tmp_path, 4, _engine_world, str(out), clip)
