@@ -10,23 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from plait.bench._fault_modes import SLOW_CLUSTER
 from plait.cli.main import main
 
-_CLUSTER = """name = "mixed"
-inter_node = { latency_s = 2e-5, bandwidth_Bps = 4e9 }
-
-[[nodes]]
-count = 1
-devices_per_node = 1
-intra_node = { latency_s = 2e-5, bandwidth_Bps = 4e9 }
-device = { name = "fast", peak_flops = { fp32 = 2e10 }, memory_gib = 4 }
-
-[[nodes]]
-count = 1
-devices_per_node = 1
-intra_node = { latency_s = 2e-5, bandwidth_Bps = 4e9 }
-device = { name = "slow", peak_flops = { fp32 = 2e10 }, memory_gib = 4, slowdown = 3 }
-"""
+_CLUSTER = SLOW_CLUSTER  # one fast device and one 3× slower, as `bench faults` uses
 _MODEL = ["--layers", "2", "--hidden", "64", "--heads", "2", "--seq-len", "32", "--dtype", "fp32"]
 
 
