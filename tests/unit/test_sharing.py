@@ -169,3 +169,15 @@ def test_planner_recovers_a_sharing_efficiency_from_one_measured_plan() -> None:
 def test_fit_efficiency_solves_a_falling_prediction() -> None:
     assert fit_efficiency(lambda e: 1.0 / e, 2.0) == pytest.approx(0.5, abs=1e-4)
     assert fit_efficiency(lambda e: 1.0 / e, 0.5) == pytest.approx(1.0, abs=1e-4)  # bound
+
+
+def test_cluster_slowdowns_make_a_node_of_each_speed() -> None:
+    from plait.train.autoplan import local_cluster
+
+    link = Link(latency_s=1e-5, bandwidth_Bps=1e9)
+    cluster = local_cluster(3, link, cores=4, slowdowns=(1.0, 1.0, 3.0))
+    assert [g.devices_per_node for g in cluster.groups] == [2, 1]
+    assert [g.device.slowdown for g in cluster.groups] == [1.0, 3.0]
+    fast, slow = (g.device.achievable_flops("fp32") for g in cluster.groups)
+    assert fast == pytest.approx(3 * slow)
+    assert len(local_cluster(3, link, cores=4, slowdowns=(2.0,) * 3).groups) == 1  # one speed

@@ -31,6 +31,7 @@ from plait.schedule import KINDS
 
 __all__ = [
     "auto_plan",
+    "cluster_slowdowns",
     "fit_sharing_efficiency",
     "local_cluster",
     "measure_collectives",
@@ -124,11 +125,15 @@ def local_cluster(
     cores: int | None = None,
     sharing_efficiency: float = 1.0,
     device: str = "cpu",
+    slowdowns: tuple[float, ...] | None = None,
 ) -> Cluster:
     """The local workers on `device` (a device type) as the planner sees them: a GPU each,
     or one core each, or, when they outnumber the `cores` (default: those this process may
     use), pinned to core i mod cores as `plait.mesh.init_worker` pins them and
-    time-sharing it (`NodeGroup.processors`)."""
+    time-sharing it (`NodeGroup.processors`). `slowdowns` (one per rank, from `--cluster`)
+    make rank r's device that many times slower, as `plait.train.slowdown` runs it:
+    consecutive ranks of one speed form a node of their own, so the planner's
+    heterogeneous plans (`plait.plan.hetero`) can give the slow ones less work."""
     from plait.train.memcheck import worker_memory_bytes
 
     memory = int(worker_memory_bytes(world, device))
@@ -137,10 +142,35 @@ def local_cluster(
         name=f"local-workers ({device})", flops={dtype: _SPEED}, memory_bytes=memory,
         devices_per_node=world, intra_node=link,
     )  # fmt: skip
+    if slowdowns is not None and len(set(slowdowns[:world])) > 1:
+        sharing = (cores, sharing_efficiency) if world > cores else None
+        return _slowed(cluster, slowdowns[:world], sharing)
     if world <= cores:
         return cluster
     group = replace(cluster.groups[0], processors=cores, sharing_efficiency=sharing_efficiency)
     return replace(cluster, groups=(group,))
+
+
+def _slowed(
+    cluster: Cluster, slowdowns: tuple[float, ...], sharing: tuple[int, float] | None
+) -> Cluster:
+    """`cluster`'s one node cut into runs of ranks of one speed, each a node group of
+    devices `slowdown` times slower; with `sharing` (cores, efficiency), the groups
+    time-share the cores in proportion to their ranks."""
+    from itertools import groupby
+
+    base = cluster.groups[0]
+    world = len(slowdowns)
+    groups = []
+    for k, run in groupby(slowdowns):
+        size = len(list(run))
+        group = replace(base, device=replace(base.device, name=f"{base.device.name} ×{k:g}",
+                                             slowdown=float(k)), devices_per_node=size)  # fmt: skip
+        if sharing is not None:
+            share = min(size, max(1, sharing[0] * size // world))
+            group = replace(group, processors=share, sharing_efficiency=sharing[1])
+        groups.append(group)
+    return replace(cluster, groups=tuple(groups), inter_node=base.intra_node)
 
 
 def fit_sharing_efficiency(
@@ -200,11 +230,12 @@ def _search(
     dtype: str,
     allow_staleness: bool,
     device: torch.device,
+    slowdowns: tuple[float, ...] | None = None,
 ) -> dict[str, Any]:
     with fork_rng(device):
         spec = measured_spec(model, samples, loss_fn, num_heads=num_heads,
                              seq_len=seq_len, dtype=dtype, device=device)  # fmt: skip
-    cluster = local_cluster(world, link, dtype, device=device.type)
+    cluster = local_cluster(world, link, dtype, device=device.type, slowdowns=slowdowns)
     space = SearchSpace(dtype=dtype, allow_staleness=allow_staleness)
     found = search(spec, cluster, global_batch=global_batch, space=space)
     return plan_to_dict(found.best, cluster=cluster.name)
@@ -223,13 +254,15 @@ def auto_plan(
     device: torch.device | None = None,
     key: dict[str, Any] | None = None,
     replan: bool = False,
+    slowdowns: tuple[float, ...] | None = None,
 ) -> dict[str, Any]:
     """The plan every worker trains under (call on every worker; a collective). `samples`
     are micro-batches of one or two sizes, to learn how block costs grow with the size;
     rank 0 times the blocks on its `device` (default: the worker's) in the training
     `dtype`; `allow_staleness` lets the planner choose an asynchronous schedule. With a
     `key` (`plait.train.decisions.decision_key`), a decision kept under it is taken as it
-    is, and a new one is kept, unless `replan`; the plan's `decision` says which."""
+    is, and a new one is kept, unless `replan`; the plan's `decision` says which.
+    `slowdowns` (per rank, `--cluster`): plan for ranks that run that many times slower."""
     from plait.train import decisions
 
     world = dist.get_world_size()
@@ -244,7 +277,8 @@ def auto_plan(
     if dist.get_rank() == 0:
         chosen = _search(model, samples, loss_fn, link, world, num_heads=num_heads,
                          seq_len=seq_len, global_batch=global_batch, dtype=dtype,
-                         allow_staleness=allow_staleness, device=device)  # fmt: skip
+                         allow_staleness=allow_staleness, device=device,
+                         slowdowns=slowdowns)  # fmt: skip
         chosen["decision"] = _why("measured", world, link)
         box[0] = decisions.save(key, chosen) if key is not None else chosen
     dist.broadcast_object_list(box, src=0)
@@ -277,7 +311,8 @@ def preview_plan(cfg: Any, world: int) -> dict[str, Any]:
         chosen = _search(task.model(), plan_samples(task, cfg.batch_size, world), task.loss,
                          link, world, num_heads=task.num_heads, seq_len=task.seq_len,
                          global_batch=cfg.batch_size, dtype=cfg.parallel.dtype,
-                         allow_staleness=cfg.allow_staleness, device=device)  # fmt: skip
+                         allow_staleness=cfg.allow_staleness, device=device,
+                         slowdowns=cluster_slowdowns(cfg, world))  # fmt: skip
     finally:
         torch.set_num_threads(threads)
     chosen["decision"] = _why("previewed", world, link)
@@ -290,3 +325,10 @@ def _why(source: str, world: int, link: Link) -> dict[str, Any]:
         "source": source, "measured_at": time.time(), "workers": world,
         "link": {"latency_s": link.latency_s, "bandwidth_Bps": link.bandwidth_Bps},
     }  # fmt: skip
+
+
+def cluster_slowdowns(cfg: Any, world: int) -> tuple[float, ...] | None:
+    """Each rank's slowdown under `cfg.cluster` (`plait train --cluster`), else None."""
+    from plait.train.slowdown import check_cluster
+
+    return check_cluster(cfg.cluster, world) if cfg.cluster else None
