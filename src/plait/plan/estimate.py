@@ -40,7 +40,15 @@ from plait.cost import (
 from plait.schedule import schedule_kind
 from plait.sim import SimPlan
 
-__all__ = ["Estimate", "Estimator", "RankProfile", "balanced_sizes", "estimate", "inflight"]
+__all__ = [
+    "Estimate",
+    "Estimator",
+    "RankProfile",
+    "balanced_sizes",
+    "bound",
+    "estimate",
+    "inflight",
+]
 
 
 @dataclass(frozen=True)
@@ -155,6 +163,8 @@ class Estimator:
         self._profiles: dict[tuple[object, ...], RankProfile] = {}
         self._links: dict[tuple[object, ...], Link] = {}
         self._state: dict[tuple[object, ...], float] = {}
+        self._syncs: dict[tuple[object, ...], float] = {}
+        self._opts: dict[tuple[object, ...], float] = {}
 
     def link(self, plan: SimPlan, axis: str) -> Link:
         key = (axis, plan.layout)
@@ -234,8 +244,32 @@ class Estimator:
             )
         return self._state[key]
 
+    def sync_time(self, plan: SimPlan, params: float, experts: float, links: AxisLinks) -> float:
+        """`stage_sync_time` of one rank's `params`, cached: the balanced stages of a
+        split hold the same parameters, and many plans share a data-parallel layout."""
+        key = (params, experts, plan.compress, plan.layout, plan.zero, plan.dtype, plan.ep)
+        if key not in self._syncs:
+            self._syncs[key] = stage_sync_time(
+                plan.compress, params, experts, layout=plan, links=links, device=self.device,
+                param_bytes=dtype_bytes(plan.dtype),
+            )  # fmt: skip
+        return self._syncs[key]
+
+    def optimizer_time(self, plan: SimPlan, params: float, experts: float) -> float:
+        """`moe_optimizer_step_time` of one rank's `params`, cached like `sync_time`."""
+        key = (params, experts, plan.layout, plan.zero, plan.dtype, plan.optimizer, plan.ep)
+        if key not in self._opts:
+            self._opts[key] = moe_optimizer_step_time(
+                params, experts, self.device, layout=plan, dtype=plan.dtype,
+                optimizer=plan.optimizer,
+            )  # fmt: skip
+        return self._opts[key]
+
     def estimate(self, plan: SimPlan, blocks: Sequence[BlockCost]) -> Estimate:
         return estimate(plan, self.profile(plan, blocks), self)
+
+    def bound(self, plan: SimPlan, blocks: Sequence[BlockCost]) -> Estimate:
+        return bound(plan, self.profile(plan, blocks), self)
 
 
 def _rank_sums(arrays: _BlockArrays, sizes: list[int], p: int) -> RankProfile:
@@ -261,6 +295,39 @@ def _rank_sums(arrays: _BlockArrays, sizes: list[int], p: int) -> RankProfile:
         float(arrays.activation_bytes[sizes[0] - 1]),
         per_rank(arrays.experts) if moe else None,
         np.add.reduceat(arrays.experts, starts) if moe else None,
+    )
+
+
+def bound(plan: SimPlan, profile: RankProfile, est: Estimator) -> Estimate:
+    """A lower bound on `estimate`'s step, m × the slowest rank's compute (every schedule
+    runs m micro-batches through its slowest rank; collectives, bubble and updates only
+    add), with the estimate's memory: cheap enough to prune candidates before estimating."""
+    m = plan.microbatches
+    work = profile.forward_s + profile.backward_input_s + profile.backward_weight_s
+    return Estimate(
+        m * float(work.max()),
+        tuple(_memory(plan, profile, est).tolist()),
+        float(est.device.memory_bytes),
+        profile.sizes,
+    )
+
+
+def _memory(plan: SimPlan, profile: RankProfile, est: Estimator) -> np.ndarray:
+    """Per pipeline rank: model state, in-flight activations, transients, weight copies
+    (a replicated kind, Chimera, holds each part's model state twice)."""
+    kind = schedule_kind(plan.schedule)
+    p, v, m = plan.pp, plan.chunks, plan.microbatches
+    rank_experts = np.zeros(p) if profile.experts is None else profile.experts
+    state = (profile.params - rank_experts) * est.state_per_param(
+        plan
+    ) + rank_experts * est.state_per_param(plan, experts=True)
+    copies = np.array([kind.copies(p, m, r) for r in range(p)], dtype=float)
+    counts = np.array([kind.inflight(p, m, v, r) for r in range(p)])
+    return (
+        state * (2 if kind.replicated else 1)
+        + counts * profile.saved
+        + profile.transient
+        + copies * profile.params * dtype_bytes(plan.dtype)
     )
 
 
@@ -290,40 +357,28 @@ def estimate(plan: SimPlan, profile: RankProfile, est: Estimator) -> Estimate:
     # experts, exactly as the simulator prices a stage's (`stage_sync_time`)
     syncs = np.array(
         [
-            stage_sync_time(
-                plan.compress, n, x, layout=plan, links=links, device=est.device, param_bytes=pbytes
-            )
+            est.sync_time(plan, float(n), float(x), links)
             for n, x in zip(profile.params, rank_experts, strict=True)
         ]
     )
     opts = np.array(
         [
-            moe_optimizer_step_time(
-                n, x, est.device, layout=plan, dtype=plan.dtype, optimizer=plan.optimizer
-            )
+            est.optimizer_time(plan, float(n), float(x))
             for n, x in zip(profile.params, rank_experts, strict=True)
         ]
     )
-    copies = np.array([kind.copies(p, m, r) for r in range(p)], dtype=float)
     if kind.synchronous:
-        overlapped = m >= p  # fewer micro-batches than ranks: no chunk or W pass can fill in
-        fill = float(work.sum()) / (v if overlapped else 1)
-        if kind.split_backward and overlapped:
-            fill -= float(profile.backward_weight_s.sum()) / p * (p - 1)
-        pipeline = (m - 1) * float(work.max()) + max(fill, 0.0) + p2p
-        step = pipeline + float(syncs[0]) + float(opts.max())
+        # the slowest rank paces m micro-batches; the fill and drain leave the kind's
+        # share of 1F1B's idle time, the other ranks' work for one micro-batch
+        slowest = float(work.max())
+        idle = (float(work.sum()) - slowest) * kind.bubble(p, m, v)
+        step = m * slowest + idle + p2p + float(syncs[0]) + float(opts.max())
     else:  # every update waits for its reduction; each copy passes over the weights twice
+        copies = np.array([kind.copies(p, m, r) for r in range(p)], dtype=float)
         updates = m if kind.per_microbatch else 1
         stash = (
             2 * profile.params * pbytes / est.device.memory_bandwidth_Bps * np.minimum(copies, 1)
         )
         step = float((m * work + updates * (syncs + opts + stash)).max()) + p2p / (p or 1)
-    counts = np.array([kind.inflight(p, m, v, r) for r in range(p)])
-    memory = (
-        (profile.params - rank_experts) * est.state_per_param(plan)
-        + rank_experts * est.state_per_param(plan, experts=True)
-        + counts * profile.saved
-        + profile.transient
-        + copies * profile.params * pbytes
-    )
+    memory = _memory(plan, profile, est)
     return Estimate(step, tuple(memory.tolist()), float(est.device.memory_bytes), profile.sizes)

@@ -1,0 +1,107 @@
+"""The planner searches every registered schedule kind (asynchronous ones only when
+staleness is allowed) and prunes by bounds: a case where ZB-V must win by the papers'
+closed forms, checked against the formulas written here."""
+
+from __future__ import annotations
+
+import pytest
+
+from plait.cluster import Cluster, Device, Link, NodeGroup
+from plait.cost import BlockCost
+from plait.plan import SearchSpace, gpt_spec, scaled_spec, search
+from plait.plan.estimate import Estimator
+from plait.plan.prune import fastest_of_each_kind, pruned_estimates
+from plait.plan.space import ModelSpec, candidates
+from plait.presets import load_cluster
+from plait.schedule import KINDS
+
+MB = 1e6
+FAST = Link(latency_s=1e-9, bandwidth_Bps=1e15)
+RATE = 50e12  # achievable FLOP/s: 100 TFLOP/s peak at efficiency 0.5
+T = 0.01  # seconds of each pass (forward, input gradient, weight gradient) of a block
+P, M = 4, 8  # pipeline ranks (one device each) and micro-batches
+
+
+def _cluster(memory_bytes: float) -> Cluster:
+    device = Device(name="gpu", peak_flops={"bf16": 100e12}, efficiency=0.5,
+                    memory_bytes=int(memory_bytes), memory_bandwidth_Bps=1e13)  # fmt: skip
+    group = NodeGroup(device=device, devices_per_node=1, intra_node=FAST, num_nodes=P)
+    return Cluster(name="test", groups=(group,), inter_node=FAST)
+
+
+def _model(params: int, saved_bytes: float) -> ModelSpec:
+    """Eight equal blocks whose forward, input-gradient and weight-gradient passes each
+    take T: the equal costs the zero-bubble closed forms assume."""
+    block = BlockCost(name="layer", forward_flops=T * RATE, backward_input_flops=T * RATE,
+                      backward_weight_flops=T * RATE, activation_bytes=1 * MB,
+                      saved_bytes=saved_bytes, num_params=params)  # fmt: skip
+    return scaled_spec("uniform", {1: [block] * 2 * P}, seq_len=128, num_heads=1,
+                       measured_split={1: [block] * 2 * P})  # fmt: skip
+
+
+SPACE = SearchSpace(micro_batch_sizes=(1,), recompute=("none",), zero_stages=(0,), chunks=(2,))
+
+
+def test_default_space_has_every_synchronous_kind_and_asynchronous_only_when_allowed() -> None:
+    sync = {k for k, v in KINDS.items() if v.synchronous}
+    stale = set(KINDS) - sync
+    assert {"zb-h2", "zb-v", "chimera"} <= sync
+    assert set(SearchSpace().schedules) == sync
+    assert set(SearchSpace(allow_staleness=True).schedules) == sync | stale
+    model = _model(1, 1.0)
+    plans = {
+        p.schedule
+        for p in candidates(model, SPACE, num_devices=P, devices_per_node=1, global_batch=M)
+    }
+    assert plans == sync
+    allowed = SearchSpace(micro_batch_sizes=(1,), recompute=("none",), zero_stages=(0,),
+                          allow_staleness=True)  # fmt: skip
+    plans = {
+        p.schedule
+        for p in candidates(model, allowed, num_devices=P, devices_per_node=1, global_batch=M)
+    }
+    assert plans == sync | stale
+
+
+def test_zb_v_wins_where_its_closed_form_says() -> None:
+    """Memory admits only four pipeline stages (model state of two blocks a rank: 2 ×
+    16 B × 20 M parameters) and at most eight blocks' activations in flight on a rank,
+    which 1F1B's first rank (p micro-batches of two blocks) and ZB-V (as many) respect,
+    while ZB-H2 (2p - 1 micro-batches) and Chimera (each rank holds two replicas'
+    model state) do not. With m >= 2p - 1 ZB-V has no bubble in its steady state: the
+    last rank starts after the first micro-batch's p - 1 forwards of one block, then
+    never idles, so its step is (p - 1) · T + m · 6T (each rank runs 2 blocks × 3 passes
+    per micro-batch), the least any schedule can take; 1F1B's is (m + p - 1) · 6T,
+    ZB-H1's m · 6T + (p - 1) · 2T (Qi et al. 2024: (p - 1)(F + B - W), stage passes 2T)."""
+    params, saved = 20_000_000, 36 * MB
+    state = 2 * 16 * params  # bf16 weights and gradients, fp32 master weights and Adam
+    memory = (state + 8 * saved) / 0.9  # the search keeps 5% free: 10% is safe
+    assert state + 14 * saved > 0.95 * memory and 2 * state > 0.95 * memory
+    found = search(_model(params, saved), _cluster(memory), global_batch=M, space=SPACE)
+    best = found.best
+    assert best.plan.schedule == "zb-v" and best.plan.pp == P
+    zbv = (P - 1) * T + M * 6 * T
+    assert best.step_time_s == pytest.approx(zbv, rel=0.01)
+    others = {r.plan.schedule: r.step_time_s for r in reversed(found.ranked)}
+    assert others["1f1b"] == pytest.approx((M + P - 1) * 6 * T, rel=0.01)
+    assert others["zb-h1"] == pytest.approx(M * 6 * T + (P - 1) * 2 * T, rel=0.01)
+    assert "zb-h2" not in others and "chimera" not in others
+
+
+def test_pruning_by_bounds_keeps_what_estimating_everything_ranks_first() -> None:
+    """Against estimating every candidate: the `keep` fastest estimates and the fastest
+    estimate of each kind are the same, and every plan set aside does not fit."""
+    model = gpt_spec(num_layers=6, hidden=1024, num_heads=8, seq_len=512, vocab_size=8000)
+    cluster = load_cluster("dgx-a100-80gb", num_nodes=2)
+    space = SearchSpace(micro_batch_sizes=(1, 2, 4), chunks=(2,))
+    plans = list(candidates(model, space, num_devices=16, devices_per_node=8, global_batch=64))
+    est = Estimator(cluster)
+    every = [(est.estimate(p, model.blocks_for(p)), p) for p in plans]
+    fitting = sorted((x for x in every if x[0].fits), key=lambda x: x[0].step_s)
+    kept, misfits = pruned_estimates(plans, model, cluster, 12, None)
+    assert len(kept) < len(fitting)
+    ranked = sorted((x for x in kept if x[0].fits), key=lambda x: x[0].step_s)
+    assert [p for _, p in ranked[:12]] == [p for _, p in fitting[:12]]
+    assert {p for _, p in misfits} == {p for e, p in every if not e.fits}
+    fastest = {p.schedule: e.step_s for e, p in reversed(fitting)}
+    assert {p.schedule: e.step_s for e, p in fastest_of_each_kind(kept, None)} == fastest
