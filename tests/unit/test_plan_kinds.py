@@ -105,3 +105,28 @@ def test_pruning_by_bounds_keeps_what_estimating_everything_ranks_first() -> Non
     assert {p for _, p in misfits} == {p for e, p in every if not e.fits}
     fastest = {p.schedule: e.step_s for e, p in reversed(fitting)}
     assert {p.schedule: e.step_s for e, p in fastest_of_each_kind(kept, None)} == fastest
+
+
+def test_an_uneven_cut_beats_the_even_one_by_its_closed_form() -> None:
+    """Eight equal blocks on two ranks under 1F1B with eight micro-batches. The first rank
+    holds two micro-batches' activations, the second one: the even cut (4, 4) fits only
+    with full recomputation (a fourth pass T per block), while (3, 5), fewer blocks where
+    more activations wait, fits without. 1F1B's step is (m - 1) · T_max + Σ T_r: the even
+    cut with recomputation takes 7 · 16T + 32T = 144T, the uneven one 7 · 15T + 24T =
+    129T, 15T less; one rank alone (dp = 2) does not fit. The search reaches the uneven
+    cut through its estimates (no exhaustive simulation)."""
+    params, saved = 12_500_000, 100 * MB  # 200 MB of model state per block
+    block_state = 16 * params
+    memory = 1590 * MB
+    assert 4 * block_state + 8 * saved > memory and 8 * block_state > memory
+    assert 5 * block_state + 5 * saved < 0.95 * memory
+    space = SearchSpace(schedules=("1f1b",), micro_batch_sizes=(1,), recompute=("none", "full"),
+                        zero_stages=(0,))  # fmt: skip
+    model = _model(params, saved)
+    found = search(model, _cluster(memory), global_batch=M, space=space, num_devices=2,
+                   exact_limit=0, max_simulated=4)  # fmt: skip
+    best = found.best
+    assert (best.plan.pp, best.plan.recompute, best.sizes) == (2, "none", (3, 5))
+    assert best.step_time_s == pytest.approx(129 * T, rel=0.01)
+    even = next(r for r in found.ranked if r.plan.recompute == "full" and r.sizes == (4, 4))
+    assert even.step_time_s - best.step_time_s == pytest.approx(15 * T, rel=0.03)

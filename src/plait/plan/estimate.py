@@ -57,6 +57,9 @@ class Estimate:
     memory_bytes: tuple[float, ...]  # per pipeline rank
     capacity_bytes: float
     sizes: tuple[int, ...]  # blocks per (virtual) stage
+    # whether another cut of the blocks could fit: the least memory any cut needs, summed
+    # over the ranks, is within their capacity summed (a necessary condition only)
+    other_cut_may_fit: bool = True
 
     @property
     def excess_bytes(self) -> float:
@@ -165,6 +168,8 @@ class Estimator:
         self._state: dict[tuple[object, ...], float] = {}
         self._syncs: dict[tuple[object, ...], float] = {}
         self._opts: dict[tuple[object, ...], float] = {}
+        # uneven cuts within memory (`plait.plan.prune.uneven_cut`) by what shapes them
+        self.cuts: dict[tuple[object, ...], tuple[int, ...] | None] = {}
 
     def link(self, plan: SimPlan, axis: str) -> Link:
         key = (axis, plan.layout)
@@ -271,6 +276,14 @@ class Estimator:
     def bound(self, plan: SimPlan, blocks: Sequence[BlockCost]) -> Estimate:
         return bound(plan, self.profile(plan, blocks), self)
 
+    def estimate_cut(
+        self, plan: SimPlan, blocks: Sequence[BlockCost], sizes: Sequence[int]
+    ) -> Estimate:
+        """`estimate` with the blocks cut into `sizes` per (virtual) stage instead of the
+        balanced cut (an uneven cut that fits where the balanced one does not)."""
+        arrays = self._block_arrays(plan, blocks)
+        return estimate(plan, _rank_sums(arrays, list(sizes), plan.pp), self)
+
 
 def _rank_sums(arrays: _BlockArrays, sizes: list[int], p: int) -> RankProfile:
     starts = np.cumsum([0, *sizes[:-1]])
@@ -304,11 +317,28 @@ def bound(plan: SimPlan, profile: RankProfile, est: Estimator) -> Estimate:
     add), with the estimate's memory: cheap enough to prune candidates before estimating."""
     m = plan.microbatches
     work = profile.forward_s + profile.backward_input_s + profile.backward_weight_s
+    memory = _memory(plan, profile, est)
+    kind, p = schedule_kind(plan.schedule), plan.pp
+    # any cut holds the same model state over all ranks, and at least the fewest
+    # micro-batches (and weight copies) any rank holds of every block
+    least = min(kind.inflight(p, m, plan.chunks, r) for r in range(p))
+    copies = min(kind.copies(p, m, r) for r in range(p))
+    rank_experts = np.zeros(p) if profile.experts is None else profile.experts
+    state = (profile.params - rank_experts) * est.state_per_param(
+        plan
+    ) + rank_experts * est.state_per_param(plan, experts=True)
+    floor = (
+        float(state.sum()) * (2 if kind.replicated else 1)
+        + least * float(profile.saved.sum())
+        + copies * float(profile.params.sum()) * dtype_bytes(plan.dtype)
+    )
+    capacity = float(est.device.memory_bytes)
     return Estimate(
         m * float(work.max()),
-        tuple(_memory(plan, profile, est).tolist()),
-        float(est.device.memory_bytes),
+        tuple(memory.tolist()),
+        capacity,
         profile.sizes,
+        other_cut_may_fit=floor <= plan.pp * capacity,
     )
 
 
