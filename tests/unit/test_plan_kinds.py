@@ -1,8 +1,10 @@
 """The planner searches every registered schedule kind (asynchronous ones only when
-staleness is allowed) and prunes by bounds: a case where ZB-V must win by the papers'
-closed forms, checked against the formulas written here."""
+staleness is allowed), prunes by bounds, cuts stages unevenly where memory asks for it,
+and names the runner-up of each kind: cases checked against closed forms written here."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
@@ -11,6 +13,8 @@ from plait.cost import BlockCost
 from plait.plan import SearchSpace, gpt_spec, scaled_spec, search
 from plait.plan.estimate import Estimator
 from plait.plan.prune import fastest_of_each_kind, pruned_estimates
+from plait.plan.runners import RunnerUp, runners_up, runners_up_text
+from plait.plan.search import PlanSearch
 from plait.plan.space import ModelSpec, candidates
 from plait.presets import load_cluster
 from plait.schedule import KINDS
@@ -130,3 +134,57 @@ def test_an_uneven_cut_beats_the_even_one_by_its_closed_form() -> None:
     assert best.step_time_s == pytest.approx(129 * T, rel=0.01)
     even = next(r for r in found.ranked if r.plan.recompute == "full" and r.sizes == (4, 4))
     assert even.step_time_s - best.step_time_s == pytest.approx(15 * T, rel=0.03)
+
+
+def _zb_v_case(global_batch: int) -> tuple[PlanSearch, tuple[RunnerUp, ...]]:
+    params, saved = 20_000_000, 36 * MB
+    memory = (2 * 16 * params + 8 * saved) / 0.9
+    model, cluster = _model(params, saved), _cluster(memory)
+    found = search(model, cluster, global_batch=global_batch, space=SPACE)
+    return found, runners_up(found, model, cluster)
+
+
+def test_runners_up_say_what_would_make_them_win() -> None:
+    """The ZB-V case of `test_zb_v_wins_where_its_closed_form_says` with m = 4 < 2p - 1:
+    ZB-V's order, cut to four micro-batches, leaves ZB-H1's (p - 1) · 2T bubble and the
+    two tie at 6mT + (p - 1) · 2T = 30T (the simpler, ZB-H1, is chosen). From 2p - 1 = 7
+    micro-batches on ZB-V's (p - 1) · T + 6mT is (p - 1) · T = 3T faster than ZB-H1's, a
+    win of 6% at m = 8, the first count tried above 4 (doubling). 1F1B's (m + p - 1) · 6T
+    is 12T slower than ZB-H1's at every m >= p: it never wins. At m = 8, where ZB-V
+    wins, ZB-H1 never would."""
+    found, runners = _zb_v_case(4)
+    assert found.best.plan.schedule == "zb-h1"
+    assert found.best.step_time_s == pytest.approx(M // 2 * 6 * T + (P - 1) * 2 * T, rel=0.01)
+    by_kind = {r.kind: r for r in runners}
+    assert "zb-h1" not in by_kind and len(by_kind) == len(runners)
+    zbv = by_kind["zb-v"]
+    assert zbv.step_time_s == pytest.approx(found.best.step_time_s, rel=0.01)
+    assert zbv.would_win_if == "zb-v would win at 8 micro-batches per replica or more (now 4)"
+    assert by_kind["1f1b"].would_win_if.startswith("1f1b would not win")
+    assert by_kind["1f1b"].step_time_s == pytest.approx((4 + P - 1) * 6 * T, rel=0.01)
+    _, runners = _zb_v_case(M)
+    assert {r.kind: r for r in runners}["zb-h1"].would_win_if.startswith("zb-h1 would not win")
+    text = runners_up_text(runners)
+    assert text.startswith("Runner-up of each other schedule kind:")
+    assert all(f"  {r.kind}: " in text and r.would_win_if in text for r in runners)
+
+
+def test_plan_json_lists_the_runner_up_of_each_kind(capsys: pytest.CaptureFixture[str]) -> None:
+    from plait.cli.main import main
+
+    args = ["plan", "--layers", "4", "--hidden", "512", "--heads", "8", "--seq-len", "256",
+            "--vocab", "8000", "--cluster", "dgx-a100-80gb", "--devices", "4",
+            "--global-batch", "16"]  # fmt: skip
+    assert main([*args, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    runners = data["runners_up"]
+    kinds = [r["kind"] for r in runners]
+    assert data["best"]["schedule"] not in kinds and len(set(kinds)) == len(kinds) >= 1
+    for r in runners:
+        assert set(r) == {"kind", "predicted_step_s", "source", "plan", "would_win_if"}
+        assert r["plan"]["schedule"] == r["kind"] and r["predicted_step_s"] > 0
+        assert r["would_win_if"].startswith(f"{r['kind']} would ")
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert "Runner-up of each other schedule kind:" in text
+    assert all(r["would_win_if"] in text for r in runners)

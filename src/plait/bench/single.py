@@ -226,9 +226,7 @@ def _measure(config: SingleBenchConfig, device: torch.device) -> SingleBenchResu
     times: dict[str, list[float]] = {v: [] for v in variants}
     cpu: dict[str, list[float]] = {v: [] for v in variants}
     losses: dict[str, float] = {}
-    by_step = config.interleave == "step" or (
-        config.interleave == "auto" and device.type == "cpu"
-    )
+    by_step = config.interleave == "step" or (config.interleave == "auto" and device.type == "cpu")
     rounds = _rounds(context) if by_step else _blocks(context)
     for round_ in rounds:
         for variant, block, first in round_:

@@ -191,8 +191,9 @@ KINDS: dict[str, ScheduleKind] = {
             chunked=True,
             split_backward=True,
             exact_chunks=2,
-            # no bubble from 2p - 1 micro-batches on; fewer cut the order and leave gaps
-            bubble=lambda p, m, v: 0.0 if m >= 2 * p - 1 else 1.0,
+            # no bubble from 2p - 1 micro-batches on; fewer cut the order, leaving about
+            # ZB-H1's (p - 1)(F + B - W)
+            bubble=lambda p, m, v: 0.0 if m >= 2 * p - 1 else 1 / 3 if m >= p else 1.0,
         ),
         ScheduleKind(
             "chimera",
