@@ -3,22 +3,22 @@ simulator replays the most promising ones exactly.
 
 A synchronous step is estimated as a pipeline that is filled once and then paced by its
 slowest rank: (m - 1)·T_max + ΣT_r (Huang et al. 2019's (m + p - 1)·T for equal stages),
-the fill divided by v for interleaving and shortened by the weight-gradient passes that
-zero-bubble schedules move into it; plus the point-to-point latency of filling and
-draining, the exposed gradient reduction of the first stage and the optimizer step. An
-asynchronous window never fills nor drains: it is paced by its slowest rank, m·T_max, plus
-that rank's updates (each waits for its reduction, then steps the optimizer) and weight
-copies. Memory follows each schedule's in-flight micro-batches on each rank and its weight
-copies (the registry's closed forms, `plait.schedule.registry`). Under expert parallelism
-the experts' all-to-alls are part of each block's time (over the ep group's link) and
-expert gradients and model state are reduced and sharded over the dp·tp / ep ranks that hold
-the same experts. The estimates are only used to order the search; every reported number
-comes from the simulator.
+the fill cut to the share of 1F1B's idle time that the kind leaves (its paper's closed
+form, `ScheduleKind.bubble`: 1/v interleaved, a third for ZB-H1, none for ZB-H2 and ZB-V
+from 2p - 1 micro-batches, (p - 2)/(2(p - 1)) for Chimera); plus the point-to-point
+latency of filling and draining, the exposed gradient reduction of the first stage and
+the optimizer step. An asynchronous window never fills nor drains: it is paced by its
+slowest rank, m·T_max, plus that rank's updates (each waits for its reduction, then
+steps the optimizer) and weight copies. Memory follows each schedule's in-flight
+micro-batches on each rank and its weight copies (the registry's closed forms,
+`plait.schedule.registry`). Under expert parallelism the experts' all-to-alls are part
+of each block's time (over the ep group's link) and expert gradients and model state are
+reduced and sharded over the dp·tp / ep ranks that hold the same experts. The estimates
+are only used to order the search; every reported number comes from the simulator.
 """
 
 from __future__ import annotations
 
-from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -37,6 +37,7 @@ from plait.cost import (
     sync_degrees,
     weight_gather_time,
 )
+from plait.plan.partition import balanced_sizes
 from plait.schedule import schedule_kind
 from plait.sim import SimPlan
 
@@ -44,7 +45,6 @@ __all__ = [
     "Estimate",
     "Estimator",
     "RankProfile",
-    "balanced_sizes",
     "bound",
     "estimate",
     "inflight",
@@ -73,47 +73,6 @@ class Estimate:
 def inflight(kind: str, p: int, m: int, v: int, rank: int) -> float:
     """Micro-batches (in whole-stage units) whose activations `rank` holds at its peak."""
     return schedule_kind(kind).inflight(p, m, v, rank)
-
-
-def balanced_sizes(work: Sequence[float], k: int) -> list[int]:
-    """Blocks per stage of a contiguous split whose heaviest stage is (nearly) lightest:
-    binary search on the bottleneck with greedy packing over prefix sums (fast; the exact
-    partitioner refines the plans that are simulated)."""
-    prefix = [0.0]
-    for w in work:
-        prefix.append(prefix[-1] + w)
-    lo, hi = max(work), prefix[-1]
-    for _ in range(30):
-        mid = (lo + hi) / 2
-        if _pack(prefix, k, mid) is not None:
-            hi = mid
-        else:
-            lo = mid
-    sizes = _pack(prefix, k, hi * (1 + 1e-9))
-    assert sizes is not None and len(sizes) == k
-    return sizes
-
-
-def _pack(prefix: list[float], k: int, limit: float) -> list[int] | None:
-    """Greedy stages of at most `limit` work, then the largest split until there are k
-    (splitting never raises the bottleneck); None when more than k stages are needed."""
-    n = len(prefix) - 1
-    sizes: list[int] = []
-    start = 0
-    while start < n:
-        end = bisect_right(prefix, prefix[start] + limit, start + 1) - 1
-        end = max(end, start + 1)
-        sizes.append(end - start)
-        start = end
-        if len(sizes) > k:
-            return None
-    while len(sizes) < k:
-        i = max(range(len(sizes)), key=sizes.__getitem__)
-        if sizes[i] < 2:
-            return None
-        half = sizes[i] // 2
-        sizes[i : i + 1] = [sizes[i] - half, half]
-    return sizes
 
 
 @dataclass(frozen=True)
@@ -323,12 +282,8 @@ def bound(plan: SimPlan, profile: RankProfile, est: Estimator) -> Estimate:
     # micro-batches (and weight copies) any rank holds of every block
     least = min(kind.inflight(p, m, plan.chunks, r) for r in range(p))
     copies = min(kind.copies(p, m, r) for r in range(p))
-    rank_experts = np.zeros(p) if profile.experts is None else profile.experts
-    state = (profile.params - rank_experts) * est.state_per_param(
-        plan
-    ) + rank_experts * est.state_per_param(plan, experts=True)
     floor = (
-        float(state.sum()) * (2 if kind.replicated else 1)
+        float(_state(plan, profile, est).sum())
         + least * float(profile.saved.sum())
         + copies * float(profile.params.sum()) * dtype_bytes(plan.dtype)
     )
@@ -342,19 +297,24 @@ def bound(plan: SimPlan, profile: RankProfile, est: Estimator) -> Estimate:
     )
 
 
+def _state(plan: SimPlan, profile: RankProfile, est: Estimator) -> np.ndarray:
+    """Model-state bytes per pipeline rank, twice over for a replicated kind (Chimera)."""
+    experts = np.zeros(plan.pp) if profile.experts is None else profile.experts
+    state = (profile.params - experts) * est.state_per_param(plan) + experts * (
+        est.state_per_param(plan, experts=True)
+    )
+    return state * (2 if schedule_kind(plan.schedule).replicated else 1)
+
+
 def _memory(plan: SimPlan, profile: RankProfile, est: Estimator) -> np.ndarray:
     """Per pipeline rank: model state, in-flight activations, transients, weight copies
     (a replicated kind, Chimera, holds each part's model state twice)."""
     kind = schedule_kind(plan.schedule)
     p, v, m = plan.pp, plan.chunks, plan.microbatches
-    rank_experts = np.zeros(p) if profile.experts is None else profile.experts
-    state = (profile.params - rank_experts) * est.state_per_param(
-        plan
-    ) + rank_experts * est.state_per_param(plan, experts=True)
     copies = np.array([kind.copies(p, m, r) for r in range(p)], dtype=float)
     counts = np.array([kind.inflight(p, m, v, r) for r in range(p)])
     return (
-        state * (2 if kind.replicated else 1)
+        _state(plan, profile, est)
         + counts * profile.saved
         + profile.transient
         + copies * profile.params * dtype_bytes(plan.dtype)
