@@ -4,7 +4,9 @@ and names the runner-up of each kind: cases checked against closed forms written
 
 from __future__ import annotations
 
+import itertools
 import json
+import random
 
 import pytest
 
@@ -12,6 +14,7 @@ from plait.cluster import Cluster, Device, Link, NodeGroup
 from plait.cost import BlockCost
 from plait.plan import SearchSpace, gpt_spec, scaled_spec, search
 from plait.plan.estimate import Estimator
+from plait.plan.partition import blocks_fit
 from plait.plan.prune import fastest_of_each_kind, pruned_estimates
 from plait.plan.runners import RunnerUp, runners_up, runners_up_text
 from plait.plan.search import PlanSearch
@@ -188,3 +191,40 @@ def test_plan_json_lists_the_runner_up_of_each_kind(capsys: pytest.CaptureFixtur
     text = capsys.readouterr().out
     assert "Runner-up of each other schedule kind:" in text
     assert all(r["would_win_if"] in text for r in runners)
+
+
+def _fits(blocks: list[BlockCost], held: list[int], cap: float, cut: tuple[int, ...]) -> bool:
+    state = [16.0 * b.num_params for b in blocks]  # bf16 with fp32 Adam, one rank
+    bounds = itertools.pairwise((0, *cut, len(blocks)))
+    return all(
+        sum(state[a:b]) + held[s] * sum(x.saved_bytes for x in blocks[a:b]) <= cap
+        for s, (a, b) in enumerate(bounds)
+    )
+
+
+def test_blocks_fit_is_exact_for_cuts_that_may_leave_stages_empty() -> None:
+    """The greedy memory check against all contiguous cuts, counted by hand (block i holds
+    16 bytes a parameter and keeps its saved bytes per micro-batch in flight on its
+    stage): it says yes exactly when a cut fits if stages may be empty, so it is never no
+    when a cut of non-empty stages (what the partitioner needs) fits."""
+    rng = random.Random(0)
+    for _ in range(80):
+        n, k = rng.randint(3, 7), rng.randint(1, 3)
+        blocks = [
+            BlockCost(name=f"b{i}", forward_flops=1.0, backward_input_flops=1.0,
+                      saved_bytes=rng.choice([0.0, 1e8, 3e8]),
+                      num_params=rng.choice([1, 2, 4]) * 2_000_000)
+            for i in range(n)
+        ]  # fmt: skip
+        held = [rng.randint(1, 3) for _ in range(k)]
+        cap = rng.choice([4, 6, 9]) * 1e8
+        device = Device(name="gpu", peak_flops={"bf16": 1e12}, memory_bytes=int(cap))
+        any_cut = any(
+            _fits(blocks, held, cap, c)
+            for c in itertools.combinations_with_replacement(range(n + 1), k - 1)
+        )
+        non_empty = any(
+            _fits(blocks, held, cap, c) for c in itertools.combinations(range(1, n), k - 1)
+        )
+        assert blocks_fit(blocks, [device] * k, inflight=held) == any_cut
+        assert any_cut or not non_empty

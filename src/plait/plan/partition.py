@@ -289,10 +289,12 @@ def blocks_fit(
     layout: DataLayout = _ONE_RANK,
     optimizer: Optimizer = "adam",
 ) -> bool:
-    """Whether some contiguous cut of `blocks` over `devices` fits each one's memory (as
-    `partition_blocks` counts it), in one greedy pass: stage i takes as many blocks as it
-    can hold. Taking more never leaves the later stages worse off (their rest is a suffix
-    of any feasible cut's rest), so the greedy pass fails only when no cut fits."""
+    """Whether some contiguous cut of `blocks` over `devices`, stages allowed to be empty,
+    fits each one's memory (as `partition_blocks` counts it), in one greedy pass: stage i
+    takes as many blocks as it can hold. Taking more never leaves the later stages worse
+    off (their rest is a suffix of any fitting cut's rest), so the pass is exact for such
+    cuts; for the partitioner's cuts of non-empty stages it is a necessary condition only
+    (False: none fits; True: `partition_blocks` decides)."""
     x = _inputs(
         blocks, devices, dtype=dtype, recompute=recompute, layout=layout, optimizer=optimizer,
         offload_activations="none", offload_optimizer=False,

@@ -95,7 +95,7 @@ def uneven_cut(
         key = (id(blocks), plan)
     if key not in est.cuts:
         est.cuts[key] = None
-        if _some_cut_fits(plan, blocks, cluster):  # a greedy pass, far cheaper than a cut
+        if _some_cut_fits(plan, blocks, cluster):  # a necessary condition, far cheaper
             with contextlib.suppress(ValueError):  # as the greedy pass, to rounding
                 est.cuts[key] = split_replica(plan, blocks, cluster)[1].sizes
     sizes = est.cuts[key]
