@@ -69,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
     from plait.plan.explain import explain
     from plait.plan.io import plan_to_dict, write_plan
     from plait.plan.loader import check_rate
+    from plait.plan.runners import runners_up, runners_up_text
     from plait.presets import load_cluster
     from plait.profile import MoESpec
 
@@ -146,6 +147,7 @@ def run(args: argparse.Namespace) -> int:
         )  # fmt: skip
     plans = [plan_to_dict(r, model=model_desc, cluster=cluster.name) for r in found.top]
     why = explain(found)
+    runners = runners_up(found, model, cluster)
     codec = _codec_line(found.best.plan.compress, cluster)
     if codec:
         why = f"{why} {codec}"
@@ -160,6 +162,7 @@ def run(args: argparse.Namespace) -> int:
                     "plans": plans,
                     "best": plans[0],
                     "explanation": why,
+                    "runners_up": [r.to_dict() for r in runners],
                     "plan_seconds": seconds,
                     "num_candidates": found.num_candidates,
                     "num_simulated": found.num_simulated,
@@ -172,6 +175,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     _table(found, describe)
     print(f"\n{why}")
+    if runners:
+        print(f"\n{runners_up_text(runners)}")
     print(
         f"\nsearched {found.num_candidates} layouts, simulated {found.num_simulated}, "
         f"in {seconds:.2f} s" + (f"; best plan written to {args.out}" if args.out else "")

@@ -3,22 +3,22 @@ simulator replays the most promising ones exactly.
 
 A synchronous step is estimated as a pipeline that is filled once and then paced by its
 slowest rank: (m - 1)·T_max + ΣT_r (Huang et al. 2019's (m + p - 1)·T for equal stages),
-the fill divided by v for interleaving and shortened by the weight-gradient passes that
-zero-bubble schedules move into it; plus the point-to-point latency of filling and
-draining, the exposed gradient reduction of the first stage and the optimizer step. An
-asynchronous window never fills nor drains: it is paced by its slowest rank, m·T_max, plus
-that rank's updates (each waits for its reduction, then steps the optimizer) and weight
-copies. Memory follows each schedule's in-flight micro-batches on each rank and its weight
-copies (the registry's closed forms, `plait.schedule.registry`). Under expert parallelism
-the experts' all-to-alls are part of each block's time (over the ep group's link) and
-expert gradients and model state are reduced and sharded over the dp·tp / ep ranks that hold
-the same experts. The estimates are only used to order the search; every reported number
-comes from the simulator.
+the fill cut to the share of 1F1B's idle time that the kind leaves (its paper's closed
+form, `ScheduleKind.bubble`: 1/v interleaved, a third for ZB-H1, none for ZB-H2 and ZB-V
+from 2p - 1 micro-batches, (p - 2)/(2(p - 1)) for Chimera); plus the point-to-point
+latency of filling and draining, the exposed gradient reduction of the first stage and
+the optimizer step. An asynchronous window never fills nor drains: it is paced by its
+slowest rank, m·T_max, plus that rank's updates (each waits for its reduction, then
+steps the optimizer) and weight copies. Memory follows each schedule's in-flight
+micro-batches on each rank and its weight copies (the registry's closed forms,
+`plait.schedule.registry`). Under expert parallelism the experts' all-to-alls are part
+of each block's time (over the ep group's link) and expert gradients and model state are
+reduced and sharded over the dp·tp / ep ranks that hold the same experts. The estimates
+are only used to order the search; every reported number comes from the simulator.
 """
 
 from __future__ import annotations
 
-from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -37,10 +37,18 @@ from plait.cost import (
     sync_degrees,
     weight_gather_time,
 )
+from plait.plan.partition import balanced_sizes
 from plait.schedule import schedule_kind
 from plait.sim import SimPlan
 
-__all__ = ["Estimate", "Estimator", "RankProfile", "balanced_sizes", "estimate", "inflight"]
+__all__ = [
+    "Estimate",
+    "Estimator",
+    "RankProfile",
+    "bound",
+    "estimate",
+    "inflight",
+]
 
 
 @dataclass(frozen=True)
@@ -49,6 +57,9 @@ class Estimate:
     memory_bytes: tuple[float, ...]  # per pipeline rank
     capacity_bytes: float
     sizes: tuple[int, ...]  # blocks per (virtual) stage
+    # whether another cut of the blocks could fit: the least memory any cut needs, summed
+    # over the ranks, is within their capacity summed (a necessary condition only)
+    other_cut_may_fit: bool = True
 
     @property
     def excess_bytes(self) -> float:
@@ -62,47 +73,6 @@ class Estimate:
 def inflight(kind: str, p: int, m: int, v: int, rank: int) -> float:
     """Micro-batches (in whole-stage units) whose activations `rank` holds at its peak."""
     return schedule_kind(kind).inflight(p, m, v, rank)
-
-
-def balanced_sizes(work: Sequence[float], k: int) -> list[int]:
-    """Blocks per stage of a contiguous split whose heaviest stage is (nearly) lightest:
-    binary search on the bottleneck with greedy packing over prefix sums (fast; the exact
-    partitioner refines the plans that are simulated)."""
-    prefix = [0.0]
-    for w in work:
-        prefix.append(prefix[-1] + w)
-    lo, hi = max(work), prefix[-1]
-    for _ in range(30):
-        mid = (lo + hi) / 2
-        if _pack(prefix, k, mid) is not None:
-            hi = mid
-        else:
-            lo = mid
-    sizes = _pack(prefix, k, hi * (1 + 1e-9))
-    assert sizes is not None and len(sizes) == k
-    return sizes
-
-
-def _pack(prefix: list[float], k: int, limit: float) -> list[int] | None:
-    """Greedy stages of at most `limit` work, then the largest split until there are k
-    (splitting never raises the bottleneck); None when more than k stages are needed."""
-    n = len(prefix) - 1
-    sizes: list[int] = []
-    start = 0
-    while start < n:
-        end = bisect_right(prefix, prefix[start] + limit, start + 1) - 1
-        end = max(end, start + 1)
-        sizes.append(end - start)
-        start = end
-        if len(sizes) > k:
-            return None
-    while len(sizes) < k:
-        i = max(range(len(sizes)), key=sizes.__getitem__)
-        if sizes[i] < 2:
-            return None
-        half = sizes[i] // 2
-        sizes[i : i + 1] = [sizes[i] - half, half]
-    return sizes
 
 
 @dataclass(frozen=True)
@@ -155,6 +125,10 @@ class Estimator:
         self._profiles: dict[tuple[object, ...], RankProfile] = {}
         self._links: dict[tuple[object, ...], Link] = {}
         self._state: dict[tuple[object, ...], float] = {}
+        self._syncs: dict[tuple[object, ...], float] = {}
+        self._opts: dict[tuple[object, ...], float] = {}
+        # uneven cuts within memory (`plait.plan.prune.uneven_cut`) by what shapes them
+        self.cuts: dict[tuple[object, ...], tuple[int, ...] | None] = {}
 
     def link(self, plan: SimPlan, axis: str) -> Link:
         key = (axis, plan.layout)
@@ -234,8 +208,40 @@ class Estimator:
             )
         return self._state[key]
 
+    def sync_time(self, plan: SimPlan, params: float, experts: float, links: AxisLinks) -> float:
+        """`stage_sync_time` of one rank's `params`, cached: the balanced stages of a
+        split hold the same parameters, and many plans share a data-parallel layout."""
+        key = (params, experts, plan.compress, plan.layout, plan.zero, plan.dtype, plan.ep)
+        if key not in self._syncs:
+            self._syncs[key] = stage_sync_time(
+                plan.compress, params, experts, layout=plan, links=links, device=self.device,
+                param_bytes=dtype_bytes(plan.dtype),
+            )  # fmt: skip
+        return self._syncs[key]
+
+    def optimizer_time(self, plan: SimPlan, params: float, experts: float) -> float:
+        """`moe_optimizer_step_time` of one rank's `params`, cached like `sync_time`."""
+        key = (params, experts, plan.layout, plan.zero, plan.dtype, plan.optimizer, plan.ep)
+        if key not in self._opts:
+            self._opts[key] = moe_optimizer_step_time(
+                params, experts, self.device, layout=plan, dtype=plan.dtype,
+                optimizer=plan.optimizer,
+            )  # fmt: skip
+        return self._opts[key]
+
     def estimate(self, plan: SimPlan, blocks: Sequence[BlockCost]) -> Estimate:
         return estimate(plan, self.profile(plan, blocks), self)
+
+    def bound(self, plan: SimPlan, blocks: Sequence[BlockCost]) -> Estimate:
+        return bound(plan, self.profile(plan, blocks), self)
+
+    def estimate_cut(
+        self, plan: SimPlan, blocks: Sequence[BlockCost], sizes: Sequence[int]
+    ) -> Estimate:
+        """`estimate` with the blocks cut into `sizes` per (virtual) stage instead of the
+        balanced cut (an uneven cut that fits where the balanced one does not)."""
+        arrays = self._block_arrays(plan, blocks)
+        return estimate(plan, _rank_sums(arrays, list(sizes), plan.pp), self)
 
 
 def _rank_sums(arrays: _BlockArrays, sizes: list[int], p: int) -> RankProfile:
@@ -261,6 +267,57 @@ def _rank_sums(arrays: _BlockArrays, sizes: list[int], p: int) -> RankProfile:
         float(arrays.activation_bytes[sizes[0] - 1]),
         per_rank(arrays.experts) if moe else None,
         np.add.reduceat(arrays.experts, starts) if moe else None,
+    )
+
+
+def bound(plan: SimPlan, profile: RankProfile, est: Estimator) -> Estimate:
+    """A lower bound on `estimate`'s step, m × the slowest rank's compute (every schedule
+    runs m micro-batches through its slowest rank; collectives, bubble and updates only
+    add), with the estimate's memory: cheap enough to prune candidates before estimating."""
+    m = plan.microbatches
+    work = profile.forward_s + profile.backward_input_s + profile.backward_weight_s
+    memory = _memory(plan, profile, est)
+    kind, p = schedule_kind(plan.schedule), plan.pp
+    # any cut holds the same model state over all ranks, and at least the fewest
+    # micro-batches (and weight copies) any rank holds of every block
+    least = min(kind.inflight(p, m, plan.chunks, r) for r in range(p))
+    copies = min(kind.copies(p, m, r) for r in range(p))
+    floor = (
+        float(_state(plan, profile, est).sum())
+        + least * float(profile.saved.sum())
+        + copies * float(profile.params.sum()) * dtype_bytes(plan.dtype)
+    )
+    capacity = float(est.device.memory_bytes)
+    return Estimate(
+        m * float(work.max()),
+        tuple(memory.tolist()),
+        capacity,
+        profile.sizes,
+        other_cut_may_fit=floor <= plan.pp * capacity,
+    )
+
+
+def _state(plan: SimPlan, profile: RankProfile, est: Estimator) -> np.ndarray:
+    """Model-state bytes per pipeline rank, twice over for a replicated kind (Chimera)."""
+    experts = np.zeros(plan.pp) if profile.experts is None else profile.experts
+    state = (profile.params - experts) * est.state_per_param(plan) + experts * (
+        est.state_per_param(plan, experts=True)
+    )
+    return state * (2 if schedule_kind(plan.schedule).replicated else 1)
+
+
+def _memory(plan: SimPlan, profile: RankProfile, est: Estimator) -> np.ndarray:
+    """Per pipeline rank: model state, in-flight activations, transients, weight copies
+    (a replicated kind, Chimera, holds each part's model state twice)."""
+    kind = schedule_kind(plan.schedule)
+    p, v, m = plan.pp, plan.chunks, plan.microbatches
+    copies = np.array([kind.copies(p, m, r) for r in range(p)], dtype=float)
+    counts = np.array([kind.inflight(p, m, v, r) for r in range(p)])
+    return (
+        _state(plan, profile, est)
+        + counts * profile.saved
+        + profile.transient
+        + copies * profile.params * dtype_bytes(plan.dtype)
     )
 
 
@@ -290,40 +347,28 @@ def estimate(plan: SimPlan, profile: RankProfile, est: Estimator) -> Estimate:
     # experts, exactly as the simulator prices a stage's (`stage_sync_time`)
     syncs = np.array(
         [
-            stage_sync_time(
-                plan.compress, n, x, layout=plan, links=links, device=est.device, param_bytes=pbytes
-            )
+            est.sync_time(plan, float(n), float(x), links)
             for n, x in zip(profile.params, rank_experts, strict=True)
         ]
     )
     opts = np.array(
         [
-            moe_optimizer_step_time(
-                n, x, est.device, layout=plan, dtype=plan.dtype, optimizer=plan.optimizer
-            )
+            est.optimizer_time(plan, float(n), float(x))
             for n, x in zip(profile.params, rank_experts, strict=True)
         ]
     )
-    copies = np.array([kind.copies(p, m, r) for r in range(p)], dtype=float)
     if kind.synchronous:
-        overlapped = m >= p  # fewer micro-batches than ranks: no chunk or W pass can fill in
-        fill = float(work.sum()) / (v if overlapped else 1)
-        if kind.split_backward and overlapped:
-            fill -= float(profile.backward_weight_s.sum()) / p * (p - 1)
-        pipeline = (m - 1) * float(work.max()) + max(fill, 0.0) + p2p
-        step = pipeline + float(syncs[0]) + float(opts.max())
+        # the slowest rank paces m micro-batches; the fill and drain leave the kind's
+        # share of 1F1B's idle time, the other ranks' work for one micro-batch
+        slowest = float(work.max())
+        idle = (float(work.sum()) - slowest) * kind.bubble(p, m, v)
+        step = m * slowest + idle + p2p + float(syncs[0]) + float(opts.max())
     else:  # every update waits for its reduction; each copy passes over the weights twice
+        copies = np.array([kind.copies(p, m, r) for r in range(p)], dtype=float)
         updates = m if kind.per_microbatch else 1
         stash = (
             2 * profile.params * pbytes / est.device.memory_bandwidth_Bps * np.minimum(copies, 1)
         )
         step = float((m * work + updates * (syncs + opts + stash)).max()) + p2p / (p or 1)
-    counts = np.array([kind.inflight(p, m, v, r) for r in range(p)])
-    memory = (
-        (profile.params - rank_experts) * est.state_per_param(plan)
-        + rank_experts * est.state_per_param(plan, experts=True)
-        + counts * profile.saved
-        + profile.transient
-        + copies * profile.params * pbytes
-    )
+    memory = _memory(plan, profile, est)
     return Estimate(step, tuple(memory.tolist()), float(est.device.memory_bytes), profile.sizes)

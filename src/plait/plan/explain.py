@@ -185,7 +185,10 @@ def explain(search: PlanSearch) -> str:
     margin = b.step_time_s - a.step_time_s
     lines = [
         f"{describe(a.plan)} beats {describe(b.plan)} by {margin:.3g} s per step "
-        f"({margin / b.step_time_s:.1%}).",
+        f"({margin / b.step_time_s:.1%})."
+        if margin > 1e-3 * b.step_time_s
+        else f"{describe(a.plan)} ties with {describe(b.plan)} (within 0.1% of a step, "
+        "where the simpler plan is preferred).",
     ]
     differs = _options(a, b)
     if differs:

@@ -18,6 +18,7 @@ is not in the cap.
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
@@ -27,7 +28,14 @@ from plait.cluster import Device
 from plait.cost import BlockCost, DataDegrees, DataLayout, Optimizer, Recompute, expert_state_bytes
 from plait.offload import offloaded_blocks
 
-__all__ = ["MemoryShortfall", "Partition", "partition", "partition_blocks"]
+__all__ = [
+    "MemoryShortfall",
+    "Partition",
+    "balanced_sizes",
+    "blocks_fit",
+    "partition",
+    "partition_blocks",
+]
 
 _T = TypeVar("_T")
 Segment = Callable[[int, int, int], float]  # (stage, first block, end block) -> value
@@ -190,6 +198,53 @@ def _raise_memory(n: int, k: int, memory: Segment, caps: list[float]) -> None:
     )
 
 
+@dataclass(frozen=True)
+class _Inputs:
+    """`partition`'s per-block and per-stage inputs for cost-model blocks on devices."""
+
+    times: list[float]
+    speeds: list[float]
+    static_bytes: list[float]
+    activation_bytes: list[float]
+    memory_caps: list[float]
+
+
+def _inputs(
+    blocks: Sequence[BlockCost],
+    devices: Sequence[Device],
+    *,
+    dtype: str,
+    recompute: Recompute,
+    layout: DataLayout,
+    optimizer: Optimizer,
+    offload_activations: str,
+    offload_optimizer: bool,
+) -> _Inputs:
+    if not devices:
+        raise ValueError("devices is empty: give one device per stage")
+    work = [
+        b.forward_flops
+        + b.backward_input_flops
+        + b.backward_weight_flops
+        + b.recompute_flops(recompute)
+        for b in blocks
+    ]
+    state = [
+        expert_state_bytes(
+            b.num_params, b.expert_params, layout=layout, dtype=dtype, optimizer=optimizer
+        )
+        for b in blocks
+    ]
+    moved = offloaded_blocks(offload_activations, len(blocks))
+    return _Inputs(
+        work,
+        [d.achievable_flops(dtype) for d in devices],
+        [x.params + x.grads + (0.0 if offload_optimizer else x.optimizer) for x in state],
+        [0.0 if i in moved else b.saved_for(recompute) for i, b in enumerate(blocks)],
+        [float(d.memory_bytes) for d in devices],
+    )
+
+
 def partition_blocks(
     blocks: Sequence[BlockCost],
     devices: Sequence[Device],
@@ -209,31 +264,89 @@ def partition_blocks(
     ranks, expert state over the ranks holding the same experts). Offloaded activations
     (`plait.offload`) and optimizer state count nothing here: the simulator charges the
     block left on the device and the state swapped in for the step."""
-    if not devices:
-        raise ValueError("devices is empty: give one device per stage")
-    work = [
-        b.forward_flops
-        + b.backward_input_flops
-        + b.backward_weight_flops
-        + b.recompute_flops(recompute)
-        for b in blocks
-    ]
-    state = [
-        expert_state_bytes(
-            b.num_params, b.expert_params, layout=layout, dtype=dtype, optimizer=optimizer
-        )
-        for b in blocks
-    ]
-    static = [x.params + x.grads + (0.0 if offload_optimizer else x.optimizer) for x in state]
-    moved = offloaded_blocks(offload_activations, len(blocks))
+    x = _inputs(
+        blocks, devices, dtype=dtype, recompute=recompute, layout=layout, optimizer=optimizer,
+        offload_activations=offload_activations, offload_optimizer=offload_optimizer,
+    )  # fmt: skip
     return partition(
-        work,
+        x.times,
         len(devices),
-        speeds=[d.achievable_flops(dtype) for d in devices],
-        static_bytes=static,
-        activation_bytes=[
-            0.0 if i in moved else b.saved_for(recompute) for i, b in enumerate(blocks)
-        ],
+        speeds=x.speeds,
+        static_bytes=x.static_bytes,
+        activation_bytes=x.activation_bytes,
         inflight=inflight,
-        memory_caps=[float(d.memory_bytes) for d in devices],
+        memory_caps=x.memory_caps,
     )
+
+
+def blocks_fit(
+    blocks: Sequence[BlockCost],
+    devices: Sequence[Device],
+    *,
+    inflight: Sequence[int],
+    dtype: str = "bf16",
+    recompute: Recompute = "none",
+    layout: DataLayout = _ONE_RANK,
+    optimizer: Optimizer = "adam",
+) -> bool:
+    """Whether some contiguous cut of `blocks` over `devices`, stages allowed to be empty,
+    fits each one's memory (as `partition_blocks` counts it), in one greedy pass: stage i
+    takes as many blocks as it can hold. Taking more never leaves the later stages worse
+    off (their rest is a suffix of any fitting cut's rest), so the pass is exact for such
+    cuts; for the partitioner's cuts of non-empty stages it is a necessary condition only
+    (False: none fits; True: `partition_blocks` decides)."""
+    x = _inputs(
+        blocks, devices, dtype=dtype, recompute=recompute, layout=layout, optimizer=optimizer,
+        offload_activations="none", offload_optimizer=False,
+    )  # fmt: skip
+    n, start = len(blocks), 0
+    for held, cap in zip(inflight, x.memory_caps, strict=True):
+        used = 0.0
+        while start < n:
+            need = x.static_bytes[start] + held * x.activation_bytes[start]
+            if used + need > cap * (1 + 1e-12):
+                break
+            used += need
+            start += 1
+    return start == n
+
+
+def balanced_sizes(work: Sequence[float], k: int) -> list[int]:
+    """Blocks per stage of a contiguous split whose heaviest stage is (nearly) lightest:
+    binary search on the bottleneck with greedy packing over prefix sums (fast; the exact
+    partitioner refines the plans that are simulated)."""
+    prefix = [0.0]
+    for w in work:
+        prefix.append(prefix[-1] + w)
+    lo, hi = max(work), prefix[-1]
+    for _ in range(30):
+        mid = (lo + hi) / 2
+        if _pack(prefix, k, mid) is not None:
+            hi = mid
+        else:
+            lo = mid
+    sizes = _pack(prefix, k, hi * (1 + 1e-9))
+    assert sizes is not None and len(sizes) == k
+    return sizes
+
+
+def _pack(prefix: list[float], k: int, limit: float) -> list[int] | None:
+    """Greedy stages of at most `limit` work, then the largest split until there are k
+    (splitting never raises the bottleneck); None when more than k stages are needed."""
+    n = len(prefix) - 1
+    sizes: list[int] = []
+    start = 0
+    while start < n:
+        end = bisect_right(prefix, prefix[start] + limit, start + 1) - 1
+        end = max(end, start + 1)
+        sizes.append(end - start)
+        start = end
+        if len(sizes) > k:
+            return None
+    while len(sizes) < k:
+        i = max(range(len(sizes)), key=sizes.__getitem__)
+        if sizes[i] < 2:
+            return None
+        half = sizes[i] // 2
+        sizes[i : i + 1] = [sizes[i] - half, half]
+    return sizes

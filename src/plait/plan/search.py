@@ -6,8 +6,12 @@ recomputation mode and ZeRO stage is a candidate. When the space is small (at mo
 `exact_limit` candidates) all of them are simulated; otherwise closed-form estimates
 (`plait.plan.estimate`) order them and only the most promising are partitioned exactly
 (`partition_blocks`, memory caps included) and replayed by the simulator, within a time
-budget. Given the input pipeline's rate, a plan's step is at least the time each
-data-parallel replica takes to load its batch (`search`'s `loader_samples_per_s`).
+budget. Every registered schedule kind is searched (asynchronous ones with
+`allow_staleness`); bounds keep that fast: a candidate whose memory does not fit, or whose
+lower bound on the step is slower than the estimates that could still be simulated and
+than the fastest of its kind, is never estimated in full (`plait.plan.prune`). Given the
+input pipeline's rate, a plan's step is at least the time each data-parallel replica takes
+to load its batch (`search`'s `loader_samples_per_s`).
 Alpa (Zheng et al. 2022) and Galvatron (Miao et al. 2022) search similar spaces
 with compilation passes or dynamic programming over layers; plait's layers are
 homogeneous blocks, so it searches whole-model layouts and lets the simulator judge.
@@ -22,10 +26,11 @@ from dataclasses import dataclass
 
 from plait.cluster import Cluster
 from plait.cost import StageCost
-from plait.plan.estimate import Estimate, Estimator
+from plait.plan.estimate import Estimate
 from plait.plan.hetero import HeteroPlan, plan_replicas, split_replica
-from plait.plan.loader import check_rate, replica_batch, with_loader
+from plait.plan.loader import check_rate, with_loader
 from plait.plan.partition import MemoryShortfall
+from plait.plan.prune import fastest_of_each_kind, order_key, pruned_estimates
 from plait.plan.space import ModelSpec, SearchSpace, candidates
 from plait.sim import SimPlan, SimResult, build_schedule, simulate
 
@@ -107,6 +112,9 @@ class PlanSearch:
     top_k: int = 5
     # why the plans offload to host memory (empty when they do not): nothing fit without
     offload_reason: str = ""
+    # the fastest estimate that fits of each schedule kind, fastest first (the explanation
+    # names the runner-up of every kind, simulated or not)
+    kind_estimates: tuple[tuple[Estimate, SimPlan], ...] = ()
 
     @property
     def top(self) -> tuple[RankedPlan, ...]:
@@ -273,15 +281,13 @@ def search(
             f"no layout of {devices} devices divides global_batch={global_batch} with micro-"
             f"batch sizes {space.micro_batch_sizes}: use a batch divisible by the devices"
         )
-    estimates = _estimates(plans, model, cluster)
     exhaustive = len(plans) <= exact_limit
+    estimates, misfits = pruned_estimates(
+        plans, model, cluster, None if exhaustive else max_simulated, rate
+    )
     order = _order(estimates, exhaustive, rate)
     ranked: list[RankedPlan] = []
-    rejected = [
-        Rejection(p, _short(e), e.excess_bytes)
-        for e, p in estimates
-        if not exhaustive and not e.fits
-    ]
+    rejected = [Rejection(p, _short(e), e.excess_bytes) for e, p in misfits]
     simulated = 0
     for _, plan in order:
         budget_gone = time.perf_counter() - t0 > time_budget_s and len(ranked) >= top_k
@@ -314,6 +320,7 @@ def search(
         time.perf_counter() - t0,
         top_k=top_k,
         offload_reason=reason,
+        kind_estimates=fastest_of_each_kind(estimates, rate),
     )
 
 
@@ -344,20 +351,11 @@ def _offloaded(
     return reason, found
 
 
-def _estimates(
-    plans: list[SimPlan], model: ModelSpec, cluster: Cluster
-) -> list[tuple[Estimate, SimPlan]]:
-    est = Estimator(cluster)
-    return [(est.estimate(p, model.blocks_for(p)), p) for p in plans]
-
-
 def _order(
     estimates: list[tuple[Estimate, SimPlan]], exhaustive: bool, rate: float | None
 ) -> list[tuple[Estimate, SimPlan]]:
     pool = estimates if exhaustive else [x for x in estimates if x[0].fits]
-    if rate:  # a plan is no faster than its input
-        return sorted(pool, key=lambda x: max(x[0].step_s, replica_batch(x[1]) / rate))
-    return sorted(pool, key=lambda x: x[0].step_s)
+    return sorted(pool, key=lambda x: order_key(x[0].step_s, x[1], rate))
 
 
 def _short(e: Estimate) -> str:

@@ -208,7 +208,11 @@ def _schedules(space: SearchSpace, pp: int, num_blocks: int) -> list[tuple[str, 
         return [("1f1b", 1)]
     out = []
     for kind in space.schedules:
-        if KINDS[kind].chunked:
+        entry = KINDS[kind]
+        if entry.exact_chunks:  # ZB-V: exactly two stages per rank, whatever `chunks` lists
+            if pp * entry.exact_chunks <= num_blocks:
+                out.append((kind, entry.exact_chunks))
+        elif entry.chunked:
             out += [(kind, v) for v in space.chunks if v >= 2 and pp * v <= num_blocks]
         else:
             out.append((kind, 1))

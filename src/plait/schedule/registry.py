@@ -24,6 +24,11 @@ __all__ = ["KINDS", "ScheduleKind", "build", "kind_names", "schedule_kind"]
 Generator = Callable[[int, int, int], Schedule]  # (stages, micro-batches, chunks)
 Inflight = Callable[[int, int, int, int], float]  # (p, m, chunks, rank) -> micro-batches
 PerStage = Callable[[int, int, int], int]  # (p, m, stage) -> count
+Bubble = Callable[[int, int, int], float]  # (p, m, chunks) -> share of 1F1B's idle time
+
+
+def _full(p: int, m: int, v: int) -> float:
+    return 1.0
 
 
 def _one(p: int, m: int, s: int) -> int:
@@ -56,6 +61,10 @@ class ScheduleKind:
     searched: bool = True
     # several pipelines run replicas of the same parts (Schedule.parts), summed per step
     replicated: bool = False
+    # the share of 1F1B's fill-and-drain idle time, (p - 1) stage-steps, that the kind
+    # leaves, with forward, input-gradient and weight-gradient passes of equal cost (the
+    # papers' closed forms); the planner's estimates order candidates by it
+    bubble: Bubble = _full
 
     @property
     def synchronous(self) -> bool:
@@ -150,6 +159,8 @@ KINDS: dict[str, ScheduleKind] = {
             "interleaved 1F1B: several virtual stages per rank, a smaller bubble",
             _interleaved_inflight,
             chunked=True,
+            # Narayanan et al. 2021: the bubble shrinks by v once every rank has work
+            bubble=lambda p, m, v: 1.0 / v if m >= p else 1.0,
         ),
         ScheduleKind(
             "zb-h1",
@@ -158,6 +169,8 @@ KINDS: dict[str, ScheduleKind] = {
             "ZB-H1: backward split into input and weight halves that fill the bubble",
             lambda p, m, v, r: float(min(p, m)),
             split_backward=True,
+            # Qi et al. 2024: (p - 1)(F + B - W) against 1F1B's (p - 1)(F + B + W)
+            bubble=lambda p, m, v: 1 / 3 if m >= p else 1.0,
         ),
         ScheduleKind(
             "zb-h2",
@@ -166,7 +179,8 @@ KINDS: dict[str, ScheduleKind] = {
             "ZB-H2: zero-bubble split backward with up to 2p-1 micro-batches in flight",
             lambda p, m, v, r: float(min(2 * p - 1, m)),
             split_backward=True,
-            searched=False,
+            # no bubble once 2p - 1 micro-batches fill it; ZB-H1's with fewer
+            bubble=lambda p, m, v: 0.0 if m >= 2 * p - 1 else 1 / 3 if m >= p else 1.0,
         ),
         ScheduleKind(
             "zb-v",
@@ -177,7 +191,9 @@ KINDS: dict[str, ScheduleKind] = {
             chunked=True,
             split_backward=True,
             exact_chunks=2,
-            searched=False,
+            # no bubble from 2p - 1 micro-batches on; fewer cut the order, leaving about
+            # ZB-H1's (p - 1)(F + B - W)
+            bubble=lambda p, m, v: 0.0 if m >= 2 * p - 1 else 1 / 3 if m >= p else 1.0,
         ),
         ScheduleKind(
             "chimera",
@@ -185,8 +201,9 @@ KINDS: dict[str, ScheduleKind] = {
             "sync",
             "Chimera: two pipelines in opposite directions, a replica of two stages per rank",
             lambda p, m, v, r: float(min(p, m)),
-            searched=False,
             replicated=True,
+            # Li & Hoefler 2021, Table 2: p - 2 idle slots of 2m + p - 2, 1F1B's 2(p - 1)
+            bubble=lambda p, m, v: (p - 2) / (2 * (p - 1)) if m >= p and p > 1 else 1.0,
         ),
         ScheduleKind(
             "pipedream",
