@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from plait.keyed import KeyedDropout
-from plait.models.gpt import Attention, TokenEmbedding
+from plait.models.gpt import Attention, Head, TokenEmbedding
 from plait.parallel.context import ring_attention, zigzag_positions
 from plait.schedule.registry import schedule_kind
 
@@ -29,8 +29,6 @@ def cp_refusal(plan: Any, *, compile: bool = False, mesh_given: bool = False) ->
     """Why `plan` (cp > 1) cannot train yet, with the fix; None when it can."""
     cp = plan.cp
     others = [
-        (plan.tp > 1, f"tp={plan.tp}", "tp=1"),
-        (plan.pp > 1, f"pp={plan.pp}", "pp=1 (with --nproc, give --pp 1)"),
         (plan.ep > 1, f"ep={plan.ep} (MoE)", "ep=1"),
         (not schedule_kind(plan.schedule).synchronous, f"schedule={plan.schedule!r}",
          "a synchronous schedule"),
@@ -51,7 +49,7 @@ def apply_context_parallel(stages: dict[int, nn.Module], group: dist.ProcessGrou
     """Wire every stage's GPT attention to the ring of `group` and its embedding to the
     global positions of this rank's chunks. Raises ValueError on a model it cannot wire."""
     cp, index = dist.get_world_size(group), dist.get_rank(group)
-    wired = 0
+    wired = 0  # the GPT parts found: a stage of another model has none
     for stage in stages.values():
         for name, module in stage.named_modules():
             _refuse_module(name, module, cp)
@@ -60,6 +58,9 @@ def apply_context_parallel(stages: dict[int, nn.Module], group: dist.ProcessGrou
                 wired += 1
             elif isinstance(module, TokenEmbedding):
                 module.positions_of = functools.partial(_positions, cp=cp, rank=index)
+                wired += 1
+            elif isinstance(module, Head):  # a last stage may hold the head alone
+                wired += 1
     if not wired:
         raise ValueError(
             f"cp={cp} found no causal self-attention it can run as a ring: context "
