@@ -12,8 +12,11 @@ import torch
 import torch.distributed as dist
 
 from plait.blocks import as_blocks
+from plait.checkpoint import CheckpointStore
 from plait.config import ParallelPlan
 from plait.models import GPT, GPTConfig
+from plait.train.checkpointing import resume, save
+from plait.train.engine import Engine
 from plait.train.parallelize import parallelize
 
 from .harness import run_world
@@ -108,3 +111,62 @@ def test_pp2_cp2_every_synchronous_schedule_and_tp2_cp2_match_one_process(
     tmp_path: Path,
 ) -> None:
     run_world(tmp_path, 4, _composed)
+
+
+def _sgd(params: object) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)  # type: ignore[arg-type]
+
+
+def _engine(**plan: object) -> Engine:
+    return parallelize(_model(), ParallelPlan(**plan), _sgd, GPT.loss, device="cpu",  # type: ignore[arg-type]
+                       grad_clip=None)  # fmt: skip
+
+
+def _reference_blocks(steps: int) -> list[torch.nn.Module]:
+    model = _model()
+    opt = _sgd(model.parameters())
+    for step in range(steps):
+        opt.zero_grad()
+        GPT.loss(model(_batch(step)[0]), _batch(step)[1]).backward()
+        opt.step()
+    return as_blocks(model)
+
+
+def _resume_and_step(root: Path, where: str, **plan: object) -> None:
+    """Resume the checkpoint of step 2 in `root` under `plan`, run step 3: one process's."""
+    engine = _engine(**plan)
+    found = resume(engine, CheckpointStore(root), "auto")
+    assert found is not None and found.step == 2, where
+    engine.step(_batch(2))
+    reference = _reference_blocks(3)
+    for stage in engine.stages.values():
+        for j, block in enumerate(stage.blocks):
+            theirs = reference[stage.first_block + j].parameters()
+            for p, q in zip(block.parameters(), theirs, strict=True):
+                torch.testing.assert_close(_full(p).detach(), q.detach(), **TOL, msg=where)
+
+
+def _save_two_steps(root: Path, **plan: object) -> None:
+    engine = _engine(**plan)
+    for step in range(2):
+        engine.step(_batch(step))
+    store = CheckpointStore(root)
+    save(engine, store, 2, {"plan": {}})
+    store.wait()
+
+
+def _across_degrees(rank: int, world: int, tmp: str) -> None:
+    torch.use_deterministic_algorithms(True)
+    root = Path(tmp)
+    _save_two_steps(root / "cp2", cp=2, pp=1, microbatches=2)
+    _resume_and_step(root / "cp2", "cp=2 -> dp=2", dp=2, pp=1, microbatches=2)
+    _resume_and_step(root / "cp2", "cp=2 -> pp=2", pp=2, microbatches=2)
+    _save_two_steps(root / "dp2", dp=2, pp=1, zero=3, microbatches=2)
+    _resume_and_step(root / "dp2", "dp=2 ZeRO-3 -> cp=2", cp=2, pp=1)
+    dist.barrier()
+
+
+def test_checkpoints_resume_across_cp_degrees(tmp_path: Path) -> None:
+    """A cp=2 checkpoint resumes under cp=1 (dp=2 or pp=2) and a cp=1 one under cp=2; the
+    next step's weights equal one process's."""
+    run_world(tmp_path, 2, _across_degrees, str(tmp_path))
