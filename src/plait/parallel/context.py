@@ -305,7 +305,8 @@ def run_on_group(steps: Steps[T], group: dist.ProcessGroup) -> T:
 
 class RingAttention(torch.autograd.Function):
     """Causal ring attention of zigzag shards q, k, v [b, h, 2c, d] over a cp group, with
-    a ring backward (see the module docstring)."""
+    a ring backward (see the module docstring). Its softmax and merges run in fp32 under
+    any autocast (as flash-attention accumulates); the results take the inputs' dtypes."""
 
     @staticmethod
     def forward(
@@ -317,21 +318,26 @@ class RingAttention(torch.autograd.Function):
         scale: float,
     ) -> torch.Tensor:
         rank, cp = dist.get_rank(group), dist.get_world_size(group)
-        steps = attention_forward_steps(q, k, v, rank=rank, cp=cp, scale=scale)
-        out, lse = run_on_group(steps, group)
+        dtypes = (q.dtype, k.dtype, v.dtype)
+        with torch.autocast(q.device.type, enabled=False):
+            q, k, v = (t.float() for t in (q, k, v))
+            steps = attention_forward_steps(q, k, v, rank=rank, cp=cp, scale=scale)
+            out, lse = run_on_group(steps, group)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.scale = group, scale
-        return out
+        ctx.group, ctx.scale, ctx.dtypes = group, scale, dtypes
+        return out.to(dtypes[0])
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, out, lse = ctx.saved_tensors
         group = ctx.group
         rank, cp = dist.get_rank(group), dist.get_world_size(group)
-        steps = attention_backward_steps(
-            q, k, v, out, lse, dout.contiguous(), rank=rank, cp=cp, scale=ctx.scale
-        )
-        dq, dk, dv = run_on_group(steps, group)
+        with torch.autocast(q.device.type, enabled=False):
+            steps = attention_backward_steps(
+                q, k, v, out, lse, dout.float().contiguous(), rank=rank, cp=cp, scale=ctx.scale
+            )
+            grads = run_on_group(steps, group)
+        dq, dk, dv = (g.to(t) for g, t in zip(grads, ctx.dtypes, strict=True))
         return dq, dk, dv, None, None
 
 
