@@ -15,6 +15,7 @@ from plait.blocks import as_blocks
 from plait.checkpoint import CheckpointStore
 from plait.config import ParallelPlan
 from plait.models import GPT, GPTConfig
+from plait.models.moe import MoEConfig, MoEGPT
 from plait.train.checkpointing import resume, save
 from plait.train.engine import Engine
 from plait.train.parallelize import parallelize
@@ -75,10 +76,17 @@ def _check(plan: ParallelPlan, steps: int = 2) -> None:
 def _two(rank: int, world: int) -> None:
     torch.use_deterministic_algorithms(True)
     _check(ParallelPlan(cp=2, pp=1, microbatches=2, schedule="1f1b"))
+    for recompute in ("full", "selective"):  # the ring runs again in backward, in step
+        _check(ParallelPlan(cp=2, pp=1, microbatches=2, recompute=recompute))
     _bf16(rank, world)
     with pytest.raises(ValueError, match=r"cp=2 with dropout=0.1 .*use dropout=0"):
         parallelize(_model(dropout=0.1), ParallelPlan(cp=2, pp=1),
                     lambda ps: torch.optim.SGD(ps, lr=0.1), GPT.loss, device="cpu")  # fmt: skip
+    moe = MoEGPT(MoEConfig(vocab_size=VOCAB, seq_len=SEQ, num_layers=1, hidden=16, num_heads=2,
+                           num_experts=2, top_k=1, moe_every=1))  # fmt: skip
+    with pytest.raises(ValueError, match=r"cp=2 with a mixture of experts .*or cp=1"):
+        parallelize(moe, ParallelPlan(cp=2, pp=1), lambda ps: torch.optim.SGD(ps, lr=0.1),
+                    GPT.loss, device="cpu")  # fmt: skip
 
 
 def _four(rank: int, world: int) -> None:

@@ -39,10 +39,10 @@ def test_cp_flag_and_nproc_make_the_world(capsys: pytest.CaptureFixture[str]) ->
 def test_cp_refuses_what_is_not_built_before_workers_start(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    argv = ["train", "--dry-run", "--nproc", "2", "--cp", "2", "--recompute", "full"]
+    argv = ["train", "--dry-run", "--nproc", "2", "--cp", "2", "--schedule", "pipedream"]
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert "cp=2 with recompute='full' is not supported yet: use recompute='none', or cp=1" in err
+    assert "cp=2 with schedule='pipedream' is not supported yet: use a synchronous" in err
 
 
 @pytest.mark.parametrize(
@@ -50,7 +50,6 @@ def test_cp_refuses_what_is_not_built_before_workers_start(
     [
         ({"dp": 2, "ep": 2}, "ep=2 (MoE)"),
         ({"schedule": "pipedream"}, "schedule='pipedream'"),
-        ({"recompute": "full"}, "recompute='full'"),
         ({"dp": 2, "compress": "fp16"}, "compress='fp16'"),
         ({"dp_replicate": 2, "dp_shard": 2}, "HSDP"),
     ],
