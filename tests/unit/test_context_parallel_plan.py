@@ -6,10 +6,12 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from plait.cli.main import main
 from plait.config import ParallelPlan
-from plait.train.context import cp_refusal
+from plait.models import GPT, GPTConfig
+from plait.train.context import check_model, cp_refusal
 from plait.train.passes import Request, refusals
 
 
@@ -68,3 +70,29 @@ def test_plain_cp_and_dp_cp_are_not_refused() -> None:
     for plan in composed:
         assert cp_refusal(plan) is None and refusals(Request(plan)) == []
     assert cp_refusal(ParallelPlan(cp=2, pp=1), compile=True) is not None
+
+
+def test_models_cp_cannot_wire_are_refused_naming_the_module() -> None:
+    gpt = GPT(GPTConfig(vocab_size=11, seq_len=8, num_layers=1, hidden=8, num_heads=2))
+    check_model({0: gpt}, 2)  # plait's GPT: wired
+    check_model({1: gpt.layers[-1]}, 2)  # a last stage holding the head alone
+    dropout = GPT(GPTConfig(vocab_size=11, seq_len=8, num_layers=1, hidden=8, num_heads=2,
+                            dropout=0.1))  # fmt: skip
+    with pytest.raises(ValueError, match=r"cp=2 with dropout=0.1 .*use dropout=0, or cp=1"):
+        check_model({0: dropout}, 2)
+    with pytest.raises(ValueError, match=r"no causal self-attention .*or cp=1"):
+        check_model({0: torch.nn.Linear(2, 2)}, 2)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_hugging_face_blocks_are_refused_naming_the_fix(family: str) -> None:
+    pytest.importorskip("transformers")
+    from plait.models import hf
+
+    build, config = {
+        "gpt2": (hf.gpt2_blocks_model, hf.tiny_gpt2_config),
+        "llama": (hf.llama_blocks_model, hf.tiny_llama_config),
+    }[family]
+    model = build(config(vocab_size=32, seq_len=8))
+    with pytest.raises(ValueError, match=r"cp=2 cannot run \w+Attention .*plait's GPT"):
+        check_model({0: model}, 2)

@@ -11,6 +11,7 @@ before the model is touched, naming the fix.
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -23,7 +24,7 @@ from plait.models.moe import Experts
 from plait.parallel.context import ring_attention, zigzag_positions
 from plait.schedule.registry import schedule_kind
 
-__all__ = ["apply_context_parallel", "cp_refusal"]
+__all__ = ["apply_context_parallel", "check_model", "cp_refusal"]
 
 
 def cp_refusal(plan: Any, *, compile: bool = False, mesh_given: bool = False) -> str | None:
@@ -49,19 +50,25 @@ def apply_context_parallel(stages: dict[int, nn.Module], group: dist.ProcessGrou
     """Wire every stage's GPT attention to the ring of `group` and its embedding to the
     global positions of this rank's chunks. Raises ValueError on a model it cannot wire."""
     cp, index = dist.get_world_size(group), dist.get_rank(group)
-    wired = 0  # the GPT parts found: a stage of another model has none
+    check_model(stages, cp)
+    for stage in stages.values():
+        for module in stage.modules():
+            if isinstance(module, Attention):
+                module.ring = functools.partial(ring_attention, group=group)
+            elif isinstance(module, TokenEmbedding):
+                module.positions_of = functools.partial(_positions, cp=cp, rank=index)
+
+
+def check_model(stages: Mapping[int, nn.Module], cp: int) -> None:
+    """Raise ValueError (naming the module and the fix) unless cp can wire these stages:
+    plait's GPT parts, no dropout, no experts, no other attention (Hugging Face blocks)."""
+    found = 0  # the GPT parts: a stage of another model has none
     for stage in stages.values():
         for name, module in stage.named_modules():
             _refuse_module(name, module, cp)
-            if isinstance(module, Attention):
-                module.ring = functools.partial(ring_attention, group=group)
-                wired += 1
-            elif isinstance(module, TokenEmbedding):
-                module.positions_of = functools.partial(_positions, cp=cp, rank=index)
-                wired += 1
-            elif isinstance(module, Head):  # a last stage may hold the head alone
-                wired += 1
-    if not wired:
+            # a last stage may hold the head alone
+            found += isinstance(module, (Attention, TokenEmbedding, Head))
+    if not found:
         raise ValueError(
             f"cp={cp} found no causal self-attention it can run as a ring: context "
             "parallelism supports plait's GPT (model 'gpt') so far; use it, or cp=1"
