@@ -182,12 +182,15 @@ def attention_forward_steps(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, rank: int, cp: int, scale: float
 ) -> Steps[Tensors]:
     """One rank's forward: (out [b, h, 2c, d], lse [b, h, 2c]) of its zigzag queries
-    against every rank's keys and values, causal by global position."""
+    against every rank's keys and values, causal by global position. The next block's
+    transfer is posted before the current block's attention, so the two overlap."""
     c = _chunk(q)
-    out, lse = _block(q, k, v, scale, causal=True)
+    ticket: int = (yield Post((k, v))) if cp > 1 else -1
+    out, lse = _block(q, k, v, scale, causal=True)  # own block: local order is global order
     for t in range(1, cp):
-        ticket = yield Post((k, v))  # posted before this step's attention: they overlap
         k, v = yield Wait(ticket)
+        if t < cp - 1:
+            ticket = yield Post((k, v))
         if (rank - t) % cp < rank:  # an earlier rank's block: its head chunk, all queries
             o, lo = _block(q, k[..., :c, :], v[..., :c, :], scale, causal=False)
             out, lse = _merge(out, lse, o, lo)
@@ -212,28 +215,34 @@ def attention_backward_steps(
     scale: float,
 ) -> Steps[Tensors]:
     """One rank's backward: (dq, dk, dv) of its own q, k, v. dK/dV accumulators travel
-    with their block around the ring and come home after cp transfers."""
+    with their block around the ring (one step behind it) and come home after cp
+    transfers; the next block's transfer overlaps the current block's gradients."""
     c = _chunk(q)
     delta = (dout * out).sum(-1)  # [b, h, 2c]
+    kv_ticket: int = (yield Post((k, v))) if cp > 1 else -1
     dq, dk, dv = _block_grads(q, k, v, dout, lse, delta, scale, causal=True)
+    if cp == 1:
+        return dq, dk, dv
+    acc: int = yield Post((dk, dv))
     for t in range(1, cp):
-        kv_ticket = yield Post((k, v))
-        acc_ticket = yield Post((dk, dv))
         k, v = yield Wait(kv_ticket)
-        dk, dv = yield Wait(acc_ticket)
+        if t < cp - 1:
+            kv_ticket = yield Post((k, v))
         if (rank - t) % cp < rank:
             gq, gk, gv = _block_grads(q, k[..., :c, :], v[..., :c, :], dout, lse, delta,
                                       scale, causal=False)  # fmt: skip
             dq = dq + gq
+            dk, dv = yield Wait(acc)  # this block's accumulators, from the previous rank
             dk = torch.cat([dk[..., :c, :] + gk, dk[..., c:, :]], dim=-2)
             dv = torch.cat([dv[..., :c, :] + gv, dv[..., c:, :]], dim=-2)
         else:
             gq, gk, gv = _block_grads(q[..., c:, :], k, v, dout[..., c:, :], lse[..., c:],
                                       delta[..., c:], scale, causal=False)  # fmt: skip
             dq = torch.cat([dq[..., :c, :], dq[..., c:, :] + gq], dim=-2)
+            dk, dv = yield Wait(acc)
             dk, dv = dk + gk, dv + gv
-    if cp > 1:  # the accumulators hold the next rank's block: send them home
-        dk, dv = yield Wait((yield Post((dk, dv))))
+        acc = yield Post((dk, dv))
+    dk, dv = yield Wait(acc)  # the accumulators of this rank's own block, complete
     return dq, dk, dv
 
 
