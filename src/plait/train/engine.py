@@ -40,13 +40,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from plait.compat import pytree
 from plait.config import ParallelPlan
 from plait.device import autocast_context
 from plait.keyed import StepDraws, has_keyed_dropout
 from plait.mesh import Meshes
 from plait.parallel import clip_grad_norm, expert_params
-from plait.parallel.context import zigzag_shard
 from plait.parallel.replicas import uncounted_params
 from plait.runtime import PipelineExecutor, StepResult, split_microbatches
 from plait.runtime.backend import MetricFn
@@ -57,6 +55,7 @@ from plait.schedule import Schedule
 from plait.train.batches import batch_size as _batch_size
 from plait.train.batches import eval_parts as _eval_parts
 from plait.train.batches import rows as _rows
+from plait.train.batches import sequence_shard
 from plait.train.batches import to_device as _to
 from plait.train.losses import LossExchange
 from plait.train.precision import LossScaler, skips_on_device, step_unless_found
@@ -297,13 +296,7 @@ class Engine:
         return self._seq(value)
 
     def _seq(self, value: Any) -> Any:
-        """Under context parallelism, this rank's zigzag chunks of the sequence (dim 1)."""
-        if self.plan.cp == 1:
-            return value
-        cp, index = self.plan.cp, self.cp_index
-        return pytree.tree_map_only(
-            torch.Tensor, lambda t: zigzag_shard(t, cp, index, dim=1), value
-        )
+        return sequence_shard(value, self.plan.cp, self.cp_index)
 
     # ---------------------------------------------------------------- updates
     def _update(self, stage: int, version: int) -> None:
