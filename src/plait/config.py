@@ -339,9 +339,16 @@ class ParallelPlan:
         },
     )
     tp: int = field(default=1, metadata={"help": "tensor-parallel degree"})
+    cp: int = field(
+        default=1,
+        metadata={
+            "help": "context-parallel degree: the sequence is split over cp ranks (zigzag "
+            "chunks) and attention runs as a ring (plait.parallel.context)"
+        },
+    )
     pp: int = field(
         default=2,
-        metadata={"help": "pipeline degree (with --nproc and no --pp: nproc / (dp × tp))"},
+        metadata={"help": "pipeline degree (with --nproc and no --pp: nproc / (dp × cp × tp))"},
     )
     schedule: str = field(
         default="1f1b",
@@ -487,7 +494,7 @@ class ParallelPlan:
 
     def _check_layout(self) -> None:
         """What makes any layout well formed, trained or only simulated."""
-        _positive(self, "dp", "tp", "pp", "microbatches", "chunks", "wsp_wave")
+        _positive(self, "dp", "cp", "tp", "pp", "microbatches", "chunks", "wsp_wave")
         object.__setattr__(self, "offload_activations", normalize_offload(self.offload_activations))
         if self.wsp_staleness is not None and self.wsp_staleness < 0:
             raise ValueError(
@@ -537,6 +544,11 @@ class ParallelPlan:
         self._check_asynchronous()
         self._check_compression()
         if self.pipelines is not None or self.wsp_staleness is not None:
+            if self.cp > 1:
+                raise ValueError(
+                    f"cp={self.cp} with pipelines of their own (pipelines or wsp_staleness) "
+                    "is not supported: use cp=1, or one pipeline layout"
+                )
             check_hetero_plan(self)
 
     def _check_compression(self) -> None:
@@ -555,7 +567,7 @@ class ParallelPlan:
     def world_size(self) -> int:
         if self.pipelines is not None:
             return sum(len(p.partition) // self.chunks for p in self.pipelines)
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
 
     @property
     def num_stages(self) -> int:
@@ -565,13 +577,14 @@ class ParallelPlan:
         """Every field, less the data-parallel axes when unset (dp and zero say it all),
         so that files and outputs of plans without them read as before the axes existed."""
         out = dataclasses.asdict(self)
-        return {k: v for k, v in out.items() if not (k in _DP_AXES and v is None)}
+        unset = {k for k in _DP_AXES if out[k] is None} | ({"cp"} if self.cp == 1 else set())
+        return {k: v for k, v in out.items() if k not in unset}
 
     @property
     def layout(self) -> Layout:
         """The named-axis layout of the ranks (`plait.layout.Layout`)."""
         return _layout_of(self.pp, self.dp, self.dp_replicate, self.dp_shard, self.zero,
-                          self.tp, self.ep, self.rank_order)  # fmt: skip
+                          self.cp, self.tp, self.ep, self.rank_order)  # fmt: skip
 
     def _rank(self, pp_rank: int, dp_rank: int, tp_rank: int) -> int:
         return self.layout.global_rank({"pp": pp_rank, "dp": dp_rank, "tp": tp_rank})
@@ -614,11 +627,20 @@ _DP_AXES = ("dp_replicate", "dp_shard")
 
 @functools.lru_cache(maxsize=256)
 def _layout_of(
-    pp: int, dp: int, rep: int | None, shard: int | None, zero: int, tp: int, ep: int, order: str
+    pp: int,
+    dp: int,
+    rep: int | None,
+    shard: int | None,
+    zero: int,
+    cp: int,
+    tp: int,
+    ep: int,
+    order: str,
 ) -> Layout:
     """A plan's layout, built once per distinct plan (the simulator asks for it per rank)."""
     _, replicate, sharded, _ = resolve_dp(dp, rep, shard, zero)
-    return Layout(pp=pp, dp_replicate=replicate, dp_shard=sharded, tp=tp, ep=ep, rank_order=order)
+    return Layout(pp=pp, dp_replicate=replicate, dp_shard=sharded, cp=cp, tp=tp, ep=ep,
+                  rank_order=order)  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True)

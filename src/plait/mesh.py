@@ -89,11 +89,14 @@ def build_mesh(layout: Layout, device_type: str, *, experts: bool = False) -> Me
     check_fits(layout, dist.get_world_size(), local_world_size=_local_world_size())
     main = DeviceMesh(device_type, torch.tensor(rank_grid(layout)), mesh_dim_names=AXES)
     dp = main[_DP_AXES]._flatten("dp")
+    # gradients of replicated weights are reduced over dp and cp as one group
+    # (torchtitan's dp_shard_cp): the cp ranks of a replica hold the same weights
+    dp_cp = main[(*_DP_AXES, "cp")]._flatten("dp_cp") if layout.cp > 1 else None
     expert = None
     if layout.ep > 1 or (experts and layout.tp > 1):
         grid = torch.tensor(expert_grid(layout))
         expert = DeviceMesh(device_type, grid, mesh_dim_names=("pp", "edp", "ep"))
-    return Meshes(main=main, expert=expert, flat_dp=dp)
+    return Meshes(main=main, expert=expert, flat_dp=dp, flat_dp_cp=dp_cp)
 
 
 _DP_AXES = ("dp_replicate", "dp_shard")
@@ -129,21 +132,38 @@ class Meshes:
     same ranks with dp × tp split into (edp, ep), when experts are spread (ep > 1) or their
     replicas span tensor-parallel ranks (tp > 1), else None; `flat_dp`, the data-parallel
     mesh `main` flattened (kept here: torch deprecates slicing a flattened dimension from
-    the root mesh), None when `main` has a "dp" dimension of its own."""
+    the root mesh), None when `main` has a "dp" dimension of its own; `flat_dp_cp`, dp ×
+    cp flattened when cp > 1 (the group that reduces gradients then), else None."""
 
     main: DeviceMesh
     expert: DeviceMesh | None = None
     flat_dp: DeviceMesh | None = None
+    flat_dp_cp: DeviceMesh | None = None
 
     def dp(self) -> DeviceMesh:
         """The data-parallel mesh (1-D)."""
         return self.flat_dp if self.flat_dp is not None else self.main["dp"]
 
+    def grad_dp(self) -> DeviceMesh:
+        """The mesh replicated weights' gradients are reduced over: dp × cp flattened
+        under context parallelism, else the data-parallel mesh."""
+        return self.flat_dp_cp if self.flat_dp_cp is not None else self.dp()
+
+    def cp_group(self) -> dist.ProcessGroup | None:
+        """The context-parallel ring, None when cp = 1."""
+        names = self.main.mesh_dim_names or ()
+        if "cp" not in names or self.main["cp"].size() == 1:
+            return None
+        return self.main.get_group("cp")
+
     def fsdp(self) -> DeviceMesh:
         """The mesh FSDP2 shards over: the flattened `dp`, or under HSDP (dp_replicate and
         dp_shard > 1) the 2-D (dp_replicate, dp_shard) mesh, on which FSDP2 shards inside
-        a replica group and all-reduces across them."""
+        a replica group and all-reduces across them; under context parallelism dp × cp
+        flattened (torchtitan's dp_shard_cp; HSDP with cp is refused)."""
         names = self.main.mesh_dim_names or ()
+        if self.flat_dp_cp is not None:  # cp > 1 (HSDP refused): shard over dp × cp
+            return self.flat_dp_cp
         if not set(_DP_AXES) <= set(names) or self.main["dp_replicate"].size() == 1:
             return self.dp()
         return self.main[_DP_AXES]

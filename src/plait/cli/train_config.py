@@ -12,7 +12,7 @@ from typing import Any
 
 __all__ = ["from_plan_file", "resolve"]
 
-_LAYOUT_FLAGS = ("dp", "tp", "pp", "schedule", "microbatches", "chunks", "zero", "recompute",
+_LAYOUT_FLAGS = ("dp", "cp", "tp", "pp", "schedule", "microbatches", "chunks", "zero", "recompute",
                  "sequence_parallel", "partition")  # fmt: skip
 _NOT_OVERRIDES = ("config", "func", "command", "dry_run")
 
@@ -49,21 +49,21 @@ def resolve(args: argparse.Namespace) -> dict[str, Any]:
     _check_pretrained_shape(cfg, overrides, from_file)
     if nproc is not None and nproc != cfg.nproc:
         par = cfg.parallel
-        if "parallel.pp" in given or nproc % (par.dp * par.tp):
+        if "parallel.pp" in given or nproc % (par.dp * par.cp * par.tp):
             raise _noting_defaults(
                 ValueError(
-                    f"nproc={nproc} workers but dp × tp × pp = {par.dp} × {par.tp} × {par.pp} "
-                    f"= {par.world_size}: make them equal"
+                    f"nproc={nproc} workers but {_product(par)} = {par.world_size}: make them equal"
                 ),
                 given,
             )
-        pp = nproc // (par.dp * par.tp)
+        pp = nproc // (par.dp * par.cp * par.tp)
         blocks = cfg.model.layers + 2
         if cfg.model.known_blocks and pp * par.chunks > blocks:
             raise ValueError(
-                f"nproc={nproc} workers would make a {pp}-stage pipeline (dp × tp = "
-                f"{par.dp * par.tp}), but the model has {blocks} blocks: use at most "
-                f"{blocks // par.chunks * par.dp * par.tp} workers, or more --dp/--tp/--layers"
+                f"nproc={nproc} workers would make a {pp}-stage pipeline (dp × cp × tp = "
+                f"{par.dp * par.cp * par.tp}), but the model has {blocks} blocks: use at most "
+                f"{blocks // par.chunks * par.dp * par.cp * par.tp} workers, or more "
+                "--dp/--cp/--tp/--layers"
             )
         overrides["parallel.pp"] = pp
         cfg = _load(args.config, overrides, given | {"parallel.pp"})
@@ -71,7 +71,19 @@ def resolve(args: argparse.Namespace) -> dict[str, Any]:
     from plait.train.slowdown import check_config
 
     check_config(cfg)
+    if cfg.parallel.cp > 1:  # refused here, before any worker starts
+        from plait.train.context import cp_refusal
+
+        why = cp_refusal(cfg.parallel)
+        if why is not None:
+            raise ValueError(why)
     return cfg.to_dict()
+
+
+def _product(par: Any) -> str:
+    """The plan's degrees as the world size multiplies them (cp named only when used)."""
+    names = ("dp", "cp", "tp", "pp") if par.cp > 1 else ("dp", "tp", "pp")
+    return " × ".join(names) + " = " + " × ".join(str(getattr(par, n)) for n in names)
 
 
 def _gpu_workers(device: str) -> int | None:

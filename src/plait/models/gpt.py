@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,9 +65,15 @@ class TokenEmbedding(nn.Module):
         self.tok = nn.Embedding(cfg.vocab_size, cfg.hidden)
         self.pos = nn.Embedding(cfg.seq_len, cfg.hidden)
         self.drop = KeyedDropout(cfg.dropout)
+        # the global positions of a shard of the sequence (context parallelism sets it:
+        # local length -> positions); None: the sequence is whole
+        self.positions_of: Callable[[int], torch.Tensor] | None = None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(ids.shape[1], device=ids.device)
+        if self.positions_of is None:
+            positions = torch.arange(ids.shape[1], device=ids.device)
+        else:
+            positions = self.positions_of(ids.shape[1]).to(ids.device)
         return self.drop(self.tok(ids) + self.pos(positions))  # [batch, seq, hidden]
 
 
@@ -88,8 +95,13 @@ class Attention(nn.Module):
         # selective recomputation (Korthikanti et al. 2022): keep q, k, v, recompute the
         # attention core in backward instead of storing its intermediates
         self.recompute_core = False
+        # causal attention over a sequence split among ranks (context parallelism sets
+        # it: plait.parallel.context.ring_attention on the cp group); None: SDPA
+        self.ring: Callable[..., torch.Tensor] | None = None
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.ring is not None:
+            return self.ring(q, k, v)
         draw = current()
         if draw is not None and self.training and self.dropout > 0.0:
             return self._keyed_core(q, k, v, draw)

@@ -1,5 +1,5 @@
-"""Cutting a global batch: its samples, a rank's rows, evaluation's parts, and moving
-them to the device."""
+"""Cutting a global batch: its samples, a rank's rows (and sequence chunks), evaluation's
+parts, and moving them to the device."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ from typing import Any
 import torch
 
 from plait.compat import pytree
+from plait.parallel.context import zigzag_shard
 
-__all__ = ["batch_size", "eval_parts", "rows", "to_device"]
+__all__ = ["batch_size", "eval_parts", "rows", "sequence_shard", "to_device"]
 
 
 def to_device(value: Any, device: torch.device) -> Any:
@@ -50,3 +51,10 @@ def rows(value: Any, start: int, count: int) -> Any:
     return pytree.tree_map(
         lambda t: t[start : start + count] if isinstance(t, torch.Tensor) else t, value
     )
+
+
+def sequence_shard(batch: Any, cp: int, index: int) -> Any:
+    """Context-parallel rank `index`'s zigzag chunks of every tensor's sequence (dim 1)."""
+    if cp == 1:
+        return batch
+    return pytree.tree_map_only(torch.Tensor, lambda t: zigzag_shard(t, cp, index, dim=1), batch)

@@ -55,6 +55,7 @@ from plait.schedule import Schedule
 from plait.train.batches import batch_size as _batch_size
 from plait.train.batches import eval_parts as _eval_parts
 from plait.train.batches import rows as _rows
+from plait.train.batches import sequence_shard
 from plait.train.batches import to_device as _to
 from plait.train.losses import LossExchange
 from plait.train.precision import LossScaler, skips_on_device, step_unless_found
@@ -137,6 +138,8 @@ class Engine:
         self.scaler = LossScaler() if plan.dtype == "fp16" else None
         # which of dp equal slices of a global batch this rank trains on (and evaluates)
         self.dp_index = plan.layout.batch_shard(dist.get_rank())[0] if plan.dp > 1 else 0
+        # which zigzag pair of sequence chunks (dim 1) this rank takes, under cp > 1
+        self.cp_index = plan.layout.index("cp", dist.get_rank()) if plan.cp > 1 else 0
         self.synchronous = schedule.policy == "sync"
         self.executor = PipelineExecutor(
             schedule,
@@ -247,9 +250,9 @@ class Engine:
             starts = [first + i * each for i in range(count)]
             micro_in = micro_tg = None
             if self.executor.needs_inputs:
-                micro_in = [_to(_rows(inputs, at, each), self.device) for at in starts]
+                micro_in = [_to(self._seq(_rows(inputs, at, each)), self.device) for at in starts]
             if self.executor.needs_targets:
-                micro_tg = [_to(_rows(targets, at, each), self.device) for at in starts]
+                micro_tg = [_to(self._seq(_rows(targets, at, each)), self.device) for at in starts]
             # every replica runs these programs in this order (ZeRO-3 gathers weights in
             # each forward and each boundary probe), keyed alike: shapes are described
             # anew on all replicas at once, or on none
@@ -265,7 +268,8 @@ class Engine:
         names = tuple(metrics or {})
         if values is None:  # an empty batch
             values = torch.zeros(2 + len(names), device=self.device, dtype=torch.float64)
-        values = values / self.plan.tp  # tp replicas of a last stage count once
+        # tp replicas of a last stage count once; cp ranks' equal sequence shards average
+        values = values / (self.plan.tp * self.plan.cp)
         dist.all_reduce(values)
         if drained is not None:
             self.restart()
@@ -285,10 +289,14 @@ class Engine:
         return self._report(result)
 
     def _shard(self, value: Any) -> Any:
-        """This rank's slice of a global batch (dim 0), cut over the layout's batch axes."""
-        if self.plan.dp == 1:
-            return value
-        return split_microbatches(value, self.plan.dp)[self.dp_index]
+        """This rank's slice of a global batch (dim 0), cut over the layout's batch axes;
+        under context parallelism, its two zigzag chunks of the sequence (dim 1)."""
+        if self.plan.dp > 1:
+            value = split_microbatches(value, self.plan.dp)[self.dp_index]
+        return self._seq(value)
+
+    def _seq(self, value: Any) -> Any:
+        return sequence_shard(value, self.plan.cp, self.cp_index)
 
     # ---------------------------------------------------------------- updates
     def _update(self, stage: int, version: int) -> None:

@@ -21,7 +21,8 @@ __all__ = ["LossExchange"]
 class LossExchange:
     """Every finished micro-batch's global id and loss, on every rank. Only the ranks of
     last stages have them: one all-reduce over all workers sums them (each tensor- and
-    data-parallel replica counts 1/(dp·tp), so data-parallel losses are averaged).
+    data- and context-parallel replica counts 1/(dp·cp·tp), so data-parallel losses, and
+    the equal-sized sequence shards of context parallelism, are averaged).
 
     A synchronous window's losses are exchanged at its end (its UPDATEs synchronised the
     workers anyway). An asynchronous stream must not wait: its stages run windows apart,
@@ -34,7 +35,7 @@ class LossExchange:
         timeout_s: float | None,
     ) -> None:  # fmt: skip
         self.device, self.m, self.reach = device, plan.microbatches, schedule.reach
-        self.weight = 1.0 / (plan.dp * plan.tp)
+        self.weight = 1.0 / (plan.dp * plan.cp * plan.tp)
         self.timeout_s = timeout_s
         self.lag = 0 if schedule.policy == "sync" else schedule.reach + 1
         self.pending: deque[tuple[int, Any, torch.Tensor, int]] = deque()

@@ -4,12 +4,12 @@ A pass says when it acts (`active`), what it cannot do under a request (`refuse`
 naming the values and the fix, or None) and how it changes this rank's stages (`apply`).
 `parallelize` asks every pass to refuse before it touches the model, then applies the
 active ones in `PASSES` order, torchtitan's: experts and tensor parallelism shard the
-blocks, recomputation wraps them, compile compiles the wrapped blocks; the replicas start
-alike; FSDP (ZeRO-2/3) or the bucketed reducer (with its compression hook) becomes the
-gradient sync; the optimizers (ZeRO-1 partitions them) and offload come last. A new
-transform (FP8, another sharding) is one more pass in this list, with its refusals beside
-its apply step; `plait capabilities` prints the combinations they refuse
-(`plait.train.capabilities`).
+blocks, context parallelism turns their attention into a ring, recomputation wraps them,
+compile compiles the wrapped blocks; the replicas start alike; FSDP (ZeRO-2/3) or the
+bucketed reducer (with its compression hook) becomes the gradient sync; the optimizers
+(ZeRO-1 partitions them) and offload come last. A new transform (FP8, another sharding) is
+one more pass in this list, with its refusals beside its apply step; `plait capabilities`
+prints the combinations they refuse (`plait.train.capabilities`).
 
 The plan's own checks (`ParallelPlan.__post_init__`) stay where files and flags are read:
 they refuse before any worker starts, and the simulator shares them.
@@ -41,6 +41,7 @@ from plait.parallel.replicas import with_replicas
 from plait.runtime.sync import GradSync
 from plait.schedule import Schedule
 from plait.train.compile import apply_compile, compile_refusal
+from plait.train.context import apply_context_parallel, cp_refusal
 from plait.train.offload import apply_offload
 from plait.train.recompute import apply_recompute
 
@@ -114,6 +115,16 @@ def _tensor_parallel(b: Build) -> None:
         )
 
 
+def _context_parallel(b: Build) -> None:
+    group = b.meshes.cp_group()
+    assert group is not None  # cp > 1 made the cp axis of the mesh
+    apply_context_parallel(b.stages, group)
+
+
+def _cp_refusal(r: Request) -> str | None:
+    return cp_refusal(r.plan, compile=r.compile, mesh_given=r.mesh_given)
+
+
 def _recompute(b: Build) -> None:
     for stage in b.stages.values():
         apply_recompute(stage, b.plan.recompute)
@@ -127,10 +138,9 @@ def _compile(b: Build) -> None:
 def _same_start(b: Build) -> None:
     """Every dp replica starts from dp rank 0's weights (and buffers); expert weights from
     their replica group's first rank (the ranks of an ep group hold different ones)."""
-    mesh = b.meshes.main
-    if b.meshes.dp().size() == 1:
+    if b.meshes.grad_dp().size() == 1:
         return
-    group, experts = mesh.get_group("dp"), b.meshes.expert_dp_group()
+    group, experts = b.meshes.grad_dp().get_group(), b.meshes.expert_dp_group()
     for stage in b.stages.values():
         own = {id(p) for p in expert_params(stage)} if b.meshes.expert is not None else set()
         for t in [*stage.parameters(), *stage.buffers()]:
@@ -153,14 +163,14 @@ def _fsdp(b: Build) -> None:
 
 def _reducer_active(r: Request) -> bool:
     # ep > 1 or tp > 1 with experts gives an expert view; `_reduce` finds out which
-    return r.plan.zero < 2 and (r.plan.dp > 1 or r.plan.ep > 1 or r.plan.tp > 1)
+    return r.plan.zero < 2 and (r.plan.dp * r.plan.cp > 1 or r.plan.ep > 1 or r.plan.tp > 1)
 
 
 def _reduce(b: Build) -> None:
     plan, meshes = b.plan, b.meshes
-    if plan.dp == 1 and meshes.expert is None:
+    if plan.dp * plan.cp == 1 and meshes.expert is None:
         return
-    group = meshes.main.get_group("dp")
+    group = meshes.grad_dp().get_group()
     hook, state = hook_for(plan.compress, group) or (None, None)
     # expert gradients: averaged over the ranks holding the same experts, then × tp/ep
     # (their replica sum / dp; see plait.parallel.experts)
@@ -233,6 +243,7 @@ def _dgc(b: Build) -> None:
 PASSES: tuple[Pass, ...] = (
     Pass("experts", lambda r: r.plan.ep > 1 or r.plan.tp > 1, _shard_experts, _experts_refusal),
     Pass("tensor parallel", lambda r: r.plan.tp > 1, _tensor_parallel),
+    Pass("context parallel", lambda r: r.plan.cp > 1, _context_parallel, _cp_refusal),
     Pass("recompute", lambda r: r.plan.recompute != "none", _recompute),
     Pass("compile", lambda r: r.compile, _compile, lambda r: compile_refusal(ep=r.plan.ep)),
     Pass("same start", lambda r: True, _same_start),

@@ -1,0 +1,360 @@
+"""Context parallelism's attention: causal ring attention over zigzag sequence shards.
+
+The sequence of S tokens is cut into 2·cp chunks of S / (2·cp); rank i of the cp group
+holds chunks i and 2·cp − 1 − i (head-tail or "zigzag" load balancing, as in
+ring-flash-attention and torch's `_HeadTailLoadBalancer`), so every rank does the same
+share of the causal triangle. Each rank attends its queries to its own key/value block,
+then to the cp − 1 blocks passed around the ring; the partial results merge exactly by
+their log-sum-exp (Liu et al. 2023, "Ring Attention with Blockwise Transformers"; the
+merge is flash-attention's online softmax, Dao et al. 2022). Under zigzag, of a block
+from an earlier rank only its head chunk counts, for all of this rank's queries; a block
+from a later rank counts whole, for the tail queries only: every step after the first is
+c × 2c scores, unmasked.
+
+**Backward** (`RingAttention`) recomputes each block's probabilities from the saved
+global log-sum-exp (flash-attention's backward) and passes dK/dV accumulators around
+the ring with their key/value blocks, so each block's gradient comes home complete.
+
+**Communication** sits behind one small protocol so that one compute code serves two
+rings: the per-rank computation is a generator that yields `Post(tensors)` (send to the
+next rank, receive from the previous; answered at once with a ticket) and
+`Wait(ticket)` (answered with what the previous rank posted). `run_on_group` answers
+with gloo/NCCL `isend`/`irecv` (the next block's transfer is posted before the current
+block's attention, so they overlap); `run_emulated` runs every rank of a ring in one
+process, answering by indexing (the unit tests' ring).
+
+**Why plait writes it** rather than use torch's experimental
+`torch.distributed.tensor.experimental.context_parallel`: torch's ring replaces only the
+CUDA kernels' aten ops (`_scaled_dot_product_flash/efficient/cudnn_attention`), while on
+CPU `scaled_dot_product_attention` runs `_scaled_dot_product_flash_attention_for_cpu`,
+which it leaves alone (checked on torch 2.13 with a dispatch trace): it cannot run on
+gloo/CPU, where plait's tests run. It also patches SDPA process-wide with DTensors,
+which does not fit inside plait's own pipeline stages. The block attention here is
+written in plain torch (scores materialised per block: c × 2c), not a fused kernel.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "Post",
+    "RingAttention",
+    "Wait",
+    "attention_backward_steps",
+    "attention_forward_steps",
+    "ring_attention",
+    "run_emulated",
+    "run_on_group",
+    "zigzag_positions",
+    "zigzag_shard",
+    "zigzag_unshard",
+]
+
+T = TypeVar("T")
+Tensors = tuple[torch.Tensor, ...]
+
+
+@dataclass(frozen=True)
+class Post:
+    """Send `tensors` to the next rank of the ring; receive as many from the previous."""
+
+    tensors: Tensors
+
+
+@dataclass(frozen=True)
+class Wait:
+    """Block until the transfer of ticket `ticket` is done; answered with the received."""
+
+    ticket: int
+
+
+Steps = Generator[Post | Wait, Any, T]
+
+
+# --- zigzag sharding -------------------------------------------------------------------
+
+
+def _check_split(seq_len: int, cp: int) -> None:
+    if seq_len % (2 * cp):
+        raise ValueError(
+            f"seq_len={seq_len} is not divisible by 2·cp = {2 * cp}: context parallelism "
+            f"cuts the sequence into 2·cp equal chunks; use a seq_len that is a multiple "
+            f"of {2 * cp}"
+        )
+
+
+def zigzag_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
+    """The global positions of the tokens rank `rank` of `cp` holds: chunks rank and
+    2·cp − 1 − rank of seq_len / (2·cp) tokens each, in that (increasing) order."""
+    _check_split(seq_len, cp)
+    if not 0 <= rank < cp:
+        raise ValueError(f"rank={rank} is outside the cp group 0..{cp - 1}")
+    c = seq_len // (2 * cp)
+    head = torch.arange(rank * c, (rank + 1) * c)
+    tail = torch.arange((2 * cp - 1 - rank) * c, (2 * cp - rank) * c)
+    return torch.cat([head, tail])
+
+
+def zigzag_shard(x: torch.Tensor, cp: int, rank: int, *, dim: int = 1) -> torch.Tensor:
+    """This rank's two chunks of `x` along `dim` (the sequence)."""
+    index = zigzag_positions(x.shape[dim], cp, rank).to(x.device)
+    return x.index_select(dim, index)
+
+
+def zigzag_unshard(parts: Sequence[torch.Tensor], *, dim: int = 1) -> torch.Tensor:
+    """The whole sequence from every rank's shard (rank order): inverse of `zigzag_shard`."""
+    cp = len(parts)
+    seq_len = sum(p.shape[dim] for p in parts)
+    order = torch.cat([zigzag_positions(seq_len, cp, r) for r in range(cp)])
+    whole = torch.cat(list(parts), dim=dim)
+    return whole.index_select(dim, torch.argsort(order).to(whole.device))
+
+
+# --- block attention -------------------------------------------------------------------
+
+
+def _block(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of q [b, h, n, d] attending to k, v [b, h, m, d]; lse [b, h, n]."""
+    scores = (q @ k.transpose(-2, -1)) * scale
+    if causal:  # local order is increasing global order, so local causality is global
+        n, m = scores.shape[-2:]
+        keep = torch.ones(n, m, dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~keep, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.exp(scores - lse.unsqueeze(-1)) @ v, lse
+
+
+def _merge(
+    out: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, lo: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two partial softmax results over disjoint keys as one (exact, by log-sum-exp)."""
+    new = torch.logaddexp(lse, lo)
+    merged = out * torch.exp(lse - new).unsqueeze(-1) + o * torch.exp(lo - new).unsqueeze(-1)
+    return merged, new
+
+
+def _block_grads(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dout: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    scale: float,
+    causal: bool,
+) -> Tensors:
+    """(dq, dk, dv) of one block given the merged output's lse and delta = rowsum(dO·O)."""
+    scores = (q @ k.transpose(-2, -1)) * scale
+    probs = torch.exp(scores - lse.unsqueeze(-1))
+    if causal:
+        n, m = scores.shape[-2:]
+        keep = torch.ones(n, m, dtype=torch.bool, device=q.device).tril()
+        probs = probs.masked_fill(~keep, 0.0)
+    dv = probs.transpose(-2, -1) @ dout
+    dscores = probs * (dout @ v.transpose(-2, -1) - delta.unsqueeze(-1)) * scale
+    return dscores @ k, dscores.transpose(-2, -1) @ q, dv
+
+
+def _chunk(q: torch.Tensor) -> int:
+    """The chunk length c of a rank's 2c zigzag tokens."""
+    n = q.shape[-2]
+    if n % 2:
+        raise ValueError(
+            f"a rank's sequence shard has {n} tokens, an odd number: under context "
+            "parallelism it holds two equal chunks (zigzag); shard the sequence with "
+            "zigzag_shard, from a seq_len divisible by 2·cp"
+        )
+    return n // 2
+
+
+# --- the ring --------------------------------------------------------------------------
+
+
+def attention_forward_steps(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, rank: int, cp: int, scale: float
+) -> Steps[Tensors]:
+    """One rank's forward: (out [b, h, 2c, d], lse [b, h, 2c]) of its zigzag queries
+    against every rank's keys and values, causal by global position. The next block's
+    transfer is posted before the current block's attention, so the two overlap."""
+    c = _chunk(q)
+    ticket: int = (yield Post((k, v))) if cp > 1 else -1
+    out, lse = _block(q, k, v, scale, causal=True)  # own block: local order is global order
+    for t in range(1, cp):
+        k, v = yield Wait(ticket)
+        if t < cp - 1:
+            ticket = yield Post((k, v))
+        if (rank - t) % cp < rank:  # an earlier rank's block: its head chunk, all queries
+            o, lo = _block(q, k[..., :c, :], v[..., :c, :], scale, causal=False)
+            out, lse = _merge(out, lse, o, lo)
+        else:  # a later rank's block: all of it, for the tail queries only
+            o, lo = _block(q[..., c:, :], k, v, scale, causal=False)
+            tail, tail_lse = _merge(out[..., c:, :], lse[..., c:], o, lo)
+            out = torch.cat([out[..., :c, :], tail], dim=-2)
+            lse = torch.cat([lse[..., :c], tail_lse], dim=-1)
+    return out, lse
+
+
+def attention_backward_steps(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dout: torch.Tensor,
+    *,
+    rank: int,
+    cp: int,
+    scale: float,
+) -> Steps[Tensors]:
+    """One rank's backward: (dq, dk, dv) of its own q, k, v. dK/dV accumulators travel
+    with their block around the ring (one step behind it) and come home after cp
+    transfers; the next block's transfer overlaps the current block's gradients."""
+    c = _chunk(q)
+    delta = (dout * out).sum(-1)  # [b, h, 2c]
+    kv_ticket: int = (yield Post((k, v))) if cp > 1 else -1
+    dq, dk, dv = _block_grads(q, k, v, dout, lse, delta, scale, causal=True)
+    if cp == 1:
+        return dq, dk, dv
+    acc: int = yield Post((dk, dv))
+    for t in range(1, cp):
+        k, v = yield Wait(kv_ticket)
+        if t < cp - 1:
+            kv_ticket = yield Post((k, v))
+        if (rank - t) % cp < rank:
+            gq, gk, gv = _block_grads(q, k[..., :c, :], v[..., :c, :], dout, lse, delta,
+                                      scale, causal=False)  # fmt: skip
+            dq = dq + gq
+            dk, dv = yield Wait(acc)  # this block's accumulators, from the previous rank
+            dk = torch.cat([dk[..., :c, :] + gk, dk[..., c:, :]], dim=-2)
+            dv = torch.cat([dv[..., :c, :] + gv, dv[..., c:, :]], dim=-2)
+        else:
+            gq, gk, gv = _block_grads(q[..., c:, :], k, v, dout[..., c:, :], lse[..., c:],
+                                      delta[..., c:], scale, causal=False)  # fmt: skip
+            dq = torch.cat([dq[..., :c, :], dq[..., c:, :] + gq], dim=-2)
+            dk, dv = yield Wait(acc)
+            dk, dv = dk + gk, dv + gv
+        acc = yield Post((dk, dv))
+    dk, dv = yield Wait(acc)  # the accumulators of this rank's own block, complete
+    return dq, dk, dv
+
+
+def run_emulated(steps: Sequence[Steps[T]]) -> list[T]:
+    """Run one generator per rank of a ring in this process: a `Wait` of rank r is
+    answered with what rank r − 1 posted under the same ticket, once it has."""
+    n = len(steps)
+    posted: list[list[Tensors]] = [[] for _ in range(n)]
+    requests: dict[int, Post | Wait] = {}
+    done: dict[int, T] = {}
+    for r, gen in enumerate(steps):
+        _advance(gen, None, r, requests, done)
+    while len(done) < n:
+        progressed = False
+        for r, gen in enumerate(steps):
+            request = requests.get(r)
+            if r in done or request is None:
+                continue
+            if isinstance(request, Post):
+                posted[r].append(tuple(t.detach().clone() for t in request.tensors))
+                answer: Any = len(posted[r]) - 1
+            elif request.ticket < len(posted[(r - 1) % n]):
+                answer = posted[(r - 1) % n][request.ticket]
+            else:  # the previous rank has not posted it yet
+                continue
+            progressed = True
+            _advance(gen, answer, r, requests, done)
+        if not progressed:
+            raise RuntimeError("the emulated ring is stuck: a rank waits for what none posts")
+    return [done[r] for r in range(n)]
+
+
+def _advance(
+    gen: Steps[T], answer: Any, rank: int, requests: dict[int, Post | Wait], done: dict[int, T]
+) -> None:
+    try:
+        requests[rank] = gen.send(answer)
+    except StopIteration as stop:
+        done[rank] = stop.value
+
+
+def run_on_group(steps: Steps[T], group: dist.ProcessGroup) -> T:
+    """Run this rank's generator on the ring of `group` (rank r sends to r + 1 and
+    receives from r − 1): a `Post` starts `isend`/`irecv` and returns at once."""
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    to = dist.get_global_rank(group, (rank + 1) % size)
+    source = dist.get_global_rank(group, (rank - 1) % size)
+    transfers: list[tuple[list[Any], Tensors]] = []
+    answer: Any = None
+    while True:
+        try:
+            request = steps.send(answer)
+        except StopIteration as stop:
+            return stop.value
+        if isinstance(request, Post):
+            sent = tuple(t.contiguous() for t in request.tensors)
+            received = tuple(torch.empty_like(t) for t in sent)
+            works = [dist.isend(t, to, group=group) for t in sent]
+            works += [dist.irecv(t, source, group=group) for t in received]
+            transfers.append((works, received))
+            answer = len(transfers) - 1
+        else:
+            works, received = transfers[request.ticket]
+            for work in works:
+                if work is not None:
+                    work.wait()
+            answer = received
+
+
+class RingAttention(torch.autograd.Function):
+    """Causal ring attention of zigzag shards q, k, v [b, h, 2c, d] over a cp group, with
+    a ring backward (see the module docstring). Its softmax and merges run in fp32 under
+    any autocast (as flash-attention accumulates); the results take the inputs' dtypes."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        group: dist.ProcessGroup,
+        scale: float,
+    ) -> torch.Tensor:
+        rank, cp = dist.get_rank(group), dist.get_world_size(group)
+        dtypes = (q.dtype, k.dtype, v.dtype)
+        with torch.autocast(q.device.type, enabled=False):
+            q, k, v = (t.float() for t in (q, k, v))
+            steps = attention_forward_steps(q, k, v, rank=rank, cp=cp, scale=scale)
+            out, lse = run_on_group(steps, group)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.scale, ctx.dtypes = group, scale, dtypes
+        return out.to(dtypes[0])
+
+    @staticmethod
+    def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, out, lse = ctx.saved_tensors
+        group = ctx.group
+        rank, cp = dist.get_rank(group), dist.get_world_size(group)
+        with torch.autocast(q.device.type, enabled=False):
+            steps = attention_backward_steps(
+                q, k, v, out, lse, dout.float().contiguous(), rank=rank, cp=cp, scale=ctx.scale
+            )
+            grads = run_on_group(steps, group)
+        dq, dk, dv = (g.to(t) for g, t in zip(grads, ctx.dtypes, strict=True))
+        return dq, dk, dv, None, None
+
+
+def ring_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: dist.ProcessGroup
+) -> torch.Tensor:
+    """Causal attention of this rank's zigzag shards q, k, v [b, h, 2c, d] against the
+    whole sequence held by the ranks of `group` (SDPA's scale, 1/√d)."""
+    _chunk(q)
+    out: torch.Tensor = RingAttention.apply(q, k, v, group, q.shape[-1] ** -0.5)  # type: ignore[no-untyped-call]
+    return out
