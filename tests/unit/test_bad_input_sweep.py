@@ -82,7 +82,7 @@ _INT_MIN: dict[str, int | None] = {
     "model.layers": 1,
     "model.hidden": 1, "model.heads": 1, "model.seq_len": 1, "model.ffn_hidden": 1,
     "model.width": 1, "parallel.dp": 1, "parallel.tp": 1,
-    "parallel.dp_replicate": 1, "parallel.dp_shard": 1, "parallel.pp": 1,
+    "parallel.dp_replicate": 1, "parallel.dp_shard": 1, "parallel.pp": 1, "parallel.cp": 1,
     "parallel.microbatches": 1, "parallel.chunks": 1, "model.experts": 1, "model.top_k": 1,
     "model.moe_every": 1, "parallel.ep": 1, "repartition_patience": 1,
     "parallel.wsp_staleness": 0, "parallel.wsp_wave": 1,

@@ -111,7 +111,13 @@ def plan_replicas(plan: SimPlan, model: ModelSpec, cluster: Cluster) -> HeteroPl
     for d, ((devices, part), m) in enumerate(zip(splits, counts, strict=True)):
         mine = replace(plan, microbatches=m)
         stage_list = [StageCost(tuple(s)) for s in part.split(list(blocks))]
-        run = simulate_replica(build_schedule(mine, check=False), stage_list, cluster, mine, d)
+        schedule = build_schedule(mine, check=False)
+        if len(schedule.stage_to_rank) != len(stage_list):  # chunks, or a second direction
+            raise ValueError(
+                f"schedule={plan.schedule} runs {len(schedule.stage_to_rank)} stages on "
+                f"{plan.pp} ranks; a pipeline split by its devices' speeds has one stage a rank"
+            )
+        run = simulate_replica(schedule, stage_list, cluster, mine, d)
         kinds = tuple(dev.name for dev in devices[: plan.pp])
         replicas.append(Replica(d, kinds, tuple(part.sizes), m, part.bottleneck_s, run))
     return HeteroPlan(plan, tuple(replicas))
