@@ -35,10 +35,11 @@ _PLANNED = ("model", "init_from", "parallel", "nproc", "device", "cluster", "pla
 
 def default_dir() -> Path:
     """`$PLAIT_PLANS_DIR` (tests keep theirs apart), else the user's cache."""
+    from plait.profile.cache import default_cache_dir
+
     if os.environ.get("PLAIT_PLANS_DIR"):
         return Path(os.environ["PLAIT_PLANS_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "plait" / "plans"
+    return default_cache_dir().parent / "plans"  # beside the profiles, in plait's cache
 
 
 def decision_key(cfg: dict[str, Any], world: int, device: str) -> dict[str, Any]:
