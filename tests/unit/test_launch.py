@@ -165,3 +165,36 @@ def test_a_backends_bare_timeout_reads_as_one_line_that_says_so() -> None:
     assert "unbound_buffer.cc" not in cause and "--timeout" in cause
     other = _root_cause(_ChildFailed({0: _raised("RuntimeError: [x/y.cpp:3] bad", 5)})).cause
     assert other == "RuntimeError: bad"
+
+
+def test_a_ctrl_c_while_the_workers_start_is_answered_after_every_worker_is_recorded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The kernel may hand the group's SIGINT to another thread, which then runs Python's
+    handler in the main thread mid-start: the launcher must hold it until the start is over."""
+    import os
+    import threading
+    import time
+
+    from torch.distributed.elastic.multiprocessing import api
+
+    from plait.train.launch import _workers_start_sigint_blocked
+
+    seen: list[str] = []
+
+    def start_all(context: Any) -> None:
+        # a thread with SIGINT unblocked takes the signal, as the agent's threads would
+        sender = threading.Thread(target=lambda: os.kill(os.getpid(), signal.SIGINT))
+        sender.start()
+        sender.join()
+        for _ in range(200):  # bytecodes run here: an unheld handler would raise in them
+            time.sleep(0.001)
+        seen.append("started")
+
+    monkeypatch.setattr(api.MultiprocessContext, "_start", start_all)
+    with pytest.raises(KeyboardInterrupt), _workers_start_sigint_blocked():
+        api.MultiprocessContext._start(None)  # type: ignore[arg-type]
+        time.sleep(1)  # the held signal is answered as the start returns, not later
+        seen.append("not interrupted")
+    assert seen == ["started"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

@@ -244,13 +244,26 @@ def _workers_start_sigint_blocked() -> Iterator[None]:
         # not yet recorded in the context unstopped: each then reads its start-up data
         # from a parent that has gone and prints a traceback. Held until every worker is
         # recorded, it stops them all. The resource tracker, which restores this thread's
-        # mask as it starts, is started first.
+        # mask as it starts, is started first. Blocking the signal in this thread is not
+        # enough: the kernel hands a process-group signal to any thread that has it
+        # unblocked (the agent's own threads), and Python then runs the handler in this
+        # thread at its next bytecode, in the middle of a worker's start. So the handlers
+        # only note the signal while the workers start, and it is raised again after.
         resource_tracker.ensure_running()
+        held: list[int] = []
+        handlers = {
+            s: signal.signal(s, lambda signum, _frame: held.append(signum))
+            for s in (signal.SIGINT, signal.SIGTERM)
+        }
         old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         try:
             start_all(context)  # type: ignore[no-untyped-call]
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, old)
+            for s, handler in handlers.items():
+                signal.signal(s, handler)
+            if held:
+                signal.raise_signal(held[0])
 
     util.spawnv_passfds = spawn
     api.MultiprocessContext._start = start  # type: ignore[method-assign]
