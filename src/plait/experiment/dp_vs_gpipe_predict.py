@@ -233,7 +233,7 @@ def _planner_pick(cluster: Cluster, setup: PaperSetup, work: Sequence[BlockWork]
     spec = ModelSpec(name="resnet18", num_blocks=len(work), seq_len=1, num_heads=1, costs=costs)
     space = SearchSpace(dtype=dtype, optimizer="sgd", recompute=("none",), zero_stages=(0,),
                         sequence_parallel=(False,),
-                        micro_batch_sizes=(8, 16, 32, 64, 128))  # fmt: skip
+                        micro_batch_sizes=(2, 4, 8, 16, 32, 64, 128))  # fmt: skip
     try:
         # the search waits for the input: each data-parallel replica's first stage reads
         # that replica's batch through its own loader

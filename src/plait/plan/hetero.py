@@ -17,8 +17,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from itertools import pairwise
+from typing import Any
 
-from plait.cluster import Cluster, Device
+from plait.cluster import Cluster, Device, Link
 from plait.cost import BlockCost, StageCost
 from plait.plan.estimate import inflight
 from plait.plan.partition import Partition, partition_blocks
@@ -101,23 +103,49 @@ def split_replica(
 def plan_replicas(plan: SimPlan, model: ModelSpec, cluster: Cluster) -> HeteroPlan:
     """Partition each replica by its devices, share the batch by throughput, simulate.
 
-    `plan.microbatches` is read as the micro-batches of one replica in an equal split,
-    so the total is dp × that."""
+    The step's micro-batches are `plan.shares` together: dp × `plan.microbatches`, or
+    `plan.total_microbatches` where they do not divide equally. Replicas on the same kinds
+    of devices are split once, and simulated once per share."""
     blocks = model.blocks_for(plan)
-    splits = [split_replica(plan, blocks, cluster, d) for d in range(plan.dp)]
-    total = plan.microbatches * plan.dp
-    counts = shares(total, [1.0 / part.bottleneck_s for _, part in splits])
+    kinds = [
+        tuple(cluster.device(plan.global_rank(s, d)).name for s in range(plan.pp))
+        for d in range(plan.dp)
+    ]
+    split: dict[tuple[str, ...], tuple[list[Device], Partition]] = {}
+    for d, names in enumerate(kinds):
+        if names not in split:
+            split[names] = split_replica(plan, blocks, cluster, d)
+    splits = [split[names] for names in kinds]
+    counts = shares(sum(plan.shares), [1.0 / part.bottleneck_s for _, part in splits])
+    runs: dict[tuple[Any, ...], ReplicaRun] = {}
     replicas = []
-    for d, ((devices, part), m) in enumerate(zip(splits, counts, strict=True)):
-        mine = replace(plan, microbatches=m)
-        stage_list = [StageCost(tuple(s)) for s in part.split(list(blocks))]
-        schedule = build_schedule(mine, check=False)
-        if len(schedule.stage_to_rank) != len(stage_list):  # chunks, or a second direction
-            raise ValueError(
-                f"schedule={plan.schedule} runs {len(schedule.stage_to_rank)} stages on "
-                f"{plan.pp} ranks; a pipeline split by its devices' speeds has one stage a rank"
-            )
-        run = simulate_replica(schedule, stage_list, cluster, mine, d)
-        kinds = tuple(dev.name for dev in devices[: plan.pp])
-        replicas.append(Replica(d, kinds, tuple(part.sizes), m, part.bottleneck_s, run))
+    for d, ((_, part), m) in enumerate(zip(splits, counts, strict=True)):
+        alike = (kinds[d], m, _links(plan, cluster, d))
+        if alike not in runs:
+            runs[alike] = _simulate_share(plan, blocks, part, cluster, m, d)
+        replicas.append(Replica(d, kinds[d], tuple(part.sizes), m, part.bottleneck_s, runs[alike]))
     return HeteroPlan(plan, tuple(replicas))
+
+
+def _links(plan: SimPlan, cluster: Cluster, d: int) -> tuple[Link, ...]:
+    """The links replica `d`'s replay prices: between its consecutive stages and inside
+    each stage's tensor-parallel group (its data-parallel groups are every replica's)."""
+    ranks = [plan.global_rank(s, d) for s in range(plan.pp)]
+    return (
+        *(cluster.link(a, b) for a, b in pairwise(ranks)),
+        *(cluster.group_link(plan.layout.ranks("tp", r)) for r in ranks),
+    )
+
+
+def _simulate_share(
+    plan: SimPlan, blocks: Sequence[BlockCost], part: Partition, cluster: Cluster, m: int, d: int
+) -> ReplicaRun:
+    mine = replace(plan, microbatches=m, total_microbatches=0)
+    stage_list = [StageCost(tuple(s)) for s in part.split(list(blocks))]
+    schedule = build_schedule(mine, check=False)
+    if len(schedule.stage_to_rank) != len(stage_list):  # chunks, or a second direction
+        raise ValueError(
+            f"schedule={plan.schedule} runs {len(schedule.stage_to_rank)} stages on "
+            f"{plan.pp} ranks; a pipeline split by its devices' speeds has one stage a rank"
+        )
+    return simulate_replica(schedule, stage_list, cluster, mine, d)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from plait.cluster import Cluster
@@ -138,10 +139,18 @@ def describe(plan: SimPlan) -> str:
         *(["optimizer"] if plan.offload_optimizer else []),
     ]
     return (
-        f"dp={plan.dp}{ep} tp={plan.tp}{sp} pp={plan.pp} {sched} m={plan.microbatches} "
+        f"dp={plan.dp}{ep} tp={plan.tp}{sp} pp={plan.pp} {sched} m={_shares(plan)} "
         f"b={plan.micro_batch_size} recompute={plan.recompute} zero={plan.zero}{order}"
         f"{compress}" + (f" offload={'+'.join(offload)}" if offload else "")
     )
+
+
+def _shares(plan: SimPlan) -> str:
+    """Micro-batches per replica: one count, or the two of unequal shares and their sum."""
+    if not plan.total_microbatches:
+        return str(plan.microbatches)
+    shares = plan.shares
+    return f"{shares[0]}/{shares[-1]} ({plan.total_microbatches} in all)"
 
 
 def _exact(plan: SimPlan, model: ModelSpec, cluster: Cluster) -> RankedPlan | Rejection:
@@ -177,7 +186,7 @@ def _exact_hetero(plan: SimPlan, model: ModelSpec, cluster: Cluster) -> RankedPl
         b.forward_flops + b.backward_input_flops + b.backward_weight_flops
         for b in model.blocks_for(plan)
     )
-    total_flops = flops * plan.tp * plan.microbatches * plan.dp
+    total_flops = flops * plan.tp * sum(plan.shares)
     peak = sum(cluster.device(g).peak(plan.dtype) for g in range(plan.world_size))
     bubble = max(1.0 - r.run.busy_s / (plan.pp * r.run.pipeline_time_s) for r in het.replicas)
     batch = plan.global_batch_size
@@ -195,15 +204,21 @@ def _exact_hetero(plan: SimPlan, model: ModelSpec, cluster: Cluster) -> RankedPl
     )
 
 
-def _preference(r: RankedPlan) -> tuple[int, bool, int, int, bool, float, float]:
-    """Fastest first; among plans equally fast (to 0.1%), the simpler one: exact
-    gradients (no compression), less sharding, less recomputation, then (when the input
-    pipeline is modelled, and many plans wait for it alike) the least device time, then
-    the most memory left."""
+def _exact_of(plan: SimPlan, cluster: Cluster) -> Callable[..., RankedPlan | Rejection]:
+    """Replicas alike: one replay. Unequal devices or unequal shares: one per replica."""
+    return _exact if cluster.is_homogeneous and not plan.total_microbatches else _exact_hetero
+
+
+def _preference(r: RankedPlan) -> tuple[int, bool, bool, int, int, bool, float, float]:
+    """Fastest first; among plans equally fast (to 0.1%), the simpler one: equal shares,
+    exact gradients (no compression), less sharding, less recomputation, then (when the
+    input pipeline is modelled, and many plans wait for it alike) the least device time,
+    then the most memory left."""
     p = r.plan
     step = round(math.log(max(r.step_time_s, 1e-12)) / math.log(1.001))  # 0.1% buckets
     return (
         step,
+        p.total_microbatches > 0,
         p.compress != "none",
         p.zero,
         ("none", "selective", "full").index(p.recompute),
@@ -293,7 +308,7 @@ def search(
         budget_gone = time.perf_counter() - t0 > time_budget_s and len(ranked) >= top_k
         if not exhaustive and (simulated >= max_simulated or budget_gone):
             break
-        outcome = (_exact if cluster.is_homogeneous else _exact_hetero)(plan, model, cluster)
+        outcome = _exact_of(plan, cluster)(plan, model, cluster)
         simulated += 1
         if isinstance(outcome, RankedPlan):
             outcome = _with_margin(outcome, memory_margin)
@@ -342,9 +357,8 @@ def _offloaded(
         f"{describe(closest.plan)}, is {closest.excess_bytes / _GIB:.2f} GiB over): "
         "it swaps to host memory and pays the host-link transfers"
     )
-    exact = _exact if cluster.is_homogeneous else _exact_hetero
     found = [
-        exact(dataclasses.replace(r.plan, **option), model, cluster)
+        _exact_of(r.plan, cluster)(dataclasses.replace(r.plan, **option), model, cluster)
         for r in short[:limit]
         for option in _OFFLOADS
     ]

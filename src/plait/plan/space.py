@@ -52,6 +52,8 @@ class SearchSpace:
     # hybrid sharding (HSDP) where a data-parallel group spans nodes: FSDP inside a node,
     # all-reduce across (`hybrid_axes`)
     hybrid: bool = True
+    # replicas with unequal shares where the batch does not divide equally among them
+    uneven_shares: bool = True
 
     def __post_init__(self) -> None:
         if not self.compress:
@@ -119,6 +121,7 @@ def candidates(
         num_blocks=model.num_blocks,
     ):
         yield from _layouts(model, space, dp, tp, pp, global_batch)
+        yield from _uneven(model, space, dp, tp, pp, global_batch)
         if space.hybrid:
             yield from _hybrid(model, space, dp, tp, pp, global_batch, devices_per_node)
 
@@ -201,6 +204,31 @@ def _layouts(
                 rank_order=order,
                 compress=compress,
             )
+
+
+def _uneven(
+    model: ModelSpec, space: SearchSpace, dp: int, tp: int, pp: int, global_batch: int
+) -> Iterator[SimPlan]:
+    """The plans of one (dp, tp, pp) whose replicas take unequal shares of the batch, where
+    the micro-batches do not divide equally among them: shares differing by one, as
+    pipelines of their own (`plait.pipelines`), whose runtime takes whole, unsharded
+    replicas of one stage a rank (tp=1, zero=0, no compression, no experts)."""
+    if dp < 2 or tp > 1 or model.num_experts or not space.uneven_shares:
+        return
+    sizes = [
+        b for b in space.micro_batch_sizes
+        if global_batch % b == 0 and global_batch % (dp * b) and global_batch // b >= dp
+    ]  # fmt: skip
+    kinds = [k for k, chunks in _schedules(space, pp, model.num_blocks)
+             if chunks == 1 and not KINDS[k].replicated and KINDS[k].synchronous]  # fmt: skip
+    for b, kind, recompute in product(sizes, kinds, space.recompute):
+        total = global_batch // b
+        yield SimPlan(
+            dp=dp, pp=pp, schedule=kind, microbatches=-(-total // dp), micro_batch_size=b,
+            total_microbatches=total, recompute=recompute,  # type: ignore[arg-type]
+            dtype=space.dtype, optimizer=space.optimizer,  # type: ignore[arg-type]
+            seq_len=model.seq_len, rank_order=space.rank_orders[0],
+        )  # fmt: skip
 
 
 def _schedules(space: SearchSpace, pp: int, num_blocks: int) -> list[tuple[str, int]]:

@@ -37,6 +37,12 @@ class SimPlan(ParallelPlan):
     micro_batch_size: int = field(default=1)
     seq_len: int = field(default=1)
     optimizer: Optimizer = field(default="adam")
+    # micro-batches of one step over all replicas when they do not divide equally among
+    # them (0: dp × microbatches). The replicas then take shares differing by one, the
+    # first ones the larger, and `microbatches` is the largest share: the replica that
+    # sets the step. Training runs it as pipelines of their own shares
+    # (`ParallelPlan.pipelines`).
+    total_microbatches: int = field(default=0)
 
     def __post_init__(self) -> None:
         if isinstance(self.dtype, str):
@@ -46,6 +52,30 @@ class SimPlan(ParallelPlan):
             value = getattr(self, name)
             if value < 1:
                 raise ValueError(f"{name}={value!r} must be an integer >= 1")
+        total = self.total_microbatches
+        if total and not (self.dp <= total and -(-total // self.dp) == self.microbatches):
+            raise ValueError(
+                f"total_microbatches={total} cannot be shared over dp={self.dp} replicas "
+                f"of at most microbatches={self.microbatches} each: give a total between "
+                f"{max(self.dp, self.dp * (self.microbatches - 1) + 1)} and "
+                f"{self.dp * self.microbatches}, or 0 for equal shares"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every field, less `total_microbatches` when the shares are equal (as they were
+        before it existed)."""
+        out = super().to_dict()
+        if not self.total_microbatches:
+            del out["total_microbatches"]
+        return out
+
+    @property
+    def shares(self) -> tuple[int, ...]:
+        """Micro-batches of each data-parallel replica per step."""
+        if not self.total_microbatches:
+            return (self.microbatches,) * self.dp
+        low, extra = divmod(self.total_microbatches, self.dp)
+        return tuple(low + (d < extra) for d in range(self.dp))
 
     @classmethod
     def of(cls, layout: ParallelPlan, **shape: Any) -> SimPlan:
@@ -63,4 +93,4 @@ class SimPlan(ParallelPlan):
     @property
     def global_batch_size(self) -> int:
         """Samples per step over all data-parallel ranks."""
-        return self.dp * self.microbatches * self.micro_batch_size
+        return sum(self.shares) * self.micro_batch_size
