@@ -236,7 +236,8 @@ def _table(found: Any, describe: Any) -> None:
         table.add_row(
             str(i), f"{p.dp}×{p.tp}{'+sp' if p.sequence_parallel else ''}×{p.pp}"
             + (f"×{p.ep}" if any(r.plan.ep > 1 for r in found.top) else ""), sched,
-            f"{p.microbatches}×{p.micro_batch_size}", p.recompute, str(p.zero),
+            f"{'/'.join(map(str, sorted(set(p.shares), reverse=True)))}×{p.micro_batch_size}",
+            p.recompute, str(p.zero),
             f"{r.step_time_s:.3g}" + (" (input)" if r.input_bound else ""),
             f"{r.tokens_per_s:,.0f}", f"{r.mfu:.1%}",
             f"{r.bubble_fraction:.1%}", f"{r.comm_share:.1%}",
