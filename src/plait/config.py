@@ -68,6 +68,9 @@ def _describe(hint: Any) -> str:
     if typing.get_origin(hint) in (types.UnionType, typing.Union):
         return " or ".join("unset" if a is type(None) else _describe(a) for a in args)
     if typing.get_origin(hint) is tuple:
+        item = args[0]
+        if typing.get_origin(item) is typing.Literal:
+            return f"a list, each of {list(typing.get_args(item))}"
         return "a list of integers"
     if typing.get_origin(hint) is typing.Literal:
         return f"one of {list(args)}"
@@ -383,6 +386,15 @@ class ParallelPlan:
             "choices": ("none", "selective", "full"),
         },
     )
+    recompute_stages: tuple[Recompute, ...] | None = field(
+        default=None,
+        metadata={
+            "group": "memory",
+            "help": "recomputation of each (virtual) stage, first to last, e.g. full,none: "
+            "1F1B's first stages hold the most micro-batches; instead of recompute",
+            "default_text": "recompute on every stage",
+        },
+    )
     sequence_parallel: bool = field(
         default=False,
         metadata={"group": "memory", "help": "shard activations along the sequence (needs tp > 1)"},
@@ -511,6 +523,7 @@ class ParallelPlan:
             raise ValueError(f"zero={self.zero!r} must be 0, 1, 2 or 3 (ZeRO stage)")
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"recompute={self.recompute!r} must be one of {RECOMPUTE}")
+        self._check_recompute_stages()
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("sequence_parallel needs tp > 1: set tp or drop sequence_parallel")
         object.__setattr__(self, "compress", str(parse_compression(self.compress)))
@@ -573,11 +586,37 @@ class ParallelPlan:
     def num_stages(self) -> int:
         return self.pp * self.chunks
 
+    def recompute_of(self, stage: int) -> Recompute:
+        """The recomputation of (virtual) stage `stage`."""
+        return self.recompute if self.recompute_stages is None else self.recompute_stages[stage]
+
+    def _check_recompute_stages(self) -> None:
+        given = self.recompute_stages
+        if given is None:
+            return
+        if self.recompute != "none":
+            raise ValueError(
+                f"recompute={self.recompute!r} with recompute_stages={list(given)}: give one "
+                "mode for every stage (recompute) or one per stage (recompute_stages)"
+            )
+        if self.pipelines is not None:
+            raise ValueError(
+                "recompute_stages with pipelines: each pipeline has its own stages; give "
+                "recompute for all of them"
+            )
+        if len(given) != self.num_stages:
+            raise ValueError(
+                f"recompute_stages={list(given)} gives {len(given)} modes for "
+                f"{self.num_stages} stages (pp × chunks): give one per stage"
+            )
+
     def to_dict(self) -> dict[str, Any]:
         """Every field, less the data-parallel axes when unset (dp and zero say it all),
         so that files and outputs of plans without them read as before the axes existed."""
         out = dataclasses.asdict(self)
         unset = {k for k in _DP_AXES if out[k] is None} | ({"cp"} if self.cp == 1 else set())
+        if self.recompute_stages is None:  # files read as before the field existed
+            unset.add("recompute_stages")
         return {k: v for k, v in out.items() if k not in unset}
 
     @property

@@ -55,6 +55,22 @@ def _clipped_sequence_parallel(plan: ParallelPlan) -> None:
         ref_opt.step()
 
 
+def _recompute_per_stage() -> None:
+    """Each virtual stage recomputes as its entry says, and the step equals one process."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    modes = ("full", "selective", "none", "full")
+    plan = ParallelPlan(dp=2, pp=2, microbatches=4, schedule="interleaved", chunks=2,
+                        recompute_stages=modes)  # fmt: skip
+    engine = parallelize(_model(), plan, _sgd, GPT.loss, device="cpu")
+    for s, stage in engine.stages.items():
+        wrapped = [isinstance(b, CheckpointWrapper) for b in stage.blocks]
+        cores = [m.recompute_core for m in stage.modules() if hasattr(m, "recompute_core")]
+        assert all(wrapped) == (modes[s] == "full") and any(wrapped) == all(wrapped), (s, wrapped)
+        assert (any(cores) and all(cores)) == (modes[s] == "selective"), (s, cores)
+    _clipped_sequence_parallel(plan)
+
+
 def _bf16_loss_falls() -> None:
     data = SyntheticTokens(vocab=32, seq_len=16, size=512, seed=0)
     torch.manual_seed(0)
@@ -138,6 +154,7 @@ def _features(rank: int, world: int) -> None:
         ParallelPlan(dp=2, tp=1, pp=2, microbatches=2, schedule="gpipe", zero=1),
     ]:
         _clipped_sequence_parallel(plan)
+    _recompute_per_stage()
     _zero1_adamw_matches()
     _bf16_loss_falls()
     _fp16_overflow_is_skipped()

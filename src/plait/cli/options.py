@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import math
 import types
 import typing
+from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["GROUPS", "add_config_flags", "add_groups", "config_flags", "number"]
+__all__ = ["GROUPS", "add_config_flags", "add_groups", "config_flags", "number", "word_list"]
 
 #: The sections of `plait train --help`, in the order listed: name -> what its flags set.
 GROUPS: dict[str, str] = {
@@ -111,6 +113,12 @@ def _kind(f: dataclasses.Field[Any], hint: Any) -> dict[str, Any]:
         return out
     if typing.get_origin(base) is typing.Literal:
         out["choices"] = list(typing.get_args(base))
+    elif typing.get_origin(base) is tuple and typing.get_origin(typing.get_args(base)[0]) is (
+        typing.Literal
+    ):
+        words = typing.get_args(typing.get_args(base)[0])
+        out["type"] = functools.partial(word_list, words)
+        out.setdefault("metavar", ",".join(words[:2]) + ",...")
     elif typing.get_origin(base) is tuple:
         out["type"] = _int_list
         out.setdefault("metavar", "N,N,...")
@@ -153,6 +161,17 @@ def _text(text: str) -> str:
     if not text.strip():  # an unset shell variable, most likely: never a setting
         raise argparse.ArgumentTypeError("an empty value; give one, or leave the flag out")
     return text
+
+
+def word_list(words: Sequence[str], text: str) -> tuple[str, ...]:
+    """`text`, a comma-separated list, as a tuple of its items, each one of `words`."""
+    items = tuple(part.strip() for part in text.split(","))
+    wrong = [item for item in items if item not in words]
+    if wrong:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: {wrong[0]!r} is not one of {', '.join(words)} (e.g. {words[-1]},{words[0]})"
+        )
+    return items
 
 
 def _int_list(text: str) -> tuple[int, ...]:

@@ -18,6 +18,7 @@ import argparse
 import json
 import sys
 from dataclasses import fields
+from functools import partial
 from typing import TYPE_CHECKING
 
 from plait.cli.models import (
@@ -27,7 +28,7 @@ from plait.cli.models import (
     model_value,
     spec_from_args,
 )
-from plait.cli.options import add_config_flags
+from plait.cli.options import add_config_flags, word_list
 from plait.cli.plan import check_out
 from plait.cli.simulate_wsp import check_wsp, print_wsp, wsp_summary
 from plait.cluster import normalize_dtype
@@ -69,6 +70,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     a("--microbatches", type=int, default=1, help="micro-batches per step and replica")
     a("--chunks", type=int, default=None, help="virtual stages per rank (interleaved: 2)")
     a("--recompute", choices=RECOMPUTE_MODES, default="none", help="activation recomputation")
+    a("--recompute-stages", type=partial(word_list, RECOMPUTE_MODES), default=None,
+      metavar="full,none,...", help="recomputation of each (virtual) stage, first to last; "
+      "instead of --recompute")  # fmt: skip
     a("--sequence-parallel", action="store_true", dest="sequence_parallel")
     a("--zero", type=int, default=0, help="ZeRO stage 0..3 over the data-parallel ranks")
     a("--dtype", default=default_dtype(), help=f"training dtype (default {default_dtype()})")
@@ -163,6 +167,7 @@ def _plan(args: argparse.Namespace, spec: GPTSpec, dtype: str) -> SimPlan:
         micro_batch_size=args.micro_batch_size,
         chunks=chunks,
         recompute=args.recompute,
+        recompute_stages=args.recompute_stages,
         zero=args.zero,
         dtype=dtype,
         sequence_parallel=args.sequence_parallel,
@@ -181,7 +186,8 @@ _FROM_PLAN = {
     "dp": "dp", "dp_replicate": "dp_replicate", "dp_shard": "dp_shard", "tp": "tp",
     "pp": "pp", "ep": "ep", "schedule": "schedule",
     "microbatches": "microbatches",
-    "chunks": "chunks", "recompute": "recompute", "zero": "zero", "dtype": "dtype",
+    "chunks": "chunks", "recompute": "recompute", "recompute_stages": "recompute_stages",
+    "zero": "zero", "dtype": "dtype",
     "sequence_parallel": "sequence_parallel", "micro_batch_size": "micro_batch_size",
     "compress": "compress", "offload_activations": "offload_activations",
     "offload_optimizer": "offload_optimizer",

@@ -147,10 +147,8 @@ def describe(plan: SimPlan) -> str:
 
 def _shares(plan: SimPlan) -> str:
     """Micro-batches per replica: one count, or the two of unequal shares and their sum."""
-    if not plan.total_microbatches:
-        return str(plan.microbatches)
-    shares = plan.shares
-    return f"{shares[0]}/{shares[-1]} ({plan.total_microbatches} in all)"
+    first, last, total = plan.shares[0], plan.shares[-1], plan.total_microbatches
+    return f"{first}/{last} ({total} in all)" if total else str(first)
 
 
 def _exact(plan: SimPlan, model: ModelSpec, cluster: Cluster) -> RankedPlan | Rejection:

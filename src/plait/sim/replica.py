@@ -103,11 +103,13 @@ class _Replica:
         # per pipeline rank: the groups its collectives, gradient reductions included, run over
         self.axes = [_axis_links(cluster, plan, r, dp_rank) for r in range(plan.pp)]
         place = schedule.stage_to_rank
+        # each stage's recomputation (a replicated part's stages share theirs)
+        self.rc = [plan.recompute_of(schedule.parts[i]) for i in range(len(stages))]
         self.times = [
             st.times(
                 self.devices[place[i]],
                 plan.dtype,
-                recompute=plan.recompute,
+                recompute=self.rc[i],
                 links=self.axes[place[i]],
             )
             for i, st in enumerate(stages)
@@ -125,11 +127,11 @@ class _Replica:
         """Per stage: (saved bytes its offloaded blocks move to the host per micro-batch, the
         largest of them: the one block whose activations are on the device while it
         computes), under the plan's recomputation."""
-        rc, out, first = self.plan.recompute, [], 0
+        out, first = [], 0
         chosen = offloaded_blocks(
             self.plan.offload_activations, sum(len(st.blocks) for st in self.stages)
         )
-        for st in self.stages:
+        for st, rc in zip(self.stages, self.rc, strict=True):
             moved = [b.saved_for(rc) for i, b in enumerate(st.blocks) if first + i in chosen]
             out.append((sum(moved), max(moved, default=0.0)))
             first += len(st.blocks)
@@ -239,8 +241,8 @@ class _Replica:
         """One pass over the rank's events: peaks over the whole run, and per-window work
         over the steady windows. A hot loop (200 000 events for 64 × 512), hence locals."""
         saved = [
-            st.saved_bytes(self.plan.recompute) - moved[0]
-            for st, moved in zip(self.stages, self.offloaded, strict=True)
+            st.saved_bytes(rc) - moved[0]
+            for st, moved, rc in zip(self.stages, self.offloaded, self.rc, strict=True)
         ]
         copy = [self._param_bytes(i) for i in range(len(self.stages))]
         f, b, bw, bi = Op.F, Op.B, Op.BW, Op.BI
@@ -318,7 +320,7 @@ class _Replica:
         plan = self.plan
         state = self._state(*mine)
         transient = max(
-            self.stages[i].transient_bytes(plan.recompute) + self.offloaded[i][1] for i in mine
+            self.stages[i].transient_bytes(self.rc[i]) + self.offloaded[i][1] for i in mine
         )
         if plan.zero == 3 and plan.dp > 1:
             transient += max(self._param_bytes(i) for i in mine)

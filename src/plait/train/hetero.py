@@ -184,8 +184,8 @@ def parallelize_hetero(
     stages: dict[int, nn.Module] = dict(
         local_stages(model, schedule, groups.pp_rank, sizes=layout.sizes[i], device=device)
     )
-    for stage in stages.values():
-        apply_recompute(stage, plan.recompute)
+    for index, stage in stages.items():
+        apply_recompute(stage, plan.recompute_of(index))
         if compile:
             apply_compile(stage)
     buckets = BlockBuckets(groups, stages)

@@ -125,9 +125,14 @@ def _cp_refusal(r: Request) -> str | None:
     return cp_refusal(r.plan, compile=r.compile, mesh_given=r.mesh_given)
 
 
+def _recompute_active(r: Request) -> bool:
+    return r.plan.recompute != "none" or r.plan.recompute_stages is not None
+
+
 def _recompute(b: Build) -> None:
-    for stage in b.stages.values():
-        apply_recompute(stage, b.plan.recompute)
+    # a replicated schedule (Chimera) runs each part on two stages: both take the part's mode
+    for stage, module in b.stages.items():
+        apply_recompute(module, b.plan.recompute_of(b.schedule.parts[stage]))
 
 
 def _compile(b: Build) -> None:
@@ -244,7 +249,7 @@ PASSES: tuple[Pass, ...] = (
     Pass("experts", lambda r: r.plan.ep > 1 or r.plan.tp > 1, _shard_experts, _experts_refusal),
     Pass("tensor parallel", lambda r: r.plan.tp > 1, _tensor_parallel),
     Pass("context parallel", lambda r: r.plan.cp > 1, _context_parallel, _cp_refusal),
-    Pass("recompute", lambda r: r.plan.recompute != "none", _recompute),
+    Pass("recompute", _recompute_active, _recompute),
     Pass("compile", lambda r: r.compile, _compile, lambda r: compile_refusal(ep=r.plan.ep)),
     Pass("same start", lambda r: True, _same_start),
     Pass("fsdp", lambda r: r.plan.zero >= 2, _fsdp),
