@@ -74,6 +74,8 @@ def to_dict(prediction: Prediction, spec: GPTSpec) -> dict[str, Any]:
         "comm_share": r.comm_share,
         "all_to_all_share": r.all_to_all_share,
         "ep_comm_s": [rank.ep_comm_s for rank in r.ranks],  # per pipeline rank
+        "cp": r.plan.cp,
+        "cp_comm_s": [rank.cp_comm_s for rank in r.ranks],  # per pipeline rank
         "peak_memory_bytes": list(r.peak_memory_bytes),  # per pipeline rank
         "fits": r.fits,
         "overflows": [
