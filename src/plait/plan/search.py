@@ -115,6 +115,9 @@ class PlanSearch:
     # the fastest estimate that fits of each schedule kind, fastest first (the explanation
     # names the runner-up of every kind, simulated or not)
     kind_estimates: tuple[tuple[Estimate, SimPlan], ...] = ()
+    # the fastest estimate that fits with cp=1, when the search tried cp > 1 (the
+    # explanation compares a context-parallel winner with it)
+    without_cp: tuple[Estimate, SimPlan] | None = None
 
     @property
     def top(self) -> tuple[RankedPlan, ...]:
@@ -131,6 +134,7 @@ def describe(plan: SimPlan) -> str:
     order = "" if plan.rank_order == "tp-dp-pp" else f" order={plan.rank_order}"
     compress = "" if plan.compress == "none" else f" compress={plan.compress}"
     ep = f" ep={plan.ep}" if plan.ep > 1 else ""
+    cp = f" cp={plan.cp}" if plan.cp > 1 else ""
     if plan.dp_replicate is not None or plan.dp_shard is not None:  # hybrid sharding
         ep += f" (replicate={plan.layout.dp_replicate} shard={plan.layout.dp_shard})"
     offload = [
@@ -138,7 +142,7 @@ def describe(plan: SimPlan) -> str:
         *(["optimizer"] if plan.offload_optimizer else []),
     ]
     return (
-        f"dp={plan.dp}{ep} tp={plan.tp}{sp} pp={plan.pp} {sched} m={plan.microbatches} "
+        f"dp={plan.dp}{ep}{cp} tp={plan.tp}{sp} pp={plan.pp} {sched} m={plan.microbatches} "
         f"b={plan.micro_batch_size} recompute={plan.recompute} zero={plan.zero}{order}"
         f"{compress}" + (f" offload={'+'.join(offload)}" if offload else "")
     )
@@ -195,10 +199,11 @@ def _exact_hetero(plan: SimPlan, model: ModelSpec, cluster: Cluster) -> RankedPl
     )
 
 
-def _preference(r: RankedPlan) -> tuple[int, bool, int, int, bool, float, float]:
+def _preference(r: RankedPlan) -> tuple[int, bool, int, int, bool, int, float, float]:
     """Fastest first; among plans equally fast (to 0.1%), the simpler one: exact
     gradients (no compression), less sharding, less recomputation, then (when the input
-    pipeline is modelled, and many plans wait for it alike) the least device time, then
+    pipeline is modelled, and many plans wait for it alike) the least context
+    parallelism, the least device time, then
     the most memory left."""
     p = r.plan
     step = round(math.log(max(r.step_time_s, 1e-12)) / math.log(1.001))  # 0.1% buckets
@@ -208,6 +213,7 @@ def _preference(r: RankedPlan) -> tuple[int, bool, int, int, bool, float, float]
         p.zero,
         ("none", "selective", "full").index(p.recompute),
         p.sequence_parallel,
+        p.cp,
         r.simulated_step_s if r.loader_step_s else 0.0,
         max(r.peak_memory_bytes),
     )
@@ -301,6 +307,19 @@ def search(
             ranked.append(with_loader(outcome, rate))
         else:
             rejected.append(outcome)
+    without_cp = _fastest_without_cp(estimates, plans, rate)
+    if without_cp is not None and not any(r.plan.cp == 1 for r in ranked):
+        # a context-parallel winner is judged against the best plan without it, simulated
+        outcome = (_exact if cluster.is_homogeneous else _exact_hetero)(
+            without_cp[1], model, cluster
+        )
+        simulated += 1
+        if isinstance(outcome, RankedPlan):
+            outcome = _with_margin(outcome, memory_margin)
+        if isinstance(outcome, RankedPlan):
+            ranked.append(with_loader(outcome, rate))
+        else:
+            rejected.append(outcome)
     reason = ""
     if not ranked:  # the memory savers that cost host-link time, tried last
         reason, found = _offloaded(rejected, model, cluster, max_simulated)
@@ -321,7 +340,18 @@ def search(
         top_k=top_k,
         offload_reason=reason,
         kind_estimates=fastest_of_each_kind(estimates, rate),
+        without_cp=without_cp,
     )
+
+
+def _fastest_without_cp(
+    estimates: list[tuple[Estimate, SimPlan]], plans: list[SimPlan], rate: float | None
+) -> tuple[Estimate, SimPlan] | None:
+    """The fastest fitting estimate with cp=1, or None (also when no plan has cp > 1)."""
+    if all(p.cp == 1 for p in plans):
+        return None
+    fitting = [(e, p) for e, p in estimates if p.cp == 1 and e.fits]
+    return min(fitting, key=lambda x: order_key(x[0].step_s, x[1], rate), default=None)
 
 
 _OFFLOADS = ({"offload_activations": "all"}, {"offload_optimizer": True},
