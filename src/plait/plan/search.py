@@ -30,7 +30,7 @@ from plait.plan.estimate import Estimate
 from plait.plan.hetero import HeteroPlan, plan_replicas, split_replica
 from plait.plan.loader import check_rate, with_loader
 from plait.plan.partition import MemoryShortfall
-from plait.plan.prune import fastest_of_each_kind, order_key, pruned_estimates
+from plait.plan.prune import fastest_of_each_kind, fastest_without_cp, order_key, pruned_estimates
 from plait.plan.space import ModelSpec, SearchSpace, candidates
 from plait.sim import SimPlan, SimResult, build_schedule, simulate
 
@@ -292,6 +292,9 @@ def search(
         plans, model, cluster, None if exhaustive else max_simulated, rate
     )
     order = _order(estimates, exhaustive, rate)
+    without_cp = fastest_without_cp(estimates, plans, rate)
+    if without_cp is not None:  # simulated first: a plan with cp > 1 is judged against it
+        order = [without_cp, *(x for x in order if x[1] != without_cp[1])]
     ranked: list[RankedPlan] = []
     rejected = [Rejection(p, _short(e), e.excess_bytes) for e, p in misfits]
     simulated = 0
@@ -300,19 +303,6 @@ def search(
         if not exhaustive and (simulated >= max_simulated or budget_gone):
             break
         outcome = (_exact if cluster.is_homogeneous else _exact_hetero)(plan, model, cluster)
-        simulated += 1
-        if isinstance(outcome, RankedPlan):
-            outcome = _with_margin(outcome, memory_margin)
-        if isinstance(outcome, RankedPlan):
-            ranked.append(with_loader(outcome, rate))
-        else:
-            rejected.append(outcome)
-    without_cp = _fastest_without_cp(estimates, plans, rate)
-    if without_cp is not None and not any(r.plan.cp == 1 for r in ranked):
-        # a context-parallel winner is judged against the best plan without it, simulated
-        outcome = (_exact if cluster.is_homogeneous else _exact_hetero)(
-            without_cp[1], model, cluster
-        )
         simulated += 1
         if isinstance(outcome, RankedPlan):
             outcome = _with_margin(outcome, memory_margin)
@@ -342,16 +332,6 @@ def search(
         kind_estimates=fastest_of_each_kind(estimates, rate),
         without_cp=without_cp,
     )
-
-
-def _fastest_without_cp(
-    estimates: list[tuple[Estimate, SimPlan]], plans: list[SimPlan], rate: float | None
-) -> tuple[Estimate, SimPlan] | None:
-    """The fastest fitting estimate with cp=1, or None (also when no plan has cp > 1)."""
-    if all(p.cp == 1 for p in plans):
-        return None
-    fitting = [(e, p) for e, p in estimates if p.cp == 1 and e.fits]
-    return min(fitting, key=lambda x: order_key(x[0].step_s, x[1], rate), default=None)
 
 
 _OFFLOADS = ({"offload_activations": "all"}, {"offload_optimizer": True},
