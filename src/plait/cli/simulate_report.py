@@ -33,7 +33,7 @@ def overflow_lines(result: SimResult) -> list[str]:
             f"but have {o.capacity_bytes / _GIB:.2f} GiB: {o.excess_bytes / _GIB:.2f} GiB over"
         )
     lines.append(
-        "  try --recompute full or selective, --zero 1..3 with --dp > 1, more --pp or --tp, "
+        "  try --recompute full or selective, --zero 1..3 with --dp > 1, more --pp, --tp or --cp, "
         "a smaller --micro-batch-size, or a schedule holding fewer micro-batches (1f1b)"
     )
     return lines
