@@ -68,6 +68,8 @@ SHORTEST = {
                      "--batch-size", "2"],
     "bench hetpipe": ["--workers", "2", "--slow", "1", "--steps", "2", "--turn", "1",
                       "--window", "1", *_TINY, "--heads", "2", "--batch-size", "8"],
+    "bench cp": ["--layers", "1", "--hidden", "32", "--heads", "2", "--seq-len", "64",
+                 "--repeats", "1", "--steps", "1"],
     "experiment staleness": ["--stages", "1,2", "--microbatches", "2", "--budget", "4"],
     "experiment convergence": ["--quick", "--sections", "image"],
     # the measured halves train for real in tests/dist/test_experiment_seeds.py

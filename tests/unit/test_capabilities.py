@@ -31,6 +31,9 @@ REFUSED = [
     ("zero-2", "compress powersgd"),  # FSDP's reduce-scatter only lowers its dtype
     ("ep", "compile"),  # the experts' all-to-all is not compiled
     ("tp", "zero-1"),  # ZeroRedundancyOptimizer takes plain tensors
+    ("cp", "schedule pipedream"),  # the ring runs under synchronous schedules only
+    ("cp", "compile"),
+    ("cp", "ep"),
 ]
 COMBINE = [
     ("tp", "zero-3"),
@@ -40,6 +43,10 @@ COMBINE = [
     ("zero-2", "compress bf16" if "compress bf16" in BY_NAME else "compress fp16"),
     ("ep", "zero-3"),
     ("schedule zb-v", "recompute selective"),
+    ("cp", "tp"),
+    ("cp", "zero-3"),
+    ("cp", "schedule zb-v"),
+    ("cp", "recompute full"),
 ]
 
 

@@ -85,7 +85,7 @@ def test_models_cp_cannot_wire_are_refused_naming_the_module() -> None:
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
-def test_hugging_face_blocks_are_refused_naming_the_fix(family: str) -> None:
+def test_hugging_face_attention_dropout_is_refused_naming_the_fix(family: str) -> None:
     pytest.importorskip("transformers")
     from plait.models import hf
 
@@ -93,6 +93,8 @@ def test_hugging_face_blocks_are_refused_naming_the_fix(family: str) -> None:
         "gpt2": (hf.gpt2_blocks_model, hf.tiny_gpt2_config),
         "llama": (hf.llama_blocks_model, hf.tiny_llama_config),
     }[family]
-    model = build(config(vocab_size=32, seq_len=8))
-    with pytest.raises(ValueError, match=r"cp=2 cannot run \w+Attention .*plait's GPT"):
-        check_model({0: model}, 2)
+    cfg = config(vocab_size=32, seq_len=8)
+    check_model({0: build(cfg)}, 2)  # the tiny configs have no dropout: wired as they are
+    setattr(cfg, "attn_pdrop" if family == "gpt2" else "attention_dropout", 0.1)
+    with pytest.raises(ValueError, match=r"cp=2 cannot run \w+Attention .*dropout is 0.1"):
+        check_model({0: build(cfg)}, 2)

@@ -32,6 +32,7 @@ _BENCHES = {
     "hetpipe": "plait.bench.hetpipe",
     "arrival": "plait.bench.arrival",
     "scale": "plait.bench.scale",
+    "cp": "plait.bench.cp",
 }
 
 

@@ -214,9 +214,11 @@ def _table(found: Any, describe: Any) -> None:
     from plait.console import console, size
 
     table = Table(title="plans, best first")
+    cp = any(r.plan.cp > 1 for r in found.top)  # a cp column only where some plan splits
     for col in (
         "#",
-        "dp×tp×pp" + ("×ep" if any(r.plan.ep > 1 for r in found.top) else ""),
+        ("dp×cp×tp×pp" if cp else "dp×tp×pp")
+        + ("×ep" if any(r.plan.ep > 1 for r in found.top) else ""),
         "schedule",
         "micro-batches",
         "recompute",
@@ -234,7 +236,8 @@ def _table(found: Any, describe: Any) -> None:
         p = r.plan
         sched = p.schedule + (f"×{p.chunks}" if p.chunks > 1 else "")
         table.add_row(
-            str(i), f"{p.dp}×{p.tp}{'+sp' if p.sequence_parallel else ''}×{p.pp}"
+            str(i), f"{p.dp}×" + (f"{p.cp}×" if cp else "")
+            + f"{p.tp}{'+sp' if p.sequence_parallel else ''}×{p.pp}"
             + (f"×{p.ep}" if any(r.plan.ep > 1 for r in found.top) else ""), sched,
             f"{'/'.join(map(str, sorted(set(p.shares), reverse=True)))}×{p.micro_batch_size}",
             p.recompute, str(p.zero),

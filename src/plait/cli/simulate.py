@@ -9,7 +9,9 @@ from dp × tp × pp. A plan that does not fit is a prediction, not an error: the
 says which rank overflows by how much (stderr and the JSON `overflows`) and exits 0.
 `--model moe-gpt` is costed by `plait.cost.moe_block_costs`; `--ep` spreads its experts
 over ep of the dp × tp ranks, and the JSON gains each rank's all-to-all seconds (`ep_comm_s`)
-and their share of the step (`all_to_all_share`).
+and their share of the step (`all_to_all_share`). `--cp` splits each sequence over cp ranks
+(ring attention, `plait.cost.context`); the JSON names `cp` and each rank's exposed ring
+seconds (`cp_comm_s`).
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         "replace the flags",
     )
     a("--dp", type=int, default=1, help="data-parallel degree")
-    # the data-parallel axes, generated from the plan's fields as `plait train`'s are
+    # the data-parallel axes and cp, generated from the plan's fields as `plait train`'s are
     add_config_flags(p, ParallelPlan, skip=_NOT_GENERATED)
     a("--tp", type=int, default=1, help="tensor-parallel degree")
     a("--ep", type=int, default=1,
@@ -106,7 +108,26 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.set_defaults(func=run, pipelines=None)
 
 
+def _check_cp(args: argparse.Namespace, spec: GPTSpec) -> None:
+    if args.cp < 1:
+        raise ValueError(f"--cp {args.cp} must be >= 1")
+    if args.cp == 1:
+        return
+    if spec.seq_len % (2 * args.cp):
+        raise ValueError(
+            f"--cp {args.cp} needs --seq-len {spec.seq_len} divisible by 2·cp = {2 * args.cp} "
+            "(each rank holds two zigzag chunks): change --cp or --seq-len"
+        )
+    if not schedule_kind(args.schedule).synchronous:
+        raise ValueError(f"--cp {args.cp} with --schedule {args.schedule}: use a synchronous one")
+    from plait.profile.analytic import MoESpec
+
+    if args.ep > 1 or isinstance(spec, MoESpec):
+        raise ValueError(f"--cp {args.cp} with a mixture of experts is not supported: --cp 1")
+
+
 def _check(args: argparse.Namespace, spec: GPTSpec) -> None:
+    _check_cp(args, spec)
     for name in ("dp", "tp", "pp", "ep", "microbatches"):
         value = getattr(args, name)
         if value < 1:
@@ -160,6 +181,7 @@ def _plan(args: argparse.Namespace, spec: GPTSpec, dtype: str) -> SimPlan:
         dp_replicate=args.dp_replicate,
         dp_shard=args.dp_shard,
         tp=args.tp,
+        cp=args.cp,
         pp=args.pp,
         ep=args.ep,
         schedule=args.schedule,
@@ -180,10 +202,10 @@ def _plan(args: argparse.Namespace, spec: GPTSpec, dtype: str) -> SimPlan:
 
 
 _NOT_GENERATED = tuple(
-    f.name for f in fields(ParallelPlan) if f.name not in ("dp_replicate", "dp_shard")
+    f.name for f in fields(ParallelPlan) if f.name not in ("dp_replicate", "dp_shard", "cp")
 )
 _FROM_PLAN = {
-    "dp": "dp", "dp_replicate": "dp_replicate", "dp_shard": "dp_shard", "tp": "tp",
+    "dp": "dp", "dp_replicate": "dp_replicate", "dp_shard": "dp_shard", "tp": "tp", "cp": "cp",
     "pp": "pp", "ep": "ep", "schedule": "schedule",
     "microbatches": "microbatches",
     "chunks": "chunks", "recompute": "recompute", "recompute_stages": "recompute_stages",
@@ -218,6 +240,7 @@ def _apply_plan(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.plan:
         _apply_plan(args)
+    args.cp = 1 if args.cp is None else args.cp
     args.dp, _, _, args.zero = resolve_dp(args.dp, args.dp_replicate, args.dp_shard, args.zero)
     if not args.cluster:
         raise ValueError("--cluster is required (a preset or a TOML file), or a --plan naming one")
@@ -234,7 +257,7 @@ def run(args: argparse.Namespace) -> int:
     if given.name == "local-cpu" and plan.world_size > given.num_devices:
         # this machine cannot grow nodes the way a preset of a data centre can
         raise ValueError(
-            f"dp × tp × pp = {plan.world_size} ranks but cluster 'local-cpu' (this machine) "
+            f"dp × cp × tp × pp = {plan.world_size} ranks but cluster 'local-cpu' (this machine) "
             f"has {given.num_devices} devices: shrink the plan"
         )
     cluster = scaled_cluster(given, plan.world_size)

@@ -33,7 +33,7 @@ def overflow_lines(result: SimResult) -> list[str]:
             f"but have {o.capacity_bytes / _GIB:.2f} GiB: {o.excess_bytes / _GIB:.2f} GiB over"
         )
     lines.append(
-        "  try --recompute full or selective, --zero 1..3 with --dp > 1, more --pp or --tp, "
+        "  try --recompute full or selective, --zero 1..3 with --dp > 1, more --pp, --tp or --cp, "
         "a smaller --micro-batch-size, or a schedule holding fewer micro-batches (1f1b)"
     )
     return lines
@@ -74,6 +74,8 @@ def to_dict(prediction: Prediction, spec: GPTSpec) -> dict[str, Any]:
         "comm_share": r.comm_share,
         "all_to_all_share": r.all_to_all_share,
         "ep_comm_s": [rank.ep_comm_s for rank in r.ranks],  # per pipeline rank
+        "cp": r.plan.cp,
+        "cp_comm_s": [rank.cp_comm_s for rank in r.ranks],  # per pipeline rank
         "peak_memory_bytes": list(r.peak_memory_bytes),  # per pipeline rank
         "fits": r.fits,
         "overflows": [

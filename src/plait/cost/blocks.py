@@ -18,6 +18,7 @@ from typing import Literal, Protocol
 
 from plait.cluster import Device
 from plait.cost.comm import AxisLinks, Collective
+from plait.cost.context import RingExchange, ring_exposed_s
 
 __all__ = [
     "RECOMPUTE_MODES",
@@ -36,8 +37,9 @@ RECOMPUTE_MODES: tuple[str, ...] = ("none", "selective", "full")
 
 class Layout(Protocol):
     """What of a layout changes a block's cost: the tensor-parallel degree, sequence
-    parallelism and the expert-parallel degree. The layout is `plait.config.ParallelPlan`
-    (the simulator's `plait.sim.SimPlan`); the cost model names only the three degrees it
+    parallelism, the expert-parallel degree and the context-parallel degree. The layout
+    is `plait.config.ParallelPlan` (the simulator's `plait.sim.SimPlan`); the cost model
+    names only the degrees it
     reads, so that whatever caches block costs by layout keys on exactly these, and so
     that `cost` stays below `config`, whose import brings the schedule registry."""
 
@@ -49,6 +51,9 @@ class Layout(Protocol):
 
     @property
     def ep(self) -> int: ...
+
+    @property
+    def cp(self) -> int: ...
 
 
 def check_recompute(recompute: str) -> None:
@@ -73,6 +78,8 @@ class BlockCost:
     when the forward is recomputed). `expert_params` are the parameters among `num_params`
     that belong to this rank's experts (`plait.cost.moe`): their gradients are averaged
     over the expert-data-parallel group (dp·tp / ep ranks) instead of all dp ranks.
+    `ring` is the block's context-parallel K/V ring (`plait.cost.context`), whose
+    transfers its attention partly hides.
     """
 
     name: str
@@ -88,6 +95,7 @@ class BlockCost:
     expert_params: int = 0
     forward_comm: tuple[Collective, ...] = ()
     backward_comm: tuple[Collective, ...] = ()
+    ring: RingExchange | None = None
     source: str = "analytic"
 
     def __post_init__(self) -> None:
@@ -171,6 +179,9 @@ class StageTimes:
     comm_backward_s: float  # collectives inside backward_input_s
     # of the collectives above, the expert all-to-alls (forward and backward, per micro-batch)
     ep_comm_s: float = 0.0
+    # the context-parallel ring's transfers attention does not hide (forward and backward,
+    # per micro-batch; inside forward_s and backward_input_s, not in comm_*_s)
+    cp_comm_s: float = 0.0
 
     @property
     def backward_s(self) -> float:
@@ -247,18 +258,30 @@ class StageCost:
         fwd_comm, bwd_comm = comm(fwd), comm(bwd)
         ep_fwd = comm([c for c in fwd if c.axis == "ep"]) if fwd_comm else 0.0
         ep_comm = ep_fwd + (comm([c for c in bwd if c.axis == "ep"]) if bwd_comm else 0.0)
+        ring_fwd, ring_bwd = self._ring_s(links, rate)
         if recompute == "full":
             bwd_comm += fwd_comm
             ep_comm += ep_fwd
+            ring_bwd += ring_fwd
         redo = sum(b.recompute_flops(recompute) for b in self.blocks)
         return StageTimes(
-            forward_s=self.forward_flops / rate + fwd_comm,
-            backward_input_s=(self.backward_input_flops + redo) / rate + bwd_comm,
+            forward_s=self.forward_flops / rate + fwd_comm + ring_fwd,
+            backward_input_s=(self.backward_input_flops + redo) / rate + bwd_comm + ring_bwd,
             backward_weight_s=self.backward_weight_flops / rate,
             comm_forward_s=fwd_comm,
             comm_backward_s=bwd_comm,
             ep_comm_s=ep_comm,
+            cp_comm_s=ring_fwd + ring_bwd,
         )
+
+    def _ring_s(self, links: AxisLinks | None, rate: float) -> tuple[float, float]:
+        """(forward, backward) seconds of the blocks' cp ring transfers left exposed."""
+        rings = [b.ring for b in self.blocks if b.ring is not None]
+        if not rings or links is None:
+            return 0.0, 0.0
+        _, link = links.group("cp")
+        exposed = [ring_exposed_s(r, link, rate) for r in rings]
+        return sum(f for f, _ in exposed), sum(b for _, b in exposed)
 
 
 def stage_costs(blocks: Sequence[BlockCost], boundaries: Sequence[int]) -> list[StageCost]:

@@ -276,7 +276,7 @@ def weight_gather_time(
     """ZeRO-3's all-gather of a stage's weights before its forward (and again before its
     backward): the non-expert weights over axis "dp", the experts' over axis "edp".
     Nothing below ZeRO-3 or with one data-parallel rank."""
-    if layout.zero < 3 or layout.dp == 1:
+    if layout.zero < 3 or layout.dp * layout.layout.cp == 1:
         return 0.0
     size = (num_params - expert_params) * param_bytes
     axis = "dp_shard" if hybrid_shard(layout) > 1 else "dp"  # HSDP gathers inside a replica

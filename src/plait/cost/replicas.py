@@ -7,10 +7,12 @@ dp × tp ranks of a pipeline stage (`plait.layout`), so an expert is replicated 
 dp·tp / ep of them (axis "edp"): its gradients are reduced, and its state sharded, over
 those instead. Under hybrid sharding (HSDP: dp_replicate and dp_shard > 1) the state is
 sharded over the dp_shard ranks only and replicated across the dp_replicate groups
-(`shard_degree`). The gradient-sync and model-state formulas (`plait.cost.moe`,
-`plait.cost.compress`) read the layout through `DataLayout`, and price a collective with
-the degree and link `plait.cost.comm.AxisLinks` gives its axis, whose degrees
-`sync_degrees` derives from the layout.
+(`shard_degree`). Context parallelism's cp ranks of a replica hold the same weights, so
+the dense gradients are reduced, and ZeRO shards, over dp × cp (the runtime's flattened
+`dp_cp` group; HSDP with cp is refused). The gradient-sync and model-state formulas
+(`plait.cost.moe`, `plait.cost.compress`) read the layout through `DataLayout`, and price
+a collective with the degree and link `plait.cost.comm.AxisLinks` gives its axis, whose
+degrees `sync_degrees` derives from the layout.
 """
 
 from __future__ import annotations
@@ -101,17 +103,17 @@ def hybrid_shard(layout: DataLayout) -> int:
 
 def shard_degree(layout: DataLayout) -> int:
     """The ranks ZeRO shards the dense model state over: dp_shard under hybrid sharding,
-    else every data-parallel rank."""
-    return hybrid_shard(layout) if hybrid_shard(layout) > 1 else layout.dp
+    else every data-parallel rank (and context-parallel one: dp × cp)."""
+    return hybrid_shard(layout) if hybrid_shard(layout) > 1 else layout.dp * layout.layout.cp
 
 
 def sync_degrees(layout: DataLayout) -> dict[str, int]:
     """Degrees of the axes gradients are reduced over, for `plait.cost.comm.AxisLinks`:
-    "dp" for the dense parameters (its dp_replicate and dp_shard parts under hybrid
-    sharding), "edp" for the experts."""
+    "dp" for the dense parameters (dp × cp ranks; its dp_replicate and dp_shard parts
+    under hybrid sharding), "edp" for the experts."""
     named = layout.layout
     return {
-        "dp": layout.dp,
+        "dp": layout.dp * named.cp,
         "dp_replicate": named.dp_replicate,
         "dp_shard": named.dp_shard,
         "edp": expert_dp_degree(layout),

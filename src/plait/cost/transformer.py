@@ -28,6 +28,14 @@ parallelism). Tensor parallelism follows Shoeybi et al. (Megatron-LM, 2019): two
 all-reduces of b·s·h activations per layer forward and two backward, which sequence
 parallelism turns into all-gathers and reduce-scatters of the same total cost.
 
+Context parallelism (`plait.cost.context`) splits each sequence over cp ranks: every
+per-token quantity above (FLOPs, activations, tensor-parallel collectives) counts the
+b·s/cp tokens of a rank, attention's b·s²·h work too (zigzag balances the causal triangle,
+so each rank does 1/cp of it), and each layer adds its K/V ring. Without recomputation
+plait's ring keeps fp32 copies of q, k, v and of its output (the projection's input is a
+further copy in the activation dtype), where SDPA keeps them in the activation dtype and
+its output is the projection's input.
+
 Limits: layer norms, softmax, dropout and GeLU count no FLOPs (their time is in the
 device's efficiency); Korthikanti et al.'s count leaves out the layer norms' mean and rstd
 (2·s·b elements per norm, counted here: 4/(34·h) of a layer); CUDA's fused attention with
@@ -42,6 +50,7 @@ from dataclasses import dataclass
 from plait.cluster import dtype_bytes
 from plait.cost.blocks import BlockCost, Layout, Recompute, check_recompute
 from plait.cost.comm import Collective
+from plait.cost.context import RING_BYTES, RingExchange
 
 __all__ = [
     "TransformerShape",
@@ -53,7 +62,8 @@ __all__ = [
 @dataclass(frozen=True, kw_only=True)
 class TransformerShape:
     """A GPT and how one micro-batch of it is split: over `layout.tp` tensor-parallel ranks,
-    with or without sequence parallelism (`layout` None: one rank holds everything)."""
+    with or without sequence parallelism, and its sequences over `layout.cp` context-
+    parallel ranks (`layout` None: one rank holds everything)."""
 
     num_layers: int
     hidden: int
@@ -76,6 +86,7 @@ class TransformerShape:
             "vocab_size",
             "micro_batch_size",
             "tp",
+            "cp",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
@@ -92,6 +103,11 @@ class TransformerShape:
                     f"{name}={getattr(self, name)} is not divisible by tp={self.tp}; "
                     f"choose tp dividing it"
                 )
+        if self.seq_len % (2 * self.cp):
+            raise ValueError(
+                f"seq_len={self.seq_len} is not divisible by 2·cp = {2 * self.cp}, which "
+                "context parallelism's zigzag chunks need; change cp or the sequence length"
+            )
         if self.sequence_parallel and self.seq_len % self.tp:
             raise ValueError(
                 f"seq_len={self.seq_len} is not divisible by tp={self.tp}, which sequence "
@@ -103,13 +119,22 @@ class TransformerShape:
         return self.layout.tp if self.layout is not None else 1
 
     @property
+    def cp(self) -> int:
+        return self.layout.cp if self.layout is not None else 1
+
+    @property
     def sequence_parallel(self) -> bool:
         return self.layout is not None and self.layout.sequence_parallel
 
     @property
+    def local_seq(self) -> int:
+        """s/cp: the tokens of each sequence one context-parallel rank holds."""
+        return self.seq_len // self.cp
+
+    @property
     def tokens(self) -> int:
-        """b·s: tokens in one micro-batch."""
-        return self.micro_batch_size * self.seq_len
+        """b·s/cp: tokens of one micro-batch on one context-parallel rank."""
+        return self.micro_batch_size * self.local_seq
 
     @property
     def width(self) -> int:
@@ -130,7 +155,7 @@ def layer_activation_bytes(shape: TransformerShape, recompute: Recompute) -> flo
     tensors autograd saves in plait's GPT layer (module docstring); Korthikanti et al.
     2022, Table 2, for f = 4h, dropout on, 16-bit activations on CUDA."""
     check_recompute(recompute)
-    s, b, h, a, t = shape.seq_len, shape.micro_batch_size, shape.hidden, shape.num_heads, shape.tp
+    s, b, h, a, t = shape.local_seq, shape.micro_batch_size, shape.hidden, shape.num_heads, shape.tp
     w, m, sbh = shape.width, shape.mask_bytes, s * b * h
     sp = t if shape.sequence_parallel else 1
     if recompute == "full":
@@ -138,12 +163,15 @@ def layer_activation_bytes(shape: TransformerShape, recompute: Recompute) -> flo
     # with dropout the attention core is the materialized (math) one; on the CPU it computes
     # 16-bit inputs in fp32 and keeps fp32 copies of q, k, v and fp32 noise as its mask
     math = shape.dropout > 0 and recompute == "none"
-    core_w = max(w, 4) if math and shape.device_type == "cpu" else w
+    ring = shape.cp > 1 and recompute == "none"  # the fp32 ring keeps q, k, v and its output
+    core_w = max(w, 4) if ring or (math and shape.device_type == "cpu") else w
     core_m = core_w if shape.device_type == "cpu" else m
     # replicated across tp ranks: both norms' inputs, outputs, means and rstds, two masks
     replicated = sbh * (4 * w + 2 * m) + 4 * s * b * w
     # sharded by heads or columns: q, k, v, the attention output, MLP up output and GeLU's
     sharded = sbh * (3 * core_w + w) + 2 * s * b * shape.ffn_hidden * w
+    if ring:  # the ring's output beside the projection's input
+        sharded += sbh * RING_BYTES
     scores: float
     if math:  # the softmax output, its dropout mask and the dropped scores
         scores = a * s * s * b * (2 * core_w + core_m)
@@ -170,7 +198,7 @@ def _tp_comm(shape: TransformerShape, count: int) -> tuple[Collective, ...]:
 def _layer(shape: TransformerShape, index: int) -> BlockCost:
     b_s, h, f, t = shape.tokens, shape.hidden, shape.ffn_hidden, shape.tp
     weighted = (8 * b_s * h * h + 4 * b_s * h * f) / t
-    attention = 4 * b_s * shape.seq_len * h / t
+    attention = 4 * b_s * shape.seq_len * h / t  # b_s is b·s/cp: 1/cp of the triangle
     sharded = 4 * h * h + 2 * h * f + 3 * h + f  # QKV, projection, MLP GEMMs and their biases
     replicated = 2 * h + 4 * h  # projection and fc2 biases, two layer norms
     boundary = b_s * h * shape.width / (t if shape.sequence_parallel else 1)
@@ -187,6 +215,17 @@ def _layer(shape: TransformerShape, index: int) -> BlockCost:
         num_params=sharded // t + replicated,
         forward_comm=_tp_comm(shape, 2),
         backward_comm=_tp_comm(shape, 2),
+        ring=_ring(shape, attention),
+    )
+
+
+def _ring(shape: TransformerShape, attention: float) -> RingExchange | None:
+    """The layer's K/V ring under cp > 1 (its K or V block: b·s/cp·h/tp fp32 elements)."""
+    if shape.cp == 1:
+        return None
+    block = shape.tokens * shape.hidden / shape.tp * RING_BYTES
+    return RingExchange(
+        cp=shape.cp, block_bytes=block, forward_flops=attention, backward_flops=2 * attention
     )
 
 
@@ -199,7 +238,7 @@ def _embedding(shape: TransformerShape) -> BlockCost:
         forward_flops=0.0,
         backward_input_flops=0.0,
         activation_bytes=b_s * h * shape.width / sp,
-        saved_bytes=mask + 8 * (b_s + shape.seq_len),  # and the int64 token and position ids
+        saved_bytes=mask + 8 * (b_s + shape.local_seq),  # and the int64 token and position ids
         num_params=shape.vocab_size * h // t + shape.seq_len * h,
         forward_comm=_tp_comm(shape, 1)[-1:],  # all-reduce, or reduce-scatter with SP
         backward_comm=_tp_comm(shape, 1)[:1] if shape.sequence_parallel else (),

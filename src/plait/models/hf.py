@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import copy
 import importlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
@@ -97,8 +97,13 @@ def _causal_mask(impl: str, hidden: torch.Tensor) -> torch.Tensor | None:
     return mask.masked_fill(future, torch.finfo(hidden.dtype).min)[None, None]
 
 
-def _positions(hidden: torch.Tensor) -> torch.Tensor:
-    return torch.arange(hidden.shape[1], device=hidden.device)[None]  # [1, seq]
+def _positions(
+    hidden: torch.Tensor, positions_of: Callable[[int], torch.Tensor] | None = None
+) -> torch.Tensor:
+    """[1, seq]: 0..seq-1, or the global positions of a context-parallel shard."""
+    if positions_of is not None:
+        return positions_of(hidden.shape[1]).to(hidden.device)[None]
+    return torch.arange(hidden.shape[1], device=hidden.device)[None]
 
 
 class HFBlocksModel(nn.Module):
@@ -134,10 +139,12 @@ class _GPT2Embedding(nn.Module):
     def __init__(self, wte: nn.Embedding, wpe: nn.Embedding, drop: nn.Module) -> None:
         super().__init__()
         self.wte, self.wpe, self.drop = wte, wpe, drop
+        # the global positions of a sequence shard (context parallelism sets it)
+        self.positions_of: Callable[[int], torch.Tensor] | None = None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         hidden = self.wte(ids)  # [batch, seq, hidden]
-        return self.drop(hidden + self.wpe(_positions(hidden)))
+        return self.drop(hidden + self.wpe(_positions(hidden, self.positions_of)))
 
 
 class _FusedQKV(nn.Module):
@@ -243,6 +250,8 @@ class _LlamaLayer(nn.Module):
         super().__init__()
         self.layer, self.rotary = layer, rotary
         self.attn_implementation = attn_implementation
+        # the global positions of a sequence shard (context parallelism sets it)
+        self.positions_of: Callable[[int], torch.Tensor] | None = None
 
     @staticmethod
     def tp_plan(sequence_parallel: bool) -> dict[str, Any]:
@@ -264,7 +273,7 @@ class _LlamaLayer(nn.Module):
         return {**plan, attn + "o_proj": RowwiseParallel(), mlp + "down_proj": RowwiseParallel()}
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        positions = _positions(hidden)
+        positions = _positions(hidden, self.positions_of)
         cos, sin = self.rotary(hidden, positions)  # each [1, seq, head_dim]
         return self.layer(
             hidden,

@@ -135,6 +135,8 @@ class Estimator:
         if key not in self._links:
             if axis == "pp":  # the first stage's send to the next
                 group = [plan.global_rank(0), plan.global_rank(min(1, plan.pp - 1))]
+            elif axis == "dp" and plan.cp > 1:  # gradients are reduced over dp × cp
+                group = [r for c in plan.layout.ranks("cp", 0) for r in plan.layout.ranks("dp", c)]
             else:
                 group = plan.layout.ranks(axis, 0)
             self._links[key] = self.cluster.group_link(group)
@@ -147,8 +149,10 @@ class Estimator:
         return AxisLinks(degrees, {axis: self.link(plan, axis) for axis in degrees})
 
     def _ep_key(self, plan: SimPlan) -> tuple[object, ...]:
-        """What the ep group's link depends on (nothing without expert parallelism)."""
-        return (plan.dp, plan.ep, plan.tp, plan.pp, plan.rank_order) if plan.ep > 1 else ()
+        """What the ep and cp groups' links depend on (nothing without either)."""
+        if plan.ep == 1 and plan.cp == 1:
+            return ()
+        return (plan.dp, plan.ep, plan.cp, plan.tp, plan.pp, plan.rank_order)
 
     def _block_arrays(self, plan: SimPlan, blocks: Sequence[BlockCost]) -> _BlockArrays:
         key = (id(blocks), plan.recompute, plan.dtype, *self._ep_key(plan))
@@ -157,6 +161,8 @@ class Estimator:
             degrees, links = {"tp": plan.tp}, {"tp": self.link(plan, "tp")}
             if plan.ep > 1:
                 degrees["ep"], links["ep"] = plan.ep, self.link(plan, "ep")
+            if plan.cp > 1:  # the K/V ring (plait.cost.context)
+                degrees["cp"], links["cp"] = plan.cp, self.link(plan, "cp")
             axes = AxisLinks(degrees, links)
             times = [
                 StageCost((b,)).times(self.device, plan.dtype, recompute=rc, links=axes)

@@ -9,7 +9,7 @@ from plait.plan.search import PlanSearch, RankedPlan, Rejection, describe
 from plait.schedule import schedule_kind
 from plait.sim import SimPlan
 
-__all__ = ["compression", "experts", "explain", "staleness", "time_breakdown"]
+__all__ = ["compression", "context", "experts", "explain", "staleness", "time_breakdown"]
 
 _GIB = 2.0**30
 
@@ -30,6 +30,7 @@ def time_breakdown(ranked: RankedPlan) -> dict[str, float]:
         "compute": sum(r.compute_s for r in ranks) / n,
         "tensor-parallel communication": sum(r.tp_comm_s for r in ranks) / n,
         "expert all-to-all": sum(r.ep_comm_s for r in ranks) / n,
+        "context-parallel ring (exposed)": sum(r.cp_comm_s for r in ranks) / n,
         "data-parallel gradient reduction (partly hidden)": sum(r.dp_comm_s for r in ranks) / n,
         "optimizer step": sum(r.optimizer_s for r in ranks) / n,
         "bubble": ranked.bubble_fraction * ranked.result.pipeline_time_s,
@@ -43,6 +44,7 @@ def _options(a: RankedPlan, b: RankedPlan) -> list[str]:
     for label, x, y in (
         ("data", pa.dp, pb.dp),
         ("expert", pa.ep, pb.ep),
+        ("context", pa.cp, pb.cp),
         ("tensor", pa.tp, pb.tp),
         ("pipeline", pa.pp, pb.pp),
         ("micro-batch size", pa.micro_batch_size, pb.micro_batch_size),
@@ -50,7 +52,7 @@ def _options(a: RankedPlan, b: RankedPlan) -> list[str]:
         ("ZeRO stage", pa.zero, pb.zero),
     ):
         if x != y:
-            parallel = ("data", "expert", "tensor", "pipeline")
+            parallel = ("data", "expert", "context", "tensor", "pipeline")
             degree = " parallel degree" if label in parallel else ""
             out.append(f"{label}{degree} {x} instead of {y}")
     if (pa.schedule, pa.chunks) != (pb.schedule, pb.chunks):
@@ -150,6 +152,49 @@ def experts(search: PlanSearch) -> str:
     return text
 
 
+def context(search: PlanSearch) -> str:
+    """Why the best plan splits its sequences over cp ranks: what that saves in activation
+    memory and costs in ring transfers, against the closest plan without it (one that fits,
+    or why none does); empty when the best plan has cp=1."""
+    a = search.best
+    cp = a.plan.cp
+    if cp == 1:
+        return ""
+    ring = sum(r.cp_comm_s for r in a.result.ranks) / len(a.result.ranks) if a.result else 0.0
+    text = (
+        f"cp={cp}: it splits each {a.plan.seq_len}-token sequence over {cp} ranks (ring "
+        f"attention), so each rank keeps the activations of {a.plan.seq_len // cp} tokens "
+        f"per sequence ({100 / cp:.0f}%), for {ring:.3g} s per step of ring transfers its "
+        "attention does not hide."
+    )
+    alone = [r for r in search.ranked if r.plan.cp == 1]
+    if alone:
+        b = alone[0]
+        return text + (
+            f" The best plan with cp=1, {describe(b.plan)}, takes {b.step_time_s:.4g} s per "
+            f"step (simulated) instead of {a.step_time_s:.4g} s."
+        )
+    if search.without_cp is not None:
+        e, p = search.without_cp
+        turned = next((r for r in search.rejected if r.plan == p), None)
+        if turned is not None:  # simulated, and it did not fit
+            return (
+                text + f" The fastest plan with cp=1 by estimate, {describe(p)}, {turned.reason}."
+            )
+        return text + (
+            f" The fastest plan with cp=1, {describe(p)}, takes about {e.step_s:.4g} s per "
+            f"step (estimated; {max(e.memory_bytes) / _GIB:.1f} GiB on its fullest device)."
+        )
+    short = [r for r in search.rejected if r.plan.cp == 1 and r.excess_bytes > 0]
+    if short:
+        r = min(short, key=lambda x: x.excess_bytes)
+        text += (
+            f" At cp=1 no layout the search estimated fits the activations of a "
+            f"{a.plan.seq_len}-token sequence: the closest, {describe(r.plan)}, {r.reason}."
+        )
+    return text
+
+
 def staleness(search: PlanSearch) -> str:
     """What an asynchronous best plan costs in staleness, against the best synchronous one;
     empty when the best plan is synchronous."""
@@ -177,7 +222,8 @@ def explain(search: PlanSearch) -> str:
     a = search.best
     runner = next((r for r in search.ranked[1:] if _layout(r) != _layout(a)), None)
     why = search.offload_reason and f"It offloads: {search.offload_reason}."
-    stale = " ".join(x for x in (staleness(search), compression(search), experts(search), why) if x)
+    parts = (staleness(search), compression(search), experts(search), context(search), why)
+    stale = " ".join(x for x in parts if x)
     if runner is None:
         only = f"only one layout fits: {describe(a.plan)}"
         return " ".join(x for x in (only, _input(a, "Its"), stale) if x)
@@ -239,7 +285,7 @@ def _input(r: RankedPlan, whose: str, said: RankedPlan | None = None) -> str:
 def _layout(r: RankedPlan) -> tuple[object, ...]:
     """What shapes the step: degrees, schedule and micro-batching (not memory options)."""
     p = r.plan
-    return (p.dp, p.ep, p.tp, p.pp, p.schedule, p.chunks, p.micro_batch_size, p.rank_order)
+    return (p.dp, p.ep, p.cp, p.tp, p.pp, p.schedule, p.chunks, p.micro_batch_size, p.rank_order)
 
 
 def _top(items: list[tuple[str, float]]) -> list[tuple[str, float]]:

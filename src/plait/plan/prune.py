@@ -27,7 +27,13 @@ from plait.plan.space import ModelSpec
 from plait.schedule import schedule_kind
 from plait.sim import SimPlan
 
-__all__ = ["fastest_of_each_kind", "order_key", "pruned_estimates", "uneven_cut"]
+__all__ = [
+    "fastest_of_each_kind",
+    "fastest_without_cp",
+    "order_key",
+    "pruned_estimates",
+    "uneven_cut",
+]
 
 
 def pruned_estimates(
@@ -120,6 +126,16 @@ def fastest_of_each_kind(
         ):
             best[p.schedule] = (e, p)
     return tuple(sorted(best.values(), key=lambda x: order_key(x[0].step_s, x[1], rate)))
+
+
+def fastest_without_cp(
+    estimates: list[tuple[Estimate, SimPlan]], plans: list[SimPlan], rate: float | None
+) -> tuple[Estimate, SimPlan] | None:
+    """The fastest fitting estimate with cp=1, or None (also when no plan has cp > 1)."""
+    if all(p.cp == 1 for p in plans):
+        return None
+    fitting = [(e, p) for e, p in estimates if p.cp == 1 and e.fits]
+    return min(fitting, key=lambda x: order_key(x[0].step_s, x[1], rate), default=None)
 
 
 def _some_cut_fits(plan: SimPlan, blocks: Sequence[BlockCost], cluster: Cluster) -> bool:

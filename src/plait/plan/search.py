@@ -27,11 +27,12 @@ from dataclasses import dataclass
 
 from plait.cluster import Cluster
 from plait.cost import StageCost
+from plait.plan.describe import describe
 from plait.plan.estimate import Estimate
 from plait.plan.hetero import HeteroPlan, plan_replicas, split_replica
 from plait.plan.loader import check_rate, with_loader
 from plait.plan.partition import MemoryShortfall
-from plait.plan.prune import fastest_of_each_kind, order_key, pruned_estimates
+from plait.plan.prune import fastest_of_each_kind, fastest_without_cp, order_key, pruned_estimates
 from plait.plan.space import ModelSpec, SearchSpace, candidates
 from plait.sim import SimPlan, SimResult, build_schedule, simulate
 
@@ -116,6 +117,9 @@ class PlanSearch:
     # the fastest estimate that fits of each schedule kind, fastest first (the explanation
     # names the runner-up of every kind, simulated or not)
     kind_estimates: tuple[tuple[Estimate, SimPlan], ...] = ()
+    # the fastest estimate that fits with cp=1, when the search tried cp > 1 (the
+    # explanation compares a context-parallel winner with it)
+    without_cp: tuple[Estimate, SimPlan] | None = None
 
     @property
     def top(self) -> tuple[RankedPlan, ...]:
@@ -124,31 +128,6 @@ class PlanSearch:
     @property
     def best(self) -> RankedPlan:
         return self.ranked[0]
-
-
-def describe(plan: SimPlan) -> str:
-    sched = plan.schedule + (f"x{plan.chunks}" if plan.chunks > 1 else "")
-    sp = "+sp" if plan.sequence_parallel else ""
-    order = "" if plan.rank_order == "tp-dp-pp" else f" order={plan.rank_order}"
-    compress = "" if plan.compress == "none" else f" compress={plan.compress}"
-    ep = f" ep={plan.ep}" if plan.ep > 1 else ""
-    if plan.dp_replicate is not None or plan.dp_shard is not None:  # hybrid sharding
-        ep += f" (replicate={plan.layout.dp_replicate} shard={plan.layout.dp_shard})"
-    offload = [
-        *(["activations"] if plan.offload_activations != "none" else []),
-        *(["optimizer"] if plan.offload_optimizer else []),
-    ]
-    return (
-        f"dp={plan.dp}{ep} tp={plan.tp}{sp} pp={plan.pp} {sched} m={_shares(plan)} "
-        f"b={plan.micro_batch_size} recompute={plan.recompute} zero={plan.zero}{order}"
-        f"{compress}" + (f" offload={'+'.join(offload)}" if offload else "")
-    )
-
-
-def _shares(plan: SimPlan) -> str:
-    """Micro-batches per replica: one count, or the two of unequal shares and their sum."""
-    first, last, total = plan.shares[0], plan.shares[-1], plan.total_microbatches
-    return f"{first}/{last} ({total} in all)" if total else str(first)
 
 
 def _exact(plan: SimPlan, model: ModelSpec, cluster: Cluster) -> RankedPlan | Rejection:
@@ -207,11 +186,11 @@ def _exact_of(plan: SimPlan, cluster: Cluster) -> Callable[..., RankedPlan | Rej
     return _exact if cluster.is_homogeneous and not plan.total_microbatches else _exact_hetero
 
 
-def _preference(r: RankedPlan) -> tuple[int, bool, bool, int, int, bool, float, float]:
+def _preference(r: RankedPlan) -> tuple[int, bool, bool, int, int, bool, int, float, float]:
     """Fastest first; among plans equally fast (to 0.1%), the simpler one: equal shares,
-    exact gradients (no compression), less sharding, less recomputation, then (when the
-    input pipeline is modelled, and many plans wait for it alike) the least device time,
-    then the most memory left."""
+    exact gradients (no compression), less sharding, less recomputation, the least context
+    parallelism, then (when the input pipeline is modelled, and many plans wait for it
+    alike) the least device time, then the most memory left."""
     p = r.plan
     step = round(math.log(max(r.step_time_s, 1e-12)) / math.log(1.001))  # 0.1% buckets
     return (
@@ -221,6 +200,7 @@ def _preference(r: RankedPlan) -> tuple[int, bool, bool, int, int, bool, float, 
         p.zero,
         ("none", "selective", "full").index(p.recompute),
         p.sequence_parallel,
+        p.cp,
         r.simulated_step_s if r.loader_step_s else 0.0,
         max(r.peak_memory_bytes),
     )
@@ -299,6 +279,9 @@ def search(
         plans, model, cluster, None if exhaustive else max_simulated, rate
     )
     order = _order(estimates, exhaustive, rate)
+    without_cp = fastest_without_cp(estimates, plans, rate)
+    if without_cp is not None:  # simulated first: a plan with cp > 1 is judged against it
+        order = [without_cp, *(x for x in order if x[1] != without_cp[1])]
     ranked: list[RankedPlan] = []
     rejected = [Rejection(p, _short(e), e.excess_bytes) for e, p in misfits]
     simulated = 0
@@ -334,6 +317,7 @@ def search(
         top_k=top_k,
         offload_reason=reason,
         kind_estimates=fastest_of_each_kind(estimates, rate),
+        without_cp=without_cp,
     )
 
 

@@ -16,6 +16,7 @@ __all__ = [
     "ModelSpec",
     "SearchSpace",
     "candidates",
+    "context_degrees",
     "degrees",
     "expert_degrees",
     "gpt_spec",
@@ -49,6 +50,13 @@ class SearchSpace:
     # neighbouring devices (one node kind), "tp-dp-pp" spreads it over the nodes
     rank_orders: tuple[str, ...] = ("tp-dp-pp",)
     compress: tuple[str, ...] = ("none",)
+    # context-parallel degrees tried for a model that supports them (plait's GPT), where
+    # the sequence divides into 2·cp chunks, with synchronous schedules only; and only for
+    # sequences of `cp_min_seq_len` tokens or more: below that a sample's activations are
+    # what micro-batch size, recomputation and tp already shrink (Megatron-LM's guidance
+    # is CP from 8K tokens), and each cp degree would multiply the candidates to estimate
+    cp: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+    cp_min_seq_len: int = 8192
     # hybrid sharding (HSDP) where a data-parallel group spans nodes: FSDP inside a node,
     # all-reduce across (`hybrid_axes`)
     hybrid: bool = True
@@ -73,6 +81,8 @@ class SearchSpace:
                 f"schedules {stale} update on stale weights, which changes what training "
                 "converges to: set allow_staleness=True (--allow-staleness) to search them"
             )
+        if 1 not in self.cp or min(self.cp) < 1:
+            raise ValueError(f"cp={self.cp} must hold 1 and only degrees >= 1")
         if not self.micro_batch_sizes or min(self.micro_batch_sizes) < 1:
             raise ValueError(f"micro_batch_sizes={self.micro_batch_sizes} must be >= 1")
 
@@ -114,16 +124,27 @@ def candidates(
     global_batch: int,
 ) -> Iterator[SimPlan]:
     """Every plan of the space for `num_devices` devices and `global_batch` samples."""
-    for dp, tp, pp in degrees(
-        num_devices,
-        devices_per_node=devices_per_node,
-        num_heads=model.num_heads,
-        num_blocks=model.num_blocks,
-    ):
-        yield from _layouts(model, space, dp, tp, pp, global_batch)
-        yield from _uneven(model, space, dp, tp, pp, global_batch)
-        if space.hybrid:
-            yield from _hybrid(model, space, dp, tp, pp, global_batch, devices_per_node)
+    for cp in context_degrees(model, space, num_devices):
+        for dp, tp, pp in degrees(
+            num_devices // cp,
+            devices_per_node=devices_per_node,
+            num_heads=model.num_heads,
+            num_blocks=model.num_blocks,
+        ):
+            yield from _layouts(model, space, dp, tp, pp, global_batch, cp)
+            if cp == 1:  # pipelines of their own shares take no cp (plait.train.context)
+                yield from _uneven(model, space, dp, tp, pp, global_batch)
+            if space.hybrid and cp == 1:  # HSDP with cp is refused (plait.train.context)
+                yield from _hybrid(model, space, dp, tp, pp, global_batch, devices_per_node)
+
+
+def context_degrees(model: ModelSpec, space: SearchSpace, num_devices: int) -> list[int]:
+    """The cp degrees searched: those of `space` dividing the devices whose 2·cp zigzag
+    chunks divide the sequence, for a model that supports context parallelism and a
+    sequence of at least `space.cp_min_seq_len` tokens; else [1]."""
+    if not model.context_parallel or model.num_experts or model.seq_len < space.cp_min_seq_len:
+        return [1]
+    return [c for c in space.cp if num_devices % c == 0 and model.seq_len % (2 * c) == 0]
 
 
 def hybrid_axes(
@@ -165,9 +186,10 @@ def _hybrid(
 
 
 def _layouts(
-    model: ModelSpec, space: SearchSpace, dp: int, tp: int, pp: int, global_batch: int
+    model: ModelSpec, space: SearchSpace, dp: int, tp: int, pp: int, global_batch: int, cp: int = 1
 ) -> Iterator[SimPlan]:
-    """Every plan of one (dp, tp, pp): ep (for a model with experts) and the options."""
+    """Every plan of one (dp, tp, pp) and cp: ep (for a model with experts) and the
+    options (under cp > 1: synchronous schedules, no compression, as training runs it)."""
     for ep in expert_degrees(dp, model.num_experts, tp):
         sizes = [b for b in space.micro_batch_sizes if global_batch % (dp * b) == 0]
         options = product(
@@ -179,16 +201,19 @@ def _layouts(
             space.sequence_parallel if tp > 1 and not model.num_experts else (False,),
             # the order of ranks matters only when both dp and pp split the devices
             space.rank_orders if dp > 1 and pp > 1 else space.rank_orders[:1],
-            space.compress if dp > 1 else ("none",),
+            space.compress if dp > 1 and cp == 1 else ("none",),
         )
         for b, (kind, chunks), recompute, zero, sp, order, compress in options:
             if KINDS[kind].unsupported(tp=tp, zero=zero, dtype=space.dtype) is not None:
+                continue
+            if cp > 1 and not KINDS[kind].synchronous:
                 continue
             if zero >= 2 and compress not in ("none", "fp16", "bf16"):
                 continue  # FSDP2's reduce-scatter takes no hook (plait.cost.compress)
             yield SimPlan(
                 dp=dp,
                 tp=tp,
+                cp=cp,
                 pp=pp,
                 ep=ep,
                 schedule=kind,

@@ -30,18 +30,20 @@ class ModelSpec:
     """What the planner needs of a model: its block costs for a micro-batch size on one
     rank of a layout (its tensor-parallel degree, sequence parallelism and expert-parallel
     degree); the head count that tp must divide; its experts per MoE layer (0: none, ep
-    stays 1)."""
+    stays 1); whether its costs follow a sequence split over cp ranks (`context_parallel`:
+    plait's GPT, described analytically; else cp stays 1)."""
 
     name: str
     num_blocks: int
     seq_len: int
     num_heads: int
     num_experts: int = 0
+    context_parallel: bool = False
     costs: BlockCosts = field(compare=False, repr=False)
     # costs of the backward split in two passes (BI, BW), when they differ from the full
     # backward's (measured blocks: on some devices the two passes cost more than one)
     split_costs: BlockCosts | None = field(default=None, compare=False, repr=False)
-    _cache: dict[tuple[int, int, bool, int, bool], tuple[BlockCost, ...]] = field(
+    _cache: dict[tuple[int, int, bool, int, int, bool], tuple[BlockCost, ...]] = field(
         default_factory=dict, compare=False, repr=False
     )
 
@@ -51,7 +53,7 @@ class ModelSpec:
         """The blocks of one rank of `layout`, cached by what changes them: the micro-batch
         size, the layout's degrees (`Layout`) and whether the backward is split."""
         split = split and self.split_costs is not None
-        key = (micro_batch_size, layout.tp, layout.sequence_parallel, layout.ep, split)
+        key = (micro_batch_size, layout.tp, layout.sequence_parallel, layout.ep, layout.cp, split)
         if key not in self._cache:
             source = self.split_costs if split and self.split_costs else self.costs
             self._cache[key] = tuple(source(micro_batch_size, layout))
@@ -93,8 +95,9 @@ def gpt_spec(
 
     name = f"gpt-{num_layers}x{hidden}"
     return ModelSpec(
-        name=name, num_blocks=num_layers + 2, seq_len=seq_len, num_heads=num_heads, costs=costs
-    )
+        name=name, num_blocks=num_layers + 2, seq_len=seq_len, num_heads=num_heads,
+        context_parallel=True, costs=costs,
+    )  # fmt: skip
 
 
 def moe_spec(

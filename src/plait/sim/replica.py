@@ -6,7 +6,8 @@ tensor-parallel collectives included), a send costs latency + bytes/bandwidth on
 between the two ranks, a `REDUCE` the stage's gradient reduction over its data-parallel
 group (on the rank's reduction channel, overlapping whatever follows, as DDP's bucketed
 reduction does at stage granularity; expert gradients over their expert-data-parallel
-group of dp·tp / ep ranks, after the others), an `UPDATE` the stage's optimizer step, and a weight
+group of dp·tp / ep ranks, after the others; under context parallelism over dp × cp), an
+`UPDATE` the stage's optimizer step, and a weight
 copy (`STASH`, `PREDICT`) a pass over the stage's parameters at memory bandwidth;
 `plait.schedule.replay` does the rest (program order, data dependencies, one message at a
 time per channel). A synchronous schedule is replayed as one window; an asynchronous one
@@ -290,11 +291,12 @@ class _Replica:
             for i in mine
         )
         tp_comm -= ep_comm
+        cp_comm = m * sum(self.times[i].cp_comm_s for i in mine)
         return RankReport(
             pp_rank=rank,
             global_rank=self.ranks[rank],
             device=self.devices[rank].name,
-            compute_s=walk.busy - tp_comm - ep_comm,
+            compute_s=walk.busy - tp_comm - ep_comm - cp_comm,
             tp_comm_s=tp_comm,
             p2p_s=walk.p2p,
             dp_comm_s=walk.reduce,
@@ -303,6 +305,7 @@ class _Replica:
             memory=self._memory(rank, mine, walk),
             capacity_bytes=float(self.devices[rank].memory_bytes),
             ep_comm_s=ep_comm,
+            cp_comm_s=cp_comm,
         )
 
     def _state(self, *stages: int) -> ModelState:
@@ -365,6 +368,8 @@ def signature(cluster: Cluster, plan: SimPlan, dp_rank: int) -> tuple[object, ..
     if plan.ep > 1:  # the token all-to-all and the expert gradients' groups
         links += [cluster.group_link(plan.ep_group(r, dp_rank)) for r in range(plan.pp)]
         links += [cluster.group_link(plan.expert_dp_group(r, dp_rank)) for r in range(plan.pp)]
+    if plan.cp > 1:  # the K/V ring's group
+        links += [cluster.group_link(plan.layout.ranks("cp", g)) for g in ranks]
     shared = _sharing(cluster, plan, dp_rank) if cluster.shares_processors else None
     return (*devices, *links, shared)
 
@@ -385,8 +390,10 @@ def _axis_links(cluster: Cluster, plan: SimPlan, pp_rank: int, dp_rank: int) -> 
     """The degree and link of each axis a stage's collectives and gradient reductions run
     over, from rank (pp_rank, dp_rank, tp rank 0)'s groups; the axes of one rank cost
     nothing."""
-    degrees = {"tp": plan.tp, "ep": plan.ep, **sync_degrees(plan)}
+    degrees = {"tp": plan.tp, "ep": plan.ep, "cp": plan.cp, **sync_degrees(plan)}
     rank = plan.global_rank(pp_rank, dp_rank)
     groups = {axis: plan.layout.ranks(axis, rank) for axis in degrees}
+    if plan.cp > 1:  # gradients are reduced over dp × cp (the runtime's dp_cp group)
+        groups["dp"] = sorted({r for c in groups["cp"] for r in plan.layout.ranks("dp", c)})
     links = {axis: cluster.group_link(g) for axis, g in groups.items() if degrees[axis] > 1}
     return AxisLinks(degrees, links)

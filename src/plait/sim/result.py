@@ -71,10 +71,11 @@ class RankReport:
     memory: MemoryUse
     capacity_bytes: float
     ep_comm_s: float = 0.0  # the experts' token all-to-alls, on the critical path
+    cp_comm_s: float = 0.0  # the cp ring's transfers attention does not hide
 
     @property
     def comm_s(self) -> float:
-        return self.tp_comm_s + self.p2p_s + self.dp_comm_s + self.ep_comm_s
+        return self.tp_comm_s + self.p2p_s + self.dp_comm_s + self.ep_comm_s + self.cp_comm_s
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,7 @@ def _check(schedule: Schedule, num_stages: int, cluster: Cluster, plan: SimPlan)
         )
     if cluster.num_devices < plan.world_size:
         raise ValueError(
-            f"the plan needs dp·tp·pp = {plan.world_size} devices but cluster "
+            f"the plan needs dp·cp·tp·pp = {plan.world_size} devices but cluster "
             f"{cluster.name!r} has {cluster.num_devices}: add nodes or shrink the plan"
         )
 
@@ -90,7 +90,7 @@ def simulate(
     worst = max(cache.values(), key=lambda run: run.step_time_s)
     step = worst.step_time_s  # a synchronous step, or an asynchronous window in steady state
     m = plan.microbatches
-    model_flops = sum(st.model_flops for st in parts) * m * plan.tp * plan.dp
+    model_flops = sum(st.model_flops for st in parts) * m * plan.tp * plan.cp * plan.dp
     peak = sum(cluster.device(g).peak(plan.dtype) for g in range(plan.world_size))
     span = worst.pipeline_time_s
     return SimResult(

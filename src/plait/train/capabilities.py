@@ -40,6 +40,7 @@ def _f(name: str, compile: bool = False, **plan: Any) -> Feature:
 FEATURES: tuple[Feature, ...] = (
     _f("dp", dp=2),
     _f("tp", tp=2),
+    _f("cp", cp=2),
     _f("sequence parallel", tp=2, sequence_parallel=True),
     _f("zero-1", dp=2, zero=1),
     _f("zero-2", dp=2, zero=2),

@@ -20,9 +20,11 @@ from torch import nn
 
 from plait.keyed import KeyedDropout
 from plait.models.gpt import Attention, Head, TokenEmbedding
+from plait.models.hf import _Head as HFHead
 from plait.models.moe import Experts
 from plait.parallel.context import ring_attention, zigzag_positions
 from plait.schedule.registry import schedule_kind
+from plait.train.context_hf import HF_ATTENTION, hf_refusal, wire_hf_attention
 
 __all__ = ["apply_context_parallel", "check_model", "cp_refusal"]
 
@@ -47,31 +49,39 @@ def cp_refusal(plan: Any, *, compile: bool = False, mesh_given: bool = False) ->
 
 
 def apply_context_parallel(stages: dict[int, nn.Module], group: dist.ProcessGroup) -> None:
-    """Wire every stage's GPT attention to the ring of `group` and its embedding to the
-    global positions of this rank's chunks. Raises ValueError on a model it cannot wire."""
+    """Wire every stage's GPT (or Hugging Face GPT-2/Llama) attention to the ring of
+    `group` and its embeddings (Llama: its rotary positions) to the global positions of
+    this rank's chunks. Raises ValueError on a model it cannot wire."""
     cp, index = dist.get_world_size(group), dist.get_rank(group)
     check_model(stages, cp)
+    ring = functools.partial(ring_attention, group=group)
     for stage in stages.values():
         for module in stage.modules():
             if isinstance(module, Attention):
-                module.ring = functools.partial(ring_attention, group=group)
-            elif isinstance(module, TokenEmbedding):
-                module.positions_of = functools.partial(_positions, cp=cp, rank=index)
+                module.ring = ring
+            elif type(module).__name__ in HF_ATTENTION:
+                wire_hf_attention(module, ring)
+            if hasattr(module, "positions_of"):  # plait's and the Hugging Face embeddings
+                positions = functools.partial(_positions, cp=cp, rank=index)
+                setattr(module, "positions_of", positions)  # noqa: B010 (a plain attribute)
 
 
 def check_model(stages: Mapping[int, nn.Module], cp: int) -> None:
     """Raise ValueError (naming the module and the fix) unless cp can wire these stages:
-    plait's GPT parts, no dropout, no experts, no other attention (Hugging Face blocks)."""
+    plait's GPT or Hugging Face GPT-2/Llama parts, no keyed dropout, no attention dropout,
+    no experts, no other attention."""
     found = 0  # the GPT parts: a stage of another model has none
     for stage in stages.values():
         for name, module in stage.named_modules():
             _refuse_module(name, module, cp)
             # a last stage may hold the head alone
-            found += isinstance(module, (Attention, TokenEmbedding, Head))
+            found += isinstance(module, (Attention, TokenEmbedding, Head, HFHead))
+            found += type(module).__name__ in HF_ATTENTION or hasattr(module, "positions_of")
     if not found:
         raise ValueError(
             f"cp={cp} found no causal self-attention it can run as a ring: context "
-            "parallelism supports plait's GPT (model 'gpt') so far; use it, or cp=1"
+            "parallelism supports plait's GPT and the Hugging Face GPT-2 and Llama blocks so "
+            "far; use one, or cp=1"
         )
 
 
@@ -92,8 +102,17 @@ def _refuse_module(name: str, module: nn.Module, cp: int) -> None:
             "router's balance loss would count each rank's tokens alone; use a dense GPT, "
             "or cp=1"
         )
-    if type(module).__name__.endswith("Attention") and not isinstance(module, Attention):
+    kind = type(module).__name__
+    why = hf_refusal(module) if kind in HF_ATTENTION else None
+    if why is not None:
+        raise ValueError(f"cp={cp} cannot run {kind} (at {name!r}) as ring attention: {why}")
+    if (
+        kind.endswith("Attention")
+        and not isinstance(module, Attention)
+        and kind not in HF_ATTENTION
+    ):
         raise ValueError(
-            f"cp={cp} cannot run {type(module).__name__} (at {name!r}) as ring attention: "
-            "context parallelism supports plait's GPT so far; use it, or cp=1"
+            f"cp={cp} cannot run {kind} (at {name!r}) as ring attention: context parallelism "
+            "supports plait's GPT and the Hugging Face GPT-2 and Llama blocks so far; use one, "
+            "or cp=1"
         )
