@@ -44,10 +44,9 @@ import heapq
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from itertools import repeat
 from operator import attrgetter
 
-from plait.schedule.events import Blocked, Event, Replay, UnitSummary, new_event
+from plait.schedule.events import Blocked, Event, Replay, UnitSummary
 from plait.schedule.facts import (
     COMPUTE,
     FACT_KINDS,
@@ -279,17 +278,17 @@ class _Machine:
         self.clock[rank] = end
 
     def result(self) -> Replay:
-        events = tuple(
-            tuple(map(new_event, repeat(rank), range(len(starts)), program, starts, ends))
-            for rank, (program, starts, ends) in enumerate(
-                zip(self.s.ranks, self.starts, self.ends, strict=True)
-            )
-        )
         blocked = tuple(
             Blocked(r, self.pc[r], self.s.ranks[r][self.pc[r]], self._describe(f))
             for r, f in sorted(self.waiting.items())
         )
-        return Replay(events, blocked, tuple(self.peak))
+        return Replay(
+            self.s.ranks,
+            tuple(map(tuple, self.starts)),
+            tuple(map(tuple, self.ends)),
+            blocked,
+            tuple(self.peak),
+        )
 
     def _describe(self, fact: int) -> str:
         return describe(fact, self.s.num_stages, self.s.num_microbatches)

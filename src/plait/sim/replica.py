@@ -50,23 +50,9 @@ from plait.schedule import Action, Op, Replay, Schedule, Unrolled, replay, unrol
 from plait.schedule.sharing import Sharing
 from plait.sim.plan import SimPlan
 from plait.sim.result import MemoryUse, RankReport
+from plait.sim.walk import Walk, walk, walk_events
 
 __all__ = ["ReplicaRun", "signature", "simulate_replica"]
-
-
-@dataclass
-class _Walk:
-    """What one pass over a rank's events learns: peaks over the whole run, and the seconds
-    per window of each kind of work, averaged over the steady windows."""
-
-    busy: float = 0.0  # forward and backward work
-    p2p: float = 0.0
-    reduce: float = 0.0
-    update: float = 0.0  # optimizer steps and weight copies
-    compute_end: float = 0.0
-    end: float = 0.0
-    activation_peak: float = 0.0
-    copies_peak: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -82,7 +68,8 @@ class ReplicaRun:
     step_time_s: float
 
 
-_WEIGHTS = (Op.UPDATE, Op.STASH, Op.PREDICT, Op.FREE)
+# the event-by-event read of each rank's times (`plait.sim.walk.walk_events`), for tests
+REFERENCE_WALK = False
 
 
 class _Replica:
@@ -235,51 +222,16 @@ class _Replica:
         first = self.s.reach + 1
         return first, (ends[-1] - ends[first - 1]) / (len(ends) - first)
 
-    def _walk(self, rank: int, result: Replay, unrolled: Unrolled, first: int) -> _Walk:
-        """One pass over the rank's events: peaks over the whole run, and per-window work
-        over the steady windows. A hot loop (200 000 events for 64 × 512), hence locals."""
+    def _walk(self, rank: int, result: Replay, unrolled: Unrolled, first: int) -> Walk:
         saved = [
             st.saved_bytes(self.plan.recompute) - moved[0]
             for st, moved in zip(self.stages, self.offloaded, strict=True)
         ]
         copy = [self._param_bytes(i) for i in range(len(self.stages))]
-        f, b, bw, bi = Op.F, Op.B, Op.BW, Op.BI
-        marks = unrolled.starts[rank]
-        lo, hi = marks[first], marks[unrolled.num_windows]
-        walk = _Walk()
-        held = copies = 0.0
-        for index, e in enumerate(result.events[rank]):
-            action = e.action
-            op, counted = action.op, lo <= index < hi
-            if op is f:
-                held += saved[action.stage]
-                walk.activation_peak = max(walk.activation_peak, held)
-            elif op is b or op is bw:
-                held -= saved[action.stage]
-            elif op is Op.STASH or op is Op.PREDICT:
-                copies += copy[action.stage]
-                walk.copies_peak = max(walk.copies_peak, copies)
-            elif op is Op.FREE:
-                copies -= copy[action.stage]
-            walk.end = max(walk.end, e.end)
-            if not counted:
-                continue
-            took = e.end - e.start
-            if op is f or op is b or op is bw or op is bi:
-                walk.busy += took
-                walk.compute_end = e.end
-            elif op in _WEIGHTS:
-                walk.update += took
-            elif op is Op.REDUCE:
-                walk.reduce += took
-            elif op is Op.SEND_F or op is Op.SEND_B:
-                walk.p2p += took
-        windows = max(1, unrolled.num_windows - first)
-        for name in ("busy", "p2p", "reduce", "update"):
-            setattr(walk, name, getattr(walk, name) / windows)
-        return walk
+        read = walk_events if REFERENCE_WALK else walk
+        return read(rank, result, unrolled, first, saved, copy)
 
-    def _rank(self, rank: int, walk: _Walk, step: float) -> RankReport:
+    def _rank(self, rank: int, walk: Walk, step: float) -> RankReport:
         mine = self.s.stages_of(rank)
         m = self.s.num_microbatches
         ep_comm = m * sum(self.times[i].ep_comm_s for i in mine)
@@ -314,7 +266,7 @@ class _Replica:
             optimizer=plan.optimizer,
         )
 
-    def _memory(self, rank: int, mine: list[int], walk: _Walk) -> MemoryUse:
+    def _memory(self, rank: int, mine: list[int], walk: Walk) -> MemoryUse:
         plan = self.plan
         state = self._state(*mine)
         transient = max(
