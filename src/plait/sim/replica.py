@@ -28,8 +28,9 @@ extra all-reduce and gradient clipping's norm are ignored.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar, cast
 
 from plait.cluster import Cluster, Device, Link, dtype_bytes
 from plait.cost import (
@@ -53,6 +54,8 @@ from plait.sim.result import MemoryUse, RankReport
 from plait.sim.walk import Walk, walk, walk_events
 
 __all__ = ["ReplicaRun", "signature", "simulate_replica"]
+
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -306,8 +309,28 @@ def _sharing(cluster: Cluster, plan: SimPlan, dp_rank: int) -> Sharing:
     return Sharing(tuple(ids.index(p) for p in processors), tuple(map(tuple, load)), efficiency)
 
 
+# what the layout walks below return, by (cluster, plan.layout, ranks...): every plan the
+# planner simulates walks dp × pp groups, and its plans share a few hundred layouts; the
+# answers depend on the plan only through its layout (degrees, rank order)
+_BY_LAYOUT: dict[tuple[object, ...], object] = {}
+_KEPT = 1 << 16
+
+
+def _by_layout(key: tuple[object, ...], make: Callable[[], _T]) -> _T:
+    if key not in _BY_LAYOUT:
+        if len(_BY_LAYOUT) > _KEPT:
+            _BY_LAYOUT.clear()
+        _BY_LAYOUT[key] = make()
+    return cast(_T, _BY_LAYOUT[key])
+
+
 def signature(cluster: Cluster, plan: SimPlan, dp_rank: int) -> tuple[object, ...]:
     """What determines a replica's timing: its devices and the links it uses."""
+    key = ("signature", cluster, plan.layout, dp_rank)
+    return _by_layout(key, lambda: _signature(cluster, plan, dp_rank))
+
+
+def _signature(cluster: Cluster, plan: SimPlan, dp_rank: int) -> tuple[object, ...]:
     ranks = [plan.global_rank(r, dp_rank) for r in range(plan.pp)]
     devices: list[Device] = [cluster.device(g) for g in ranks]
     links: list[Link] = [cluster.group_link(plan.tp_group(r, dp_rank)) for r in range(plan.pp)]
@@ -335,6 +358,11 @@ def _axis_links(cluster: Cluster, plan: SimPlan, pp_rank: int, dp_rank: int) -> 
     """The degree and link of each axis a stage's collectives and gradient reductions run
     over, from rank (pp_rank, dp_rank, tp rank 0)'s groups; the axes of one rank cost
     nothing."""
+    key = ("axes", cluster, plan.layout, pp_rank, dp_rank)
+    return _by_layout(key, lambda: _axis_links_of(cluster, plan, pp_rank, dp_rank))
+
+
+def _axis_links_of(cluster: Cluster, plan: SimPlan, pp_rank: int, dp_rank: int) -> AxisLinks:
     degrees = {"tp": plan.tp, "ep": plan.ep, **sync_degrees(plan)}
     rank = plan.global_rank(pp_rank, dp_rank)
     groups = {axis: plan.layout.ranks(axis, rank) for axis in degrees}
