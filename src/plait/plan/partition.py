@@ -116,7 +116,7 @@ def _minimax_blocks(
     speed: list[float],
     static_sum: list[float],
     act_sum: list[float],
-    held: list[float],
+    held: Sequence[float],
     limit: list[float],
 ) -> list[int]:
     """`_minimax` for `partition`'s own cost (seconds) and fit (memory within `limit`),
