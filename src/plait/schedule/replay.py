@@ -108,7 +108,7 @@ def _gc_paused() -> Iterator[None]:
 # per schedule (by identity, the schedule kept alive beside them): what a replay derives
 # from its programs alone; a planner replays each schedule it builds several times
 _PREPARED: dict[int, tuple[Schedule, set[tuple[int, int]], Compiler]] = {}
-_KEPT = 16
+_KEPT = 8  # as many as `plait.sim.build_schedule` keeps
 
 
 def _prepared(schedule: Schedule) -> tuple[set[tuple[int, int]], Compiler]:

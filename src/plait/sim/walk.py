@@ -24,7 +24,7 @@ _WEIGHT_CODES = [_CODE[op] for op in _WEIGHTS]
 _SEND_CODES = [_CODE[Op.SEND_F], _CODE[Op.SEND_B]]
 # per program (by identity, the program kept alive beside its codes): op codes and stages
 _CODES: dict[int, tuple[tuple[Action, ...], np.ndarray, np.ndarray]] = {}
-_KEPT = 4096
+_KEPT = 1024  # programs: a few large schedules (each holds its programs alive)
 
 
 @dataclass
