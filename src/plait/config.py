@@ -78,10 +78,21 @@ def _describe(hint: Any) -> str:
     return names.get(hint, getattr(hint, "__name__", str(hint)))
 
 
+_PLAIN = (int, str, bool)
+# (origin, args) of each hint met: typing computes them anew on every call, and the planner
+# builds tens of thousands of plans
+_SHAPES: dict[Any, tuple[Any, tuple[Any, ...]]] = {}
+
+
 def _coerce(value: Any, hint: Any) -> tuple[bool, Any]:
     """(ok, value converted to `hint`): ints widen to floats, lists become tuples; nothing
     else converts (a bool is not an integer here, a string is not a number)."""
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if type(value) is hint and hint in _PLAIN:  # the common case, without typing's walk
+        return True, value
+    shape = _SHAPES.get(hint)
+    if shape is None:
+        shape = _SHAPES[hint] = (typing.get_origin(hint), typing.get_args(hint))
+    origin, args = shape
     if origin in (types.UnionType, typing.Union):
         for arg in args:
             ok, out = (value is None, None) if arg is type(None) else _coerce(value, arg)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import math
 import random
@@ -143,3 +144,31 @@ def test_large_partition_is_quick() -> None:
     times = [rng.random() for _ in range(300)]
     part = partition(times, 64)
     assert part.imbalance < 1.5
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_inlined_search_cuts_as_the_generic_one(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`partition`'s inlined minimax gives the generic `_minimax`'s cuts (ties included) on
+    uneven times, speeds, memory and caps, and the same refusals."""
+    part = importlib.import_module("plait.plan.partition")  # plait.plan.partition is a function
+    rng = random.Random(seed)
+    n = rng.randint(1, 40)
+    k = rng.randint(1, n)
+    times = [rng.choice([1.0, 2.0, rng.random() * 3]) for _ in range(n)]  # ties on purpose
+    kwargs = {
+        "speeds": [rng.choice([1.0, 0.5, 2.0]) for _ in range(k)],
+        "static_bytes": [rng.random() * 10 for _ in range(n)],
+        "activation_bytes": [rng.random() * 5 for _ in range(n)],
+        "inflight": [rng.randint(1, k) for _ in range(k)],
+        "memory_caps": [rng.uniform(20, 400) for _ in range(k)],
+    }
+
+    def cut() -> object:
+        try:
+            return part.partition(times, k, **kwargs)
+        except part.MemoryShortfall as err:
+            return str(err)
+
+    fast = cut()
+    monkeypatch.setattr(part, "REFERENCE", True)
+    assert cut() == fast

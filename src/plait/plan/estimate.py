@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from functools import lru_cache
 
 import numpy as np
 
@@ -283,11 +284,11 @@ def bound(plan: SimPlan, profile: RankProfile, est: Estimator) -> Estimate:
     m = plan.microbatches
     work = profile.forward_s + profile.backward_input_s + profile.backward_weight_s
     memory = _memory(plan, profile, est)
-    kind, p = schedule_kind(plan.schedule), plan.pp
+    p = plan.pp
     # any cut holds the same model state over all ranks, and at least the fewest
     # micro-batches (and weight copies) any rank holds of every block
-    least = min(kind.inflight(p, m, plan.chunks, r) for r in range(p))
-    copies = min(kind.copies(p, m, r) for r in range(p))
+    counts, per_rank_copies = _held(plan.schedule, p, m, plan.chunks)
+    least, copies = float(counts.min()), float(per_rank_copies.min())
     floor = (
         float(_state(plan, profile, est).sum())
         + least * float(profile.saved.sum())
@@ -312,13 +313,22 @@ def _state(plan: SimPlan, profile: RankProfile, est: Estimator) -> np.ndarray:
     return state * (2 if schedule_kind(plan.schedule).replicated else 1)
 
 
+@lru_cache(maxsize=4096)
+def _held(kind: str, p: int, m: int, v: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per pipeline rank: in-flight micro-batches at the peak and weight copies (the
+    registry's closed forms), kept read-only: tens of thousands of candidates share a
+    few hundred (kind, p, m, v)."""
+    entry = schedule_kind(kind)
+    counts = np.array([entry.inflight(p, m, v, r) for r in range(p)], dtype=float)
+    copies = np.array([entry.copies(p, m, r) for r in range(p)], dtype=float)
+    counts.flags.writeable = copies.flags.writeable = False
+    return counts, copies
+
+
 def _memory(plan: SimPlan, profile: RankProfile, est: Estimator) -> np.ndarray:
     """Per pipeline rank: model state, in-flight activations, transients, weight copies
     (a replicated kind, Chimera, holds each part's model state twice)."""
-    kind = schedule_kind(plan.schedule)
-    p, v, m = plan.pp, plan.chunks, plan.microbatches
-    copies = np.array([kind.copies(p, m, r) for r in range(p)], dtype=float)
-    counts = np.array([kind.inflight(p, m, v, r) for r in range(p)])
+    counts, copies = _held(plan.schedule, plan.pp, plan.microbatches, plan.chunks)
     return (
         _state(plan, profile, est)
         + counts * profile.saved
@@ -370,7 +380,7 @@ def estimate(plan: SimPlan, profile: RankProfile, est: Estimator) -> Estimate:
         idle = (float(work.sum()) - slowest) * kind.bubble(p, m, v)
         step = m * slowest + idle + p2p + float(syncs[0]) + float(opts.max())
     else:  # every update waits for its reduction; each copy passes over the weights twice
-        copies = np.array([kind.copies(p, m, r) for r in range(p)], dtype=float)
+        copies = _held(plan.schedule, p, m, v)[1]
         updates = m if kind.per_microbatch else 1
         stash = (
             2 * profile.params * pbytes / est.device.memory_bandwidth_Bps * np.minimum(copies, 1)

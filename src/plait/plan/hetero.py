@@ -89,7 +89,10 @@ def split_replica(
     """The devices of replica `dp_rank`'s stages and the fastest split of `blocks` over
     them within their memory (raises ValueError, naming the stage, when none fits)."""
     k = plan.pp * plan.chunks
-    devices = [cluster.device(plan.global_rank(s % plan.pp, dp_rank)) for s in range(k)]
+    if cluster.is_homogeneous:  # one device kind: no walk through the layout's ranks
+        devices = [cluster.device(0)] * k
+    else:
+        devices = [cluster.device(plan.global_rank(s % plan.pp, dp_rank)) for s in range(k)]
     held = [inflight(plan.schedule, plan.pp, plan.microbatches, plan.chunks, s % plan.pp)
             for s in range(k)]  # fmt: skip
     part = partition_blocks(

@@ -143,6 +143,9 @@ def _some_cut_fits(plan: SimPlan, blocks: Sequence[BlockCost], cluster: Cluster)
     kind = schedule_kind(plan.schedule)
     held = [max(1, round(kind.inflight(plan.pp, plan.microbatches, plan.chunks, s % plan.pp)))
             for s in range(k)]  # fmt: skip
-    devices = [cluster.device(plan.global_rank(s % plan.pp)) for s in range(k)]
+    if cluster.is_homogeneous:  # one device kind: no walk through the layout's ranks
+        devices = [cluster.device(0)] * k
+    else:
+        devices = [cluster.device(plan.global_rank(s % plan.pp)) for s in range(k)]
     return blocks_fit(blocks, devices, inflight=held, dtype=plan.dtype,
                       recompute=plan.recompute, layout=plan, optimizer=plan.optimizer)  # fmt: skip

@@ -70,7 +70,7 @@ def runners_up(search: PlanSearch, model: ModelSpec, cluster: Cluster) -> tuple[
     """One runner-up per schedule kind the search tried, other than the winner's, fastest
     first."""
     best = search.best
-    est = Estimator(cluster)
+    predict = _Predictions(model, Estimator(cluster))
     simulated: dict[str, tuple[SimPlan, tuple[int, ...], float]] = {}
     for r in search.ranked:  # fastest (then simplest) first
         simulated.setdefault(r.plan.schedule, (r.plan, r.sizes, r.step_time_s))
@@ -82,14 +82,32 @@ def runners_up(search: PlanSearch, model: ModelSpec, cluster: Cluster) -> tuple[
         source = "simulator" if kind in simulated else "estimate"
         plan, sizes, step = simulated[kind] if kind in simulated else estimated[kind]
         why = _would_win_if(plan, sizes, step, best.plan, best.sizes, best.step_time_s,
-                            model, est)  # fmt: skip
+                            predict)  # fmt: skip
         out.append(RunnerUp(kind, plan, sizes, step, source, why))
     return tuple(sorted(out, key=lambda r: r.step_time_s))
 
 
+_Scaled = tuple[float, bool, bool] | None
+
+
+class _Predictions:
+    """`_scaled`'s answers kept for the search's one explanation: the winner is predicted
+    again at every count for each runner-up, the same plans each time."""
+
+    def __init__(self, model: ModelSpec, est: Estimator) -> None:
+        self.model, self.est = model, est
+        self.kept: dict[tuple[SimPlan, tuple[int, ...], float], _Scaled] = {}
+
+    def __call__(self, plan: SimPlan, sizes: tuple[int, ...], factor: float) -> _Scaled:
+        key = (plan, sizes, factor)
+        if key not in self.kept:
+            self.kept[key] = _scaled(plan, sizes, self.model, self.est, factor)
+        return self.kept[key]
+
+
 def _scaled(
     plan: SimPlan, sizes: tuple[int, ...], model: ModelSpec, est: Estimator, factor: float
-) -> tuple[float, bool, bool] | None:
+) -> _Scaled:
     """(predicted step, fits, by the simulator) of `plan` with `factor` × its micro-batches
     on its cut, or None when that count is no valid plan. Small plans (at most
     `SIMULATED_ACTIONS` passes per step) are simulated, larger ones estimated."""
@@ -116,18 +134,17 @@ def _would_win_if(
     best: SimPlan,
     best_sizes: tuple[int, ...],
     best_step: float,
-    model: ModelSpec,
-    est: Estimator,
+    predict: _Predictions,
 ) -> str:
     """Where, over micro-batch counts, the runner-up's predicted step beats the winner's."""
-    here, there = _scaled(plan, sizes, model, est, 1), _scaled(best, best_sizes, model, est, 1)
+    here, there = predict(plan, sizes, 1), predict(best, best_sizes, 1)
     assert here is not None and there is not None
     # an estimate's slope over micro-batches (its slowest rank's time) is the simulator's;
     # what it misses of fill, drain and collectives is taken to stay the same
     offset, best_offset = step - here[0], best_step - there[0]
     wins = []
     for f in FACTORS:
-        mine, theirs = _scaled(plan, sizes, model, est, f), _scaled(best, best_sizes, model, est, f)
+        mine, theirs = predict(plan, sizes, f), predict(best, best_sizes, f)
         if mine is None or theirs is None or not mine[1]:
             continue
         a = mine[0] + (0.0 if mine[2] else offset)

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
+from itertools import repeat
 
 from plait.schedule.ir import COMM_OPS, Action
 
@@ -33,11 +35,26 @@ class Blocked:
 
 @dataclass(frozen=True)
 class Replay:
-    """The outcome of abstract execution."""
+    """The outcome of abstract execution: per rank, the start and end of each executed
+    action in program order (`starts`, `ends`; the actions are `programs[r][:len(starts[r])]`),
+    and the same as `Event`s, built on first use (a planner reads the times alone, and a
+    large replay has hundreds of thousands of actions)."""
 
-    events: tuple[tuple[Event, ...], ...]  # per rank, in program order (executed ones)
+    programs: tuple[tuple[Action, ...], ...]
+    starts: tuple[tuple[float, ...], ...]
+    ends: tuple[tuple[float, ...], ...]
     blocked: tuple[Blocked, ...]  # empty when every program ran to its end
     peak_inflight: tuple[int, ...]  # per rank: most micro-batch activations held at once
+
+    @cached_property
+    def events(self) -> tuple[tuple[Event, ...], ...]:
+        """Per rank, in program order (executed ones)."""
+        return tuple(
+            tuple(map(new_event, repeat(rank), range(len(starts)), program, starts, ends))
+            for rank, (program, starts, ends) in enumerate(
+                zip(self.programs, self.starts, self.ends, strict=True)
+            )
+        )
 
     @property
     def completed(self) -> bool:

@@ -193,22 +193,24 @@ def _receives(
     """Per action, the receives to post for it: its own input, preceded by every message
     the source sends on the same channel before it (so the order matches)."""
     consumed = [_consumed(a, rank, links) for a in program]
+    # each consumed message's position in its sender's stream, found once
+    tops = [
+        None if item is None else channels[(item[0], rank)].position(item[1]) for item in consumed
+    ]
     posted: dict[int, int] = {}  # per source: the stream position posted up to
-    for item in consumed:
-        if item is not None:
-            src, message = item
-            channel = channels[(src, rank)]
-            top = channel.position(message)
+    for item, top in zip(consumed, tops, strict=True):
+        if item is not None and top is not None:
+            src = item[0]
             posted[src] = max(posted.get(src, top), top)
     # the previous window posted up to its last message: one window's worth before ours
     posted = {src: top - len(channels[(src, rank)].sent) for src, top in posted.items()}
     posts: list[list[Action]] = []
-    for item in consumed:
+    for item, top in zip(consumed, tops, strict=True):
         batch: list[Action] = []
-        if item is not None:
-            src, message = item
+        if item is not None and top is not None:
+            src = item[0]
             channel = channels[(src, rank)]
-            for position in range(posted[src] + 1, channel.position(message) + 1):
+            for position in range(posted[src] + 1, top + 1):
                 direction, stage, mb = channel.message(position)
                 if mb >= width:
                     raise ValueError(
@@ -217,7 +219,7 @@ def _receives(
                         "order its peer sends them"
                     )
                 batch.append(Action(_RECV_OP[direction], stage, mb))
-            posted[src] = max(posted[src], channel.position(message))
+            posted[src] = max(posted[src], top)
         posts.append(batch)
     return posts
 

@@ -44,10 +44,9 @@ import heapq
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from itertools import repeat
 from operator import attrgetter
 
-from plait.schedule.events import Blocked, Event, Replay, UnitSummary, new_event
+from plait.schedule.events import Blocked, Event, Replay, UnitSummary
 from plait.schedule.facts import (
     COMPUTE,
     FACT_KINDS,
@@ -106,6 +105,28 @@ def _gc_paused() -> Iterator[None]:
             gc.enable()
 
 
+# per schedule (by identity, the schedule kept alive beside them): what a replay derives
+# from its programs alone; a planner replays each schedule it builds several times
+_PREPARED: dict[int, tuple[Schedule, set[tuple[int, int]], Compiler]] = {}
+_KEPT = 8  # as many as `plait.sim.build_schedule` keeps
+
+
+def _prepared(schedule: Schedule) -> tuple[set[tuple[int, int]], Compiler]:
+    """(the (stage, micro-batch) pairs whose backward is split, the template compiler) of
+    `schedule`, its ranges checked; kept for the last few schedules."""
+    kept = _PREPARED.get(id(schedule))
+    if kept is not None and kept[0] is schedule:
+        return kept[1], kept[2]
+    _check_ranges(schedule)
+    lowered = any(a.op in P2P_OPS for p in schedule.ranks for a in p)
+    bi = Op.BI  # looking members up on an Enum class is slow
+    split = {(a.stage, a.microbatch) for p in schedule.ranks for a in p if a.op is bi}
+    if len(_PREPARED) >= _KEPT:
+        _PREPARED.clear()
+    _PREPARED[id(schedule)] = (schedule, split, Compiler(schedule, lowered))
+    return split, _PREPARED[id(schedule)][2]
+
+
 class _Machine:
     """State of one abstract execution; `execute` drives it with a ready queue of ranks."""
 
@@ -116,14 +137,10 @@ class _Machine:
         transfer: Duration,
         sharing: Sharing | None = None,
     ) -> None:
-        _check_ranges(schedule)
         self.s = schedule
         self.duration = duration
         self.transfer = transfer
-        lowered = any(a.op in P2P_OPS for p in schedule.ranks for a in p)
-        bi = Op.BI  # looking members up on an Enum class is slow
-        self.split = {(a.stage, a.microbatch) for p in schedule.ranks for a in p if a.op is bi}
-        self.compiler = Compiler(schedule, lowered)
+        self.split, self.compiler = _prepared(schedule)
         p, num_stages = schedule.num_ranks, schedule.num_stages
         # templates[rank][stage][op]: a list and a dict, cheaper than a dict keyed by tuples
         self.templates: list[list[dict[Op, Template]]] = [
@@ -279,17 +296,17 @@ class _Machine:
         self.clock[rank] = end
 
     def result(self) -> Replay:
-        events = tuple(
-            tuple(map(new_event, repeat(rank), range(len(starts)), program, starts, ends))
-            for rank, (program, starts, ends) in enumerate(
-                zip(self.s.ranks, self.starts, self.ends, strict=True)
-            )
-        )
         blocked = tuple(
             Blocked(r, self.pc[r], self.s.ranks[r][self.pc[r]], self._describe(f))
             for r, f in sorted(self.waiting.items())
         )
-        return Replay(events, blocked, tuple(self.peak))
+        return Replay(
+            self.s.ranks,
+            tuple(map(tuple, self.starts)),
+            tuple(map(tuple, self.ends)),
+            blocked,
+            tuple(self.peak),
+        )
 
     def _describe(self, fact: int) -> str:
         return describe(fact, self.s.num_stages, self.s.num_microbatches)

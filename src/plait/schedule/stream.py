@@ -116,6 +116,13 @@ def unroll(schedule: Schedule, num_windows: int = 1, *, plan: bool = True) -> Un
     them; `plan=False` leaves out the weight copies (what the validator checks first)."""
     if num_windows < 1:
         raise ValueError(f"num_windows={num_windows}: unroll at least one window")
+    closed_form = isinstance(schedule.ranks, tuple) and all(
+        isinstance(p, tuple) for p in schedule.ranks
+    )
+    if closed_form and num_windows == 1 and schedule.policy == "sync" and schedule.reach == 0:
+        # a synchronous step is its own run (immutable: the same object, whose facts a
+        # replay keeps); the checks below could not refuse it
+        return Unrolled(schedule, tuple((0, len(p)) for p in schedule.ranks), 1)
     planned = any(a.op in WEIGHT_OPS for p in schedule.ranks for a in p)
     if planned and (num_windows > 1 or schedule.reach > 0):
         raise ValueError(

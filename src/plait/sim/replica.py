@@ -29,8 +29,9 @@ extra all-reduce and gradient clipping's norm are ignored.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar, cast
 
 from plait.cluster import Cluster, Device, Link, dtype_bytes
 from plait.cost import (
@@ -51,23 +52,11 @@ from plait.schedule import Action, Op, Replay, Schedule, Unrolled, replay, unrol
 from plait.schedule.sharing import Sharing
 from plait.sim.plan import SimPlan
 from plait.sim.result import MemoryUse, RankReport
+from plait.sim.walk import Walk, walk, walk_events
 
 __all__ = ["ReplicaRun", "signature", "simulate_replica"]
 
-
-@dataclass
-class _Walk:
-    """What one pass over a rank's events learns: peaks over the whole run, and the seconds
-    per window of each kind of work, averaged over the steady windows."""
-
-    busy: float = 0.0  # forward and backward work
-    p2p: float = 0.0
-    reduce: float = 0.0
-    update: float = 0.0  # optimizer steps and weight copies
-    compute_end: float = 0.0
-    end: float = 0.0
-    activation_peak: float = 0.0
-    copies_peak: float = 0.0
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -83,7 +72,8 @@ class ReplicaRun:
     step_time_s: float
 
 
-_WEIGHTS = (Op.UPDATE, Op.STASH, Op.PREDICT, Op.FREE)
+# the event-by-event read of each rank's times (`plait.sim.walk.walk_events`), for tests
+REFERENCE_WALK = False
 
 
 class _Replica:
@@ -238,51 +228,16 @@ class _Replica:
         first = self.s.reach + 1
         return first, (ends[-1] - ends[first - 1]) / (len(ends) - first)
 
-    def _walk(self, rank: int, result: Replay, unrolled: Unrolled, first: int) -> _Walk:
-        """One pass over the rank's events: peaks over the whole run, and per-window work
-        over the steady windows. A hot loop (200 000 events for 64 × 512), hence locals."""
+    def _walk(self, rank: int, result: Replay, unrolled: Unrolled, first: int) -> Walk:
         saved = [
             st.saved_bytes(rc) - moved[0]
             for st, moved, rc in zip(self.stages, self.offloaded, self.rc, strict=True)
         ]
         copy = [self._param_bytes(i) for i in range(len(self.stages))]
-        f, b, bw, bi = Op.F, Op.B, Op.BW, Op.BI
-        marks = unrolled.starts[rank]
-        lo, hi = marks[first], marks[unrolled.num_windows]
-        walk = _Walk()
-        held = copies = 0.0
-        for index, e in enumerate(result.events[rank]):
-            action = e.action
-            op, counted = action.op, lo <= index < hi
-            if op is f:
-                held += saved[action.stage]
-                walk.activation_peak = max(walk.activation_peak, held)
-            elif op is b or op is bw:
-                held -= saved[action.stage]
-            elif op is Op.STASH or op is Op.PREDICT:
-                copies += copy[action.stage]
-                walk.copies_peak = max(walk.copies_peak, copies)
-            elif op is Op.FREE:
-                copies -= copy[action.stage]
-            walk.end = max(walk.end, e.end)
-            if not counted:
-                continue
-            took = e.end - e.start
-            if op is f or op is b or op is bw or op is bi:
-                walk.busy += took
-                walk.compute_end = e.end
-            elif op in _WEIGHTS:
-                walk.update += took
-            elif op is Op.REDUCE:
-                walk.reduce += took
-            elif op is Op.SEND_F or op is Op.SEND_B:
-                walk.p2p += took
-        windows = max(1, unrolled.num_windows - first)
-        for name in ("busy", "p2p", "reduce", "update"):
-            setattr(walk, name, getattr(walk, name) / windows)
-        return walk
+        read = walk_events if REFERENCE_WALK else walk
+        return read(rank, result, unrolled, first, saved, copy)
 
-    def _rank(self, rank: int, walk: _Walk, step: float) -> RankReport:
+    def _rank(self, rank: int, walk: Walk, step: float) -> RankReport:
         mine = self.s.stages_of(rank)
         m = self.s.num_microbatches
         ep_comm = m * sum(self.times[i].ep_comm_s for i in mine)
@@ -319,7 +274,7 @@ class _Replica:
             optimizer=plan.optimizer,
         )
 
-    def _memory(self, rank: int, mine: list[int], walk: _Walk) -> MemoryUse:
+    def _memory(self, rank: int, mine: list[int], walk: Walk) -> MemoryUse:
         plan = self.plan
         state = self._state(*mine)
         transient = max(
@@ -359,8 +314,28 @@ def _sharing(cluster: Cluster, plan: SimPlan, dp_rank: int) -> Sharing:
     return Sharing(tuple(ids.index(p) for p in processors), tuple(map(tuple, load)), efficiency)
 
 
+# what the layout walks below return, by (cluster, plan.layout, ranks...): every plan the
+# planner simulates walks dp × pp groups, and its plans share a few hundred layouts; the
+# answers depend on the plan only through its layout (degrees, rank order)
+_BY_LAYOUT: dict[tuple[object, ...], object] = {}
+_KEPT = 1 << 16
+
+
+def _by_layout(key: tuple[object, ...], make: Callable[[], _T]) -> _T:
+    if key not in _BY_LAYOUT:
+        if len(_BY_LAYOUT) > _KEPT:
+            _BY_LAYOUT.clear()
+        _BY_LAYOUT[key] = make()
+    return cast(_T, _BY_LAYOUT[key])
+
+
 def signature(cluster: Cluster, plan: SimPlan, dp_rank: int) -> tuple[object, ...]:
     """What determines a replica's timing: its devices and the links it uses."""
+    key = ("signature", cluster, plan.layout, dp_rank)
+    return _by_layout(key, lambda: _signature(cluster, plan, dp_rank))
+
+
+def _signature(cluster: Cluster, plan: SimPlan, dp_rank: int) -> tuple[object, ...]:
     ranks = [plan.global_rank(r, dp_rank) for r in range(plan.pp)]
     devices: list[Device] = [cluster.device(g) for g in ranks]
     links: list[Link] = [cluster.group_link(plan.tp_group(r, dp_rank)) for r in range(plan.pp)]
@@ -390,6 +365,11 @@ def _axis_links(cluster: Cluster, plan: SimPlan, pp_rank: int, dp_rank: int) -> 
     """The degree and link of each axis a stage's collectives and gradient reductions run
     over, from rank (pp_rank, dp_rank, tp rank 0)'s groups; the axes of one rank cost
     nothing."""
+    key = ("axes", cluster, plan.layout, pp_rank, dp_rank)
+    return _by_layout(key, lambda: _axis_links_of(cluster, plan, pp_rank, dp_rank))
+
+
+def _axis_links_of(cluster: Cluster, plan: SimPlan, pp_rank: int, dp_rank: int) -> AxisLinks:
     degrees = {"tp": plan.tp, "ep": plan.ep, "cp": plan.cp, **sync_degrees(plan)}
     rank = plan.global_rank(pp_rank, dp_rank)
     groups = {axis: plan.layout.ranks(axis, rank) for axis in degrees}

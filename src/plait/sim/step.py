@@ -7,10 +7,11 @@ hand-written one), one cost per (virtual) stage, a cluster and a `SimPlan`.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import lru_cache
 
 from plait.cluster import Cluster
 from plait.cost import BlockCost, StageCost
-from plait.schedule import Schedule, build
+from plait.schedule import Schedule, build, validate
 from plait.sim.plan import SimPlan
 from plait.sim.replica import ReplicaRun, signature, simulate_replica
 from plait.sim.result import MemoryOverflow, SimResult
@@ -20,8 +21,18 @@ __all__ = ["build_schedule", "simulate"]
 
 def build_schedule(plan: SimPlan, *, check: bool = True) -> Schedule:
     """The lowered schedule `plan` names (kind, pp, micro-batches, chunks), validated
-    unless `check` is False."""
-    return build(plan.schedule, plan.pp, plan.microbatches, plan.chunks, check=check)
+    unless `check` is False. Schedules are immutable and the planner simulates many plans
+    that share one (they differ in ZeRO, recomputation, data parallelism), so the last
+    few built are kept."""
+    schedule = _built(plan.schedule, plan.pp, plan.microbatches, plan.chunks)
+    if check:
+        validate(schedule)
+    return schedule
+
+
+@lru_cache(maxsize=8)
+def _built(kind: str, pp: int, microbatches: int, chunks: int) -> Schedule:
+    return build(kind, pp, microbatches, chunks, check=False)
 
 
 def _check(schedule: Schedule, num_stages: int, cluster: Cluster, plan: SimPlan) -> None:
@@ -49,15 +60,32 @@ def _check(schedule: Schedule, num_stages: int, cluster: Cluster, plan: SimPlan)
 
 def _overflows(cluster: Cluster, plan: SimPlan, runs: list[ReplicaRun]) -> list[MemoryOverflow]:
     found = []
+    # a need within the smallest device fits every rank: most plans, without a walk over
+    # all dp·tp·pp ranks
+    smallest = min(g.device.memory_bytes for g in cluster.groups)
     for dp_rank, run in enumerate(runs):
         for report in run.ranks:
             need = report.memory.total
+            if need <= smallest:
+                continue
             for tp_rank in range(plan.tp):
                 rank = plan.global_rank(report.pp_rank, dp_rank, tp_rank)
                 capacity = cluster.device(rank).memory_bytes
                 if need > capacity:
                     found.append(MemoryOverflow(rank, report.pp_rank, need, float(capacity)))
     return found
+
+
+def _peak(cluster: Cluster, world_size: int, dtype: str) -> float:
+    """Peak FLOP/s of the first `world_size` ranks, added rank by rank (as before, to the
+    last bit) but with each group's device looked up once."""
+    total, first = 0.0, 0
+    for group in cluster.groups:
+        peak = group.device.peak(dtype)
+        for _ in range(min(group.num_devices, max(0, world_size - first))):
+            total += peak
+        first += group.num_devices
+    return total
 
 
 def simulate(
@@ -91,7 +119,7 @@ def simulate(
     step = worst.step_time_s  # a synchronous step, or an asynchronous window in steady state
     m = plan.microbatches
     model_flops = sum(st.model_flops for st in parts) * m * plan.tp * plan.cp * plan.dp
-    peak = sum(cluster.device(g).peak(plan.dtype) for g in range(plan.world_size))
+    peak = _peak(cluster, plan.world_size, plan.dtype)
     span = worst.pipeline_time_s
     return SimResult(
         plan=plan,
