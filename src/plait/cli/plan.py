@@ -212,6 +212,7 @@ def _table(found: Any, describe: Any) -> None:
     from rich.table import Table
 
     from plait.console import console, size
+    from plait.plan.describe import recompute
 
     table = Table(title="plans, best first")
     cp = any(r.plan.cp > 1 for r in found.top)  # a cp column only where some plan splits
@@ -240,7 +241,7 @@ def _table(found: Any, describe: Any) -> None:
             + f"{p.tp}{'+sp' if p.sequence_parallel else ''}×{p.pp}"
             + (f"×{p.ep}" if any(r.plan.ep > 1 for r in found.top) else ""), sched,
             f"{'/'.join(map(str, sorted(set(p.shares), reverse=True)))}×{p.micro_batch_size}",
-            p.recompute, str(p.zero),
+            recompute(p), str(p.zero),
             f"{r.step_time_s:.3g}" + (" (input)" if r.input_bound else ""),
             f"{r.tokens_per_s:,.0f}", f"{r.mfu:.1%}",
             f"{r.bubble_fraction:.1%}", f"{r.comm_share:.1%}",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from plait.sim import SimPlan
 
-__all__ = ["describe"]
+__all__ = ["describe", "recompute"]
 
 
 def describe(plan: SimPlan) -> str:
@@ -23,7 +23,7 @@ def describe(plan: SimPlan) -> str:
     ]
     return (
         f"dp={plan.dp}{ep}{cp} tp={plan.tp}{sp} pp={plan.pp} {sched} m={_shares(plan)} "
-        f"b={plan.micro_batch_size} recompute={plan.recompute} zero={plan.zero}{order}"
+        f"b={plan.micro_batch_size} recompute={recompute(plan)} zero={plan.zero}{order}"
         f"{compress}" + (f" offload={'+'.join(offload)}" if offload else "")
     )
 
@@ -32,3 +32,8 @@ def _shares(plan: SimPlan) -> str:
     """Micro-batches per replica: one count, or the two of unequal shares and their sum."""
     first, last, total = plan.shares[0], plan.shares[-1], plan.total_microbatches
     return f"{first}/{last} ({total} in all)" if total else str(first)
+
+
+def recompute(plan: SimPlan) -> str:
+    """The plan's recomputation: one mode, or each stage's, first to last."""
+    return plan.recompute if plan.recompute_stages is None else ",".join(plan.recompute_stages)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from plait.plan.describe import recompute
 from plait.plan.loader import replica_batch
 from plait.plan.search import PlanSearch, RankedPlan, Rejection, describe
 from plait.schedule import schedule_kind
@@ -57,8 +58,8 @@ def _options(a: RankedPlan, b: RankedPlan) -> list[str]:
             out.append(f"{label}{degree} {x} instead of {y}")
     if (pa.schedule, pa.chunks) != (pb.schedule, pb.chunks):
         out.append(f"schedule {_schedule(pa)} instead of {_schedule(pb)}")
-    if pa.recompute != pb.recompute:
-        out.append(f"recomputation {pa.recompute} instead of {pb.recompute}")
+    if recompute(pa) != recompute(pb):
+        out.append(f"recomputation {recompute(pa)} instead of {recompute(pb)}")
     if pa.sequence_parallel != pb.sequence_parallel:
         out.append("sequence parallelism " + ("on" if pa.sequence_parallel else "off"))
     if (pa.offload_activations, pa.offload_optimizer) != (pb.offload_activations,

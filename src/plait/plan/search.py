@@ -30,6 +30,7 @@ from plait.cost import StageCost
 from plait.plan.describe import describe
 from plait.plan.estimate import Estimate
 from plait.plan.hetero import HeteroPlan, plan_replicas, split_replica
+from plait.plan.lighter import lighter_recompute
 from plait.plan.loader import check_rate, with_loader
 from plait.plan.partition import MemoryShortfall
 from plait.plan.prune import fastest_of_each_kind, fastest_without_cp, order_key, pruned_estimates
@@ -304,6 +305,10 @@ def search(
         ranked = [with_loader(r, rate) for r in margined if isinstance(r, RankedPlan)]
         simulated += len(found)
     ranked.sort(key=_preference)
+    lighter = _lighter(ranked[:top_k], model, cluster, memory_margin)
+    if lighter is not None:
+        ranked = sorted([*ranked, with_loader(lighter, rate)], key=_preference)
+        simulated += 1
     if not ranked:
         raise NoFeasiblePlan(_nothing_fits(rejected, model, cluster, devices))
     # every simulated plan that fits stays ranked (the explanation looks past variants of
@@ -319,6 +324,16 @@ def search(
         kind_estimates=fastest_of_each_kind(estimates, rate),
         without_cp=without_cp,
     )
+
+
+def _lighter(
+    top: list[RankedPlan], model: ModelSpec, cluster: Cluster, margin: float
+) -> RankedPlan | None:
+    """The best of `top` that recomputes, each stage recomputing only what its memory
+    needs (`plait.plan.lighter`), when some stage can recompute less."""
+    first = next((r for r in top if r.plan.recompute != "none" and r.result is not None), None)
+    found = first and lighter_recompute(first.plan, first.sizes, model, cluster, margin)
+    return RankedPlan.of(found[0], first.sizes, found[1]) if first and found else None
 
 
 _OFFLOADS = ({"offload_activations": "all"}, {"offload_optimizer": True},
