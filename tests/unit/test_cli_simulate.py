@@ -155,3 +155,19 @@ def test_chimera_costs_each_replica_as_its_part(capsys: pytest.CaptureFixture[st
     assert chimera["partition"] == one_f_one_b["partition"]
     total = sum(rank["params"] for rank in one_f_one_b["memory"])  # type: ignore[union-attr,index]
     assert [rank["params"] for rank in chimera["memory"]] == [total, total]  # type: ignore[union-attr,index]
+
+
+def test_a_given_partition_is_the_cut_simulated(capsys: pytest.CaptureFixture[str]) -> None:
+    """A plan's own cut (`--partition`, or a plan file's `partition`) is what is simulated:
+    the block counts per stage, and each stage's compute is its blocks' (the same blocks
+    simulated one cut further on take longer on the stage that gains one)."""
+    base = [*SMALL, "--cluster", "local-cpu", "--pp", "2", "--microbatches", "4",
+            "--dtype", "fp32"]  # fmt: skip
+    even = simulate_json(capsys, *base, "--partition", "3,3")
+    lopsided = simulate_json(capsys, *base, "--partition", "5,1")
+    assert even["partition"]["sizes"] == [3, 3]  # type: ignore[index]
+    assert lopsided["partition"]["sizes"] == [5, 1]  # type: ignore[index]
+    busy = [[r["compute_s"] for r in d["ranks"]] for d in (even, lopsided)]  # type: ignore[attr-defined]
+    assert busy[1][0] > busy[0][0] and busy[1][1] < busy[0][1]
+    code, _, err = run(capsys, "simulate", *base, "--partition", "3,2")
+    assert code == 2 and "partition=[3, 2] cuts 5 blocks but the model has 6" in err

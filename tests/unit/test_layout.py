@@ -153,7 +153,9 @@ def test_the_simulators_plan_is_the_training_layout_plus_the_batch_shape() -> No
     a SimPlan gives training back exactly its layout."""
     parallel = {f.name for f in dataclasses.fields(ParallelPlan)}
     sim = {f.name for f in dataclasses.fields(SimPlan)}
-    assert parallel <= sim and sim - parallel == {"micro_batch_size", "seq_len", "optimizer"}
+    # the batch shape, and how the replicas share it when it does not divide equally
+    shape = {"micro_batch_size", "seq_len", "optimizer", "total_microbatches"}
+    assert parallel <= sim and sim - parallel == shape
     layout = ParallelPlan(dp=2, pp=2, ep=2, microbatches=4, rank_order="dp-tp-pp",
                           compress="fp16", schedule="zb-h1", partition=(2, 3))  # fmt: skip
     plan = SimPlan.of(layout, micro_batch_size=3, seq_len=16)

@@ -20,7 +20,15 @@ import typing
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["GROUPS", "add_config_flags", "add_groups", "config_flags", "number", "word_list"]
+__all__ = [
+    "GROUPS",
+    "add_config_flags",
+    "add_groups",
+    "config_flags",
+    "int_list",
+    "number",
+    "word_list",
+]
 
 #: The sections of `plait train --help`, in the order listed: name -> what its flags set.
 GROUPS: dict[str, str] = {
@@ -120,7 +128,7 @@ def _kind(f: dataclasses.Field[Any], hint: Any) -> dict[str, Any]:
         out["type"] = functools.partial(word_list, words)
         out.setdefault("metavar", ",".join(words[:2]) + ",...")
     elif typing.get_origin(base) is tuple:
-        out["type"] = _int_list
+        out["type"] = int_list
         out.setdefault("metavar", "N,N,...")
     elif base in (int, float):
         out["type"] = int if base is int else _finite
@@ -174,7 +182,8 @@ def word_list(words: Sequence[str], text: str) -> tuple[str, ...]:
     return items
 
 
-def _int_list(text: str) -> tuple[int, ...]:
+def int_list(text: str) -> tuple[int, ...]:
+    """`text`, a comma-separated list of integers, as a tuple."""
     try:
         return tuple(int(part) for part in text.split(","))
     except ValueError:

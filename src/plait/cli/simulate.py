@@ -30,7 +30,7 @@ from plait.cli.models import (
     model_value,
     spec_from_args,
 )
-from plait.cli.options import add_config_flags, word_list
+from plait.cli.options import add_config_flags, int_list, word_list
 from plait.cli.plan import check_out
 from plait.cli.simulate_wsp import check_wsp, print_wsp, wsp_summary
 from plait.cluster import normalize_dtype
@@ -72,6 +72,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     a("--microbatches", type=int, default=1, help="micro-batches per step and replica")
     a("--chunks", type=int, default=None, help="virtual stages per rank (interleaved: 2)")
     a("--recompute", choices=RECOMPUTE_MODES, default="none", help="activation recomputation")
+    a("--partition", type=int_list, default=None, metavar="N,N,...",
+      help="blocks per (virtual) stage (default: the fastest cut that fits)")  # fmt: skip
     a("--recompute-stages", type=partial(word_list, RECOMPUTE_MODES), default=None,
       metavar="full,none,...", help="recomputation of each (virtual) stage, first to last; "
       "instead of --recompute")  # fmt: skip
@@ -190,6 +192,7 @@ def _plan(args: argparse.Namespace, spec: GPTSpec, dtype: str) -> SimPlan:
         chunks=chunks,
         recompute=args.recompute,
         recompute_stages=args.recompute_stages,
+        partition=args.partition,
         zero=args.zero,
         dtype=dtype,
         sequence_parallel=args.sequence_parallel,
@@ -209,6 +212,7 @@ _FROM_PLAN = {
     "pp": "pp", "ep": "ep", "schedule": "schedule",
     "microbatches": "microbatches",
     "chunks": "chunks", "recompute": "recompute", "recompute_stages": "recompute_stages",
+    "partition": "partition",
     "zero": "zero", "dtype": "dtype",
     "sequence_parallel": "sequence_parallel", "micro_batch_size": "micro_batch_size",
     "compress": "compress", "offload_activations": "offload_activations",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from itertools import accumulate, pairwise
 
 from plait.cluster import Cluster
 from plait.cost import BlockCost, StageCost
@@ -83,7 +84,35 @@ def predict(blocks: list[BlockCost], cluster: Cluster, plan: SimPlan) -> Predict
             f"pp × chunks = {schedule.num_parts} stages but the model has only {len(blocks)} "
             "blocks: use fewer pipeline ranks or chunks, or more layers"
         )
-    cut = _partition(blocks, schedule, cluster, plan)
+    if plan.partition is None:
+        cut = _partition(blocks, schedule, cluster, plan)
+    else:  # the plan's own cut (`plait plan` wrote it, training runs it)
+        cut = _given(plan.partition, blocks, schedule, cluster, plan)
     stages = [StageCost(tuple(s)) for s in cut.split(blocks)]
     result = simulate(schedule, stages, cluster, plan)
     return Prediction(result, cut, schedule, cluster)
+
+
+def _given(
+    sizes: tuple[int, ...],
+    blocks: list[BlockCost],
+    schedule: Schedule,
+    cluster: Cluster,
+    plan: SimPlan,
+) -> Partition:
+    """The cut `sizes`, each part timed at its first stage's device under its mode (its
+    memory is what the simulator then says)."""
+    if sum(sizes) != len(blocks):
+        raise ValueError(
+            f"partition={list(sizes)} cuts {sum(sizes)} blocks but the model has {len(blocks)}: "
+            "give a partition of this model, or none to have one chosen"
+        )
+    bounds = [0, *accumulate(sizes)]
+    times = []
+    for k, (a, b) in enumerate(pairwise(bounds)):
+        device = cluster.device(plan.global_rank(schedule.stage_to_rank[schedule.replicas(k)[0]]))
+        mode = plan.recompute_of(k)
+        work = sum(x.forward_flops + x.backward_input_flops + x.backward_weight_flops
+                   + x.recompute_flops(mode) for x in blocks[a:b])  # fmt: skip
+        times.append(work / device.achievable_flops(plan.dtype))
+    return Partition(tuple(bounds), tuple(times), (math.nan,) * len(sizes))
