@@ -14,9 +14,10 @@ it (a plain loop, evaluation) `KeyedDropout` is torch's dropout. Each sample's m
 for the sample and cut to the part this rank holds (its heads under tensor parallelism,
 its sequence shard under sequence parallelism, its zigzag chunks' global positions under
 context parallelism, and in ring attention the global (query, key) positions of each
-block): torch has no generator addressable per
-element (Philox offsets follow the order of the draws), and one seeded generator per
-sample costs microseconds where hashing every element costs a dozen passes over it.
+block): torch has no generator addressable per element (Philox offsets follow the order
+of the draws), and one seeded generator per sample costs microseconds where hashing
+every element costs a dozen passes over it. The price: a sample's whole mask is drawn,
+heads × s² numbers for attention, on every rank, however the sample is split.
 """
 
 from __future__ import annotations
