@@ -12,9 +12,12 @@ The engine says which step and micro-batch a forward belongs to (`drawing`); out
 it (a plain loop, evaluation) `KeyedDropout` is torch's dropout. Each sample's mask is
 `torch.rand` from a generator seeded by a hash of (seed, step, sample, site), drawn whole
 for the sample and cut to the part this rank holds (its heads under tensor parallelism,
-its sequence shard under sequence parallelism): torch has no generator addressable per
-element (Philox offsets follow the order of the draws), and one seeded generator per
-sample costs microseconds where hashing every element costs a dozen passes over it.
+its sequence shard under sequence parallelism, its zigzag chunks' global positions under
+context parallelism, and in ring attention the global (query, key) positions of each
+block): torch has no generator addressable per element (Philox offsets follow the order
+of the draws), and one seeded generator per sample costs microseconds where hashing
+every element costs a dozen passes over it. The price: a sample's whole mask is drawn,
+heads × s² numbers for attention, on every rank, however the sample is split.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
 
@@ -31,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = [
+    "CpShard",
     "Draw",
     "KeyedDropout",
     "StepDraws",
@@ -56,6 +60,9 @@ class Draw:
     index: int
 
 
+# a context-parallel shard's length -> (its tokens' global positions, the global length)
+CpShard = Callable[[int], tuple[torch.Tensor, int]]
+
 _current: ContextVar[Draw | None] = ContextVar("plait_keyed_draw", default=None)
 
 
@@ -80,21 +87,33 @@ def sample_seed(seed: int, step: int, site: int, sample: int) -> int:
 
 
 def keep_mask(
-    draw: Draw, site: int, p: float, global_shape: Sequence[int], offsets: Sequence[int],
-    local_shape: Sequence[int], device: torch.device,
+    draw: Draw, site: int, p: float, global_shape: Sequence[int],
+    offsets: Sequence[int | torch.Tensor], local_shape: Sequence[int], device: torch.device,
 ) -> torch.Tensor:  # fmt: skip
     """Which elements of a local block (`local_shape` at `offsets` within a tensor of
-    `global_shape` [samples, ...]) are kept with probability 1 - `p`."""
+    `global_shape` [samples, ...]) are kept with probability 1 - `p`. An offset may be a
+    1-D tensor of indices instead (the zigzag positions of a context-parallel shard): that
+    dim of the block holds those indices, whatever `local_shape` says of it."""
     rows = int(global_shape[0])
-    cut = tuple(slice(int(o), int(o) + int(n)) for o, n in zip(offsets[1:], local_shape[1:],
-                                                               strict=True))  # fmt: skip
     masks = []
     for r in range(int(local_shape[0])):
         sample = draw.index * rows + int(offsets[0]) + r
         g = torch.Generator(device=device).manual_seed(sample_seed(draw.seed, draw.step, site,
                                                                    sample))  # fmt: skip
-        masks.append(torch.rand(tuple(global_shape[1:]), generator=g, device=device)[cut])
+        whole = torch.rand(tuple(global_shape[1:]), generator=g, device=device)
+        masks.append(_cut(whole, offsets[1:], local_shape[1:]))
     return torch.stack(masks) >= p
+
+
+def _cut(
+    x: torch.Tensor, offsets: Sequence[int | torch.Tensor], shape: Sequence[int]
+) -> torch.Tensor:
+    for dim, (at, n) in enumerate(zip(offsets, shape, strict=True)):
+        if isinstance(at, torch.Tensor):
+            x = x.index_select(dim, at.to(x.device))
+        else:
+            x = x.narrow(dim, int(at), int(n))
+    return x
 
 
 class KeyedDropout(nn.Module):
@@ -109,6 +128,9 @@ class KeyedDropout(nn.Module):
         # (dim, index, parts): x is part `index` of `parts` equal parts along `dim` of the
         # tensor the mask is keyed over (sequence parallelism sets it); None: x is whole
         self.split: tuple[int, int, int] | None = None
+        # the sequence (dim 1) split of context parallelism, set by its pass: a shard's
+        # length -> (the global positions of its tokens, the global length); None: whole
+        self.cp_shard: CpShard | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         draw = current()
@@ -116,12 +138,16 @@ class KeyedDropout(nn.Module):
             return x
         if draw is None:
             return F.dropout(x, self.p, training=True)
-        offsets, shape = None, None
+        offsets: list[int | torch.Tensor] = [0] * x.dim()
+        shape = list(x.shape)
         if self.split is not None:
             dim, index, parts = self.split
-            shape = [*x.shape[:dim], x.shape[dim] * parts, *x.shape[dim + 1 :]]
-            offsets = [0] * x.dim()
+            shape[dim] = x.shape[dim] * parts
             offsets[dim] = index * x.shape[dim]
+        if self.cp_shard is not None:  # the (sequence-parallel part of the) cp shard
+            positions, shape[1] = self.cp_shard(shape[1])
+            start = int(offsets[1])
+            offsets[1] = positions[start : start + x.shape[1]]
         return x * (mask_like(x, draw, self.site, self.p, offsets, shape) / (1.0 - self.p))
 
     def extra_repr(self) -> str:
@@ -129,11 +155,13 @@ class KeyedDropout(nn.Module):
 
 
 def mask_like(
-    x: torch.Tensor, draw: Draw, site: int, p: float, offsets: Sequence[int] | None = None,
+    x: torch.Tensor, draw: Draw, site: int, p: float,
+    offsets: Sequence[int | torch.Tensor] | None = None,
     global_shape: Sequence[int] | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """`x`'s keep mask as a tensor of its dtype; `offsets`/`global_shape` place a local `x`
-    in the tensor the mask is keyed over (tensor-parallel heads, a sequence shard)."""
+    in the tensor the mask is keyed over (tensor-parallel heads, a sequence shard, a
+    context-parallel shard's positions)."""
     shape = tuple(x.shape) if global_shape is None else tuple(global_shape)
     at = offsets if offsets is not None else (0,) * x.dim()
     return keep_mask(draw, site, p, shape, at, x.shape, x.device).to(x.dtype)

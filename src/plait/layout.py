@@ -7,8 +7,10 @@ that a layout is simulated and trained with the same ranks in the same groups.
 **Axes.** The world is the product of five named axes (`AXES`, outermost first): `pp`
 (pipeline stages), `dp_replicate` (replicas that all-reduce their gradients),
 `dp_shard` (ranks that shard parameters, gradients and optimizer state: ZeRO/FSDP), `cp`
-(context parallelism, degree 1 for now) and `tp` (tensor parallelism). A new axis is one
-entry here and one in `_TOKENS`.
+(context parallelism: ranks that split each sequence into zigzag chunks and run causal
+attention as a ring, `plait.parallel.context`; any degree whose 2·cp chunks divide the
+sequence, gradients reduced over dp × cp by `plait.mesh`) and `tp` (tensor parallelism).
+A new axis is one entry here and one in `_TOKENS`.
 
 **Rank order.** A rank order names the three user-facing axes innermost first: under
 "tp-dp-pp" (Megatron-LM's order, the default) tensor-parallel ranks are consecutive, then
@@ -60,7 +62,7 @@ _FLAT: dict[str, tuple[str, ...]] = {"dp": ("dp_replicate", "dp_shard")}
 # the axes expert parallelism borrows (outermost first; tp innermost)
 _BORROWED: tuple[str, ...] = ("dp_replicate", "dp_shard", "cp", "tp")
 VIEWS: tuple[str, ...] = (*_FLAT, "ep", "edp")
-# the axes whose ranks take different samples of a batch (dim 0); cp would split dim 1
+# the axes whose ranks take different samples of a batch (dim 0); cp splits dim 1
 BATCH_AXES: tuple[str, ...] = ("dp_replicate", "dp_shard")
 
 

@@ -1,6 +1,7 @@
 """Context parallelism (zigzag sequence shards, ring attention) trains plait's GPT to the
 losses and gradients of one plain process on the whole sequence: alone, with dp (ZeRO 0-3),
-with pp under every synchronous schedule, and with tp (with and without sequence parallelism)."""
+with pp under every synchronous schedule, and with tp (with and without sequence parallelism;
+with keyed dropout too)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch.distributed as dist
 from plait.blocks import as_blocks
 from plait.checkpoint import CheckpointStore
 from plait.config import ParallelPlan
+from plait.keyed import drawing
 from plait.models import GPT, GPTConfig
 from plait.models.moe import MoEConfig, MoEGPT
 from plait.train.checkpointing import resume, save
@@ -79,9 +81,6 @@ def _two(rank: int, world: int) -> None:
     for recompute in ("full", "selective"):  # the ring runs again in backward, in step
         _check(ParallelPlan(cp=2, pp=1, microbatches=2, recompute=recompute))
     _bf16(rank, world)
-    with pytest.raises(ValueError, match=r"cp=2 with dropout=0.1 .*use dropout=0"):
-        parallelize(_model(dropout=0.1), ParallelPlan(cp=2, pp=1),
-                    lambda ps: torch.optim.SGD(ps, lr=0.1), GPT.loss, device="cpu")  # fmt: skip
     moe = MoEGPT(MoEConfig(vocab_size=VOCAB, seq_len=SEQ, num_layers=1, hidden=16, num_heads=2,
                            num_experts=2, top_k=1, moe_every=1))  # fmt: skip
     with pytest.raises(ValueError, match=r"cp=2 with a mixture of experts .*or cp=1"):
@@ -106,6 +105,14 @@ def _composed(rank: int, world: int) -> None:
         _check(ParallelPlan(pp=2, cp=2, schedule=schedule, chunks=chunks, microbatches=4))
     for sequence_parallel in (False, True):
         _check(ParallelPlan(tp=2, cp=2, pp=1, sequence_parallel=sequence_parallel))
+    # keyed dropout with tp × cp: heads, zigzag chunks and sequence-parallel parts at once
+    from .test_hybrid import _check as _check_keyed
+    from .test_keyed_dropout import SEED
+    from .test_keyed_dropout import _model as _dropout_model
+
+    _check_keyed(ParallelPlan(tp=2, cp=2, pp=1, sequence_parallel=True, microbatches=2),
+                 build=lambda: _dropout_model(dropout=0.1),
+                 around=lambda step: drawing(SEED, step, 0))  # fmt: skip
 
 
 def _bf16(rank: int, world: int) -> None:

@@ -1,6 +1,7 @@
-"""With dropout, every layout trains the GPT to the losses and gradients of one process on
-the whole batch: masks keyed by (seed, step, sample, site) do not depend on which rank
-draws them (plait.keyed). torch's dropout would give each layout other masks."""
+"""With dropout, every layout (context parallelism's included) trains the GPT to the losses
+and gradients of one process on the whole batch: masks keyed by (seed, step, sample, site)
+and position do not depend on which rank draws them (plait.keyed). torch's dropout would
+give each layout other masks."""
 
 from __future__ import annotations
 
@@ -21,10 +22,10 @@ pytestmark = pytest.mark.dist
 SEED = 11
 
 
-def _model() -> GPT:
+def _model(dropout: float = 0.2) -> GPT:
     torch.manual_seed(SEED)  # the engine keys its masks by this seed (rank 0's)
     return GPT(GPTConfig(vocab_size=19, seq_len=8, num_layers=2, hidden=16, num_heads=4,
-                         dropout=0.2))  # fmt: skip
+                         dropout=dropout))  # fmt: skip
 
 
 def _layouts(rank: int, world: int) -> None:
@@ -38,6 +39,12 @@ def _layouts(rank: int, world: int) -> None:
         ParallelPlan(dp=2, pp=1, microbatches=1, zero=3, recompute="selective"),
     ):
         _check(plan, build=_model, around=lambda step: drawing(SEED, step, 0))
+    # context parallelism: zigzag chunks key every dropout by their tokens' global
+    # positions, the ring's attention dropout by each block's global (query, key) positions
+    for recompute in ("none", "selective"):  # selective: the ring and its mask run again
+        _check(ParallelPlan(cp=2, pp=1, microbatches=2, recompute=recompute),
+               build=lambda: _model(dropout=0.1),
+               around=lambda step: drawing(SEED, step, 0))  # fmt: skip
 
 
 def test_dropout_is_the_same_under_every_layout(tmp_path: Path) -> None:

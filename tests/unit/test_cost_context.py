@@ -143,3 +143,33 @@ def test_simulate_cp_refusals(
 ) -> None:
     assert main(["simulate", *MODEL, *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_sequence_parallelism_splits_the_local_sequence_of_a_cp_rank() -> None:
+    # 24 tokens divide by tp=8, but a cp=2 rank holds 12, which sequence parallelism
+    # would cut into 8 parts
+    def shape(cp: int, seq: int) -> TransformerShape:
+        plan = SimPlan(cp=cp, tp=8, seq_len=seq, sequence_parallel=True)
+        return TransformerShape(num_layers=1, hidden=64, num_heads=8, seq_len=seq,
+                                vocab_size=V, layout=plan)  # fmt: skip
+
+    assert shape(1, 24).local_seq == 24 and shape(2, 32).local_seq == 16
+    with pytest.raises(ValueError, match=r"seq_len=24 over cp=2 leaves 12 tokens .* tp=8"):
+        shape(2, 24)
+
+
+def test_the_ring_with_dropout_keeps_its_bool_mask_not_s2_scores() -> None:
+    def layer(cp: int, dropout: float) -> float:
+        plan = SimPlan(cp=cp, seq_len=S)
+        shape = TransformerShape(num_layers=L, hidden=H, num_heads=A, seq_len=S, vocab_size=V,
+                                 micro_batch_size=B, dtype="bf16", layout=plan,
+                                 dropout=dropout)  # fmt: skip
+        return layer_activation_bytes(shape, "none")
+
+    s = S // 2  # a cp=2 rank's tokens; CUDA's dropout masks: one byte per element
+    residual_masks = 2 * s * B * H  # the two keyed dropouts of the layer
+    ring_mask = A * s * S * B  # this rank's queries against all S keys
+    assert layer(2, 0.1) - layer(2, 0.0) == residual_masks + ring_mask
+    # one process materializes softmax, mask and dropped scores, a·S²·b·(2·2 + 1), in
+    # place of the fused kernel's fp32 log-sum-exp
+    assert layer(1, 0.1) - layer(1, 0.0) == 2 * S * B * H + A * S * S * B * 5 - 4 * A * S * B

@@ -1,6 +1,7 @@
 """Keyed dropout: a sample's mask as its seed's `torch.rand` (written out here), masks of
-any block of a tensor equal to that block of the whole tensor's mask, and a GPT's forward
-the same however its batch is cut into micro-batches."""
+any block of a tensor equal to that block of the whole tensor's mask (a context-parallel
+shard's included), and a GPT's forward the same however its batch is cut into
+micro-batches."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import torch
 
 from plait.keyed import Draw, KeyedDropout, drawing, keep_mask
 from plait.models import GPT, GPTConfig
+from plait.models.gpt import Attention
+from plait.parallel.context import zigzag_positions, zigzag_shard, zigzag_unshard
 
 
 def test_a_sample_mask_is_torch_rand_from_its_own_seeded_generator() -> None:
@@ -62,3 +65,47 @@ def test_gpt_forward_does_not_depend_on_the_micro_batch_cut() -> None:
     torch.testing.assert_close(torch.cat(parts), whole, rtol=1e-5, atol=1e-5)
     with drawing(5, 3, 0):  # another step: other masks
         assert not torch.allclose(model(ids), whole)
+
+
+def _cp_shard(cp: int, rank: int):  # the shard the context-parallel pass gives each module
+    return lambda n: (zigzag_positions(n * cp, cp, rank), n * cp)
+
+
+def test_a_context_parallel_shard_drops_what_the_whole_sequence_drops() -> None:
+    x = torch.randn(3, 16, 4)  # [batch, seq, hidden]
+    drop = KeyedDropout(0.3)
+    drop.site = 5
+    with drawing(2, 1, 0):
+        whole = drop(x)
+        for cp in (2, 4):
+            parts = []
+            for rank in range(cp):
+                drop.cp_shard = _cp_shard(cp, rank)
+                parts.append(drop(zigzag_shard(x, cp, rank)))
+            assert torch.equal(zigzag_unshard(parts), whole), cp
+            # with sequence parallelism inside the cp shard: tp ranks split its 16/cp tokens
+            for rank in range(cp):
+                drop.cp_shard = _cp_shard(cp, rank)
+                local = zigzag_shard(x, cp, rank)
+                n = local.shape[1] // 2
+                for tp_rank in range(2):
+                    drop.split = (1, tp_rank, 2)
+                    got = drop(local[:, tp_rank * n : (tp_rank + 1) * n])
+                    want = zigzag_shard(whole, cp, rank)[:, tp_rank * n : (tp_rank + 1) * n]
+                    assert torch.equal(got, want), (cp, rank, tp_rank)
+                drop.split = None
+        drop.cp_shard = None
+
+
+def test_ring_attention_mask_rows_are_the_whole_attention_mask_rows() -> None:
+    attn = Attention(GPTConfig(vocab_size=5, seq_len=16, num_layers=1, hidden=8, num_heads=4,
+                               dropout=0.2))  # fmt: skip
+    attn.site, attn.head_offset = 9, 2  # a tensor-parallel rank holding heads 2..3
+    draw = Draw(seed=4, step=3, index=1)
+    q = torch.zeros(2, 2, 8, 2)  # [b, heads/tp, 16/cp, head_dim], cp=2
+    whole = keep_mask(draw, 9, 0.2, (2, 4, 16, 16), (0, 0, 0, 0), (2, 4, 16, 16),
+                      torch.device("cpu"))  # fmt: skip
+    for rank in range(2):
+        got = attn._ring_keep(q, draw, _cp_shard(2, rank))
+        want = whole[:, 2:4].index_select(2, zigzag_positions(16, 2, rank))
+        assert torch.equal(got, want), rank

@@ -40,6 +40,15 @@ def test_cp_candidates_are_synchronous_uncompressed_and_not_hybrid() -> None:
     assert any(not KINDS[p.schedule].synchronous for p in plans if p.cp == 1)
 
 
+def test_sequence_parallel_candidates_split_each_cp_rank_s_tokens_over_tp() -> None:
+    model = gpt_spec(**GPT_7B, seq_len=8200)  # cp=4 ranks hold 2050 tokens: 2 | 2050, 8 ∤
+    plans = list(candidates(model, SearchSpace(), num_devices=16, devices_per_node=8,
+                            global_batch=16))  # fmt: skip
+    sp = {(p.cp, p.tp) for p in plans if p.sequence_parallel}
+    assert (4, 2) in sp and (4, 8) not in sp and (2, 8) not in sp and (1, 8) in sp
+    assert all((8200 // cp) % tp == 0 for cp, tp in sp)
+
+
 def _plan(capsys: pytest.CaptureFixture[str], seq_len: int, batch: int) -> dict[str, Any]:
     code = main(["plan", "--layers", "32", "--hidden", "4096", "--heads", "32", "--seq-len",
                  str(seq_len), "--vocab", "50304", "--global-batch", str(batch), "--cluster",

@@ -1,4 +1,5 @@
-"""Ring attention on an emulated ring equals whole-sequence causal SDPA (forward, grads)."""
+"""Ring attention on an emulated ring equals whole-sequence causal SDPA (forward, grads),
+and with attention dropout the whole-sequence attention dropped by the same mask."""
 
 from __future__ import annotations
 
@@ -23,14 +24,19 @@ def _reference(q, k, v, dout):
     return out.detach(), q.grad, k.grad, v.grad
 
 
-def _ring(q, k, v, dout, cp):
-    """Shard on dim 2 (the sequence of [b, h, s, d]), run every rank, gather back."""
+def _ring(q, k, v, dout, cp, keep=None):
+    """Shard on dim 2 (the sequence of [b, h, s, d]), run every rank, gather back. `keep`
+    [b, h, s, s]: dropout multipliers, whose rows each rank takes for its queries."""
     shards = [[zigzag_shard(t, cp, r, dim=2) for t in (q, k, v, dout)] for r in range(cp)]
+    rows = [None if keep is None else zigzag_shard(keep, cp, r, dim=2) for r in range(cp)]
     scale = q.shape[-1] ** -0.5
-    forward = run_emulated([attention_forward_steps(sq, sk, sv, rank=r, cp=cp, scale=scale)
-                            for r, (sq, sk, sv, _) in enumerate(shards)])  # fmt: skip
+    forward = run_emulated([
+        attention_forward_steps(sq, sk, sv, rank=r, cp=cp, scale=scale, keep=rows[r])
+        for r, (sq, sk, sv, _) in enumerate(shards)
+    ])  # fmt: skip
     backward = run_emulated([
-        attention_backward_steps(sq, sk, sv, out, lse, sd, rank=r, cp=cp, scale=scale)
+        attention_backward_steps(sq, sk, sv, out, lse, sd, rank=r, cp=cp, scale=scale,
+                                 keep=rows[r])
         for r, ((sq, sk, sv, sd), (out, lse)) in enumerate(zip(shards, forward, strict=True))
     ])  # fmt: skip
     out = zigzag_unshard([o for o, _ in forward], dim=2)
@@ -48,6 +54,31 @@ def test_ring_equals_causal_sdpa(cp: int, heads: int) -> None:
     got = _ring(q, k, v, dout, cp)
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=name)
+
+
+def _dropped_reference(q, k, v, dout, keep):
+    """Whole-sequence causal attention with its probabilities times `keep`, by autograd."""
+    q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    s = q.shape[-2]
+    scores = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5
+    causal = torch.ones(s, s, dtype=torch.bool).tril()
+    out = (scores.masked_fill(~causal, float("-inf")).softmax(-1) * keep) @ v
+    out.backward(dout)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_ring_with_attention_dropout_equals_the_whole_dropped_attention(cp: int) -> None:
+    g = torch.Generator().manual_seed(cp)
+    p, seq = 0.1, 2 * cp * 3
+    q, k, v, dout = (torch.randn(2, 3, seq, 8, generator=g) for _ in range(4))
+    keep = (torch.rand(2, 3, seq, seq, generator=g) >= p).float() / (1 - p)
+    want = _dropped_reference(q, k, v, dout, keep)
+    got = _ring(q, k, v, dout, cp, keep)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=name)
+    # the mask matters: the undropped ring differs
+    assert not torch.allclose(_ring(q, k, v, dout, cp)[0], want[0], atol=1e-3)
 
 
 def test_zigzag_positions_head_and_tail() -> None:

@@ -34,7 +34,9 @@ b·s/cp tokens of a rank, attention's b·s²·h work too (zigzag balances the ca
 so each rank does 1/cp of it), and each layer adds its K/V ring. Without recomputation
 plait's ring keeps fp32 copies of q, k, v and of its output (the projection's input is a
 further copy in the activation dtype), where SDPA keeps them in the activation dtype and
-its output is the projection's input.
+its output is the projection's input. With dropout the ring materializes no s² scores: it
+keeps its attention-dropout mask, one byte per probability of its s/cp queries against
+all s keys (a·s/cp·s·b), and recomputes the probabilities in backward.
 
 Limits: layer norms, softmax, dropout and GeLU count no FLOPs (their time is in the
 device's efficiency); Korthikanti et al.'s count leaves out the layer norms' mean and rstd
@@ -108,10 +110,12 @@ class TransformerShape:
                 f"seq_len={self.seq_len} is not divisible by 2·cp = {2 * self.cp}, which "
                 "context parallelism's zigzag chunks need; change cp or the sequence length"
             )
-        if self.sequence_parallel and self.seq_len % self.tp:
+        # sequence parallelism splits what a cp rank holds: its s/cp tokens, over tp
+        if self.sequence_parallel and self.local_seq % self.tp:
             raise ValueError(
-                f"seq_len={self.seq_len} is not divisible by tp={self.tp}, which sequence "
-                "parallelism needs; change tp or turn sequence_parallel off"
+                f"seq_len={self.seq_len} over cp={self.cp} leaves {self.local_seq} tokens per "
+                f"rank, not divisible by tp={self.tp}, which sequence parallelism needs; "
+                "change tp, cp or the sequence length, or turn sequence_parallel off"
             )
 
     @property
@@ -162,8 +166,8 @@ def layer_activation_bytes(shape: TransformerShape, recompute: Recompute) -> flo
         return w * sbh / sp  # the layer input
     # with dropout the attention core is the materialized (math) one; on the CPU it computes
     # 16-bit inputs in fp32 and keeps fp32 copies of q, k, v and fp32 noise as its mask
-    math = shape.dropout > 0 and recompute == "none"
     ring = shape.cp > 1 and recompute == "none"  # the fp32 ring keeps q, k, v and its output
+    math = shape.dropout > 0 and recompute == "none" and not ring
     core_w = max(w, 4) if ring or (math and shape.device_type == "cpu") else w
     core_m = core_w if shape.device_type == "cpu" else m
     # replicated across tp ranks: both norms' inputs, outputs, means and rstds, two masks
@@ -177,6 +181,8 @@ def layer_activation_bytes(shape: TransformerShape, recompute: Recompute) -> flo
         scores = a * s * s * b * (2 * core_w + core_m)
     else:  # the fused kernel's fp32 log-sum-exp (gone too when the core is recomputed)
         scores = 4 * a * s * b if recompute == "none" else 0.0
+        if ring and shape.dropout > 0:  # the ring's bool keep mask: its rows of all s keys
+            scores += a * s * shape.seq_len * b
     return replicated / sp + (sharded + scores) / t
 
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from plait.keyed import Draw, KeyedDropout, assign_keys, current, mask_like
+from plait.keyed import CpShard, Draw, KeyedDropout, assign_keys, current, keep_mask, mask_like
 
 __all__ = [
     "GPT",
@@ -98,12 +98,21 @@ class Attention(nn.Module):
         # causal attention over a sequence split among ranks (context parallelism sets
         # it: plait.parallel.context.ring_attention on the cp group); None: SDPA
         self.ring: Callable[..., torch.Tensor] | None = None
+        # with the ring: a shard's length -> (its queries' global positions, the global
+        # length), which key the ring's attention dropout (plait.keyed.CpShard)
+        self.cp_shard: CpShard | None = None
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        if self.ring is not None:
-            return self.ring(q, k, v)
         draw = current()
-        if draw is not None and self.training and self.dropout > 0.0:
+        keyed = draw is not None and self.training and self.dropout > 0.0
+        if self.ring is not None:
+            if not keyed:
+                return self.ring(q, k, v)
+            assert draw is not None and self.cp_shard is not None, "cp wires ring and shard"
+            return self.ring(q, k, v, keep=self._ring_keep(q, draw, self.cp_shard),
+                             p=self.dropout)  # fmt: skip
+        if keyed:
+            assert draw is not None
             return self._keyed_core(q, k, v, draw)
         return F.scaled_dot_product_attention(
             q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
@@ -121,6 +130,15 @@ class Attention(nn.Module):
         keep = mask_like(probs, draw, self.site, self.dropout, offsets=(0, self.head_offset, 0, 0),
                          global_shape=(b, self.num_heads, s, s))  # fmt: skip
         return (probs * keep / (1.0 - self.dropout)) @ v
+
+    def _ring_keep(self, q: torch.Tensor, draw: Draw, shard: CpShard) -> torch.Tensor:
+        """The keep mask [b, heads, n, S] of this rank's n queries (at their global
+        positions) against every global key: rows of `_keyed_core`'s mask."""
+        b, heads, n, _ = q.shape
+        rows, seq_len = shard(n)
+        return keep_mask(draw, self.site, self.dropout, (b, self.num_heads, seq_len, seq_len),
+                         (0, self.head_offset, rows.to(q.device), 0), (b, heads, n, seq_len),
+                         q.device)  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape

@@ -15,6 +15,13 @@ c × 2c scores, unmasked.
 global log-sum-exp (flash-attention's backward) and passes dK/dV accumulators around
 the ring with their key/value blocks, so each block's gradient comes home complete.
 
+**Attention dropout** multiplies each block's normalised probabilities by its part of a
+keep mask of this rank's queries against every global key position (0 or 1/(1 − p));
+the log-sum-exp stays that of the undropped scores, so the merges are unchanged and the
+result is the unsplit attention's with the same mask. The caller draws the mask keyed
+by global (query, key) positions (`plait.keyed`), so cp ranks drop what one process
+drops; it is [b, h, 2c, S] per rank (booleans, kept for backward), not per block.
+
 **Communication** sits behind one small protocol so that one compute code serves two
 rings: the per-rank computation is a generator that yields `Post(tensors)` (send to the
 next rank, receive from the previous; answered at once with a ticket) and
@@ -120,16 +127,20 @@ def zigzag_unshard(parts: Sequence[torch.Tensor], *, dim: int = 1) -> torch.Tens
 
 
 def _block(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) of q [b, h, n, d] attending to k, v [b, h, m, d]; lse [b, h, n]."""
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
+    keep: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(out, lse) of q [b, h, n, d] attending to k, v [b, h, m, d]; lse [b, h, n]. `keep`
+    [b, h, n, m] (0 or 1/(1 − p)) drops probabilities after the softmax; lse is of the
+    scores, undropped, so that the merge still normalises by the whole softmax."""
     scores = (q @ k.transpose(-2, -1)) * scale
     if causal:  # local order is increasing global order, so local causality is global
         n, m = scores.shape[-2:]
-        keep = torch.ones(n, m, dtype=torch.bool, device=q.device).tril()
-        scores = scores.masked_fill(~keep, float("-inf"))
+        below = torch.ones(n, m, dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~below, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
-    return torch.exp(scores - lse.unsqueeze(-1)) @ v, lse
+    probs = torch.exp(scores - lse.unsqueeze(-1))
+    return (probs if keep is None else probs * keep) @ v, lse
 
 
 def _merge(
@@ -150,16 +161,22 @@ def _block_grads(
     delta: torch.Tensor,
     scale: float,
     causal: bool,
+    keep: torch.Tensor | None = None,
 ) -> Tensors:
-    """(dq, dk, dv) of one block given the merged output's lse and delta = rowsum(dO·O)."""
+    """(dq, dk, dv) of one block given the merged output's lse and delta = rowsum(dO·O).
+    With dropout (`keep`) delta is still rowsum(dO·O): O is the dropped probabilities
+    times V, so rowsum(dO·O) = rowsum(dP_dropped · P_dropped), flash-attention's identity."""
     scores = (q @ k.transpose(-2, -1)) * scale
     probs = torch.exp(scores - lse.unsqueeze(-1))
     if causal:
         n, m = scores.shape[-2:]
-        keep = torch.ones(n, m, dtype=torch.bool, device=q.device).tril()
-        probs = probs.masked_fill(~keep, 0.0)
-    dv = probs.transpose(-2, -1) @ dout
-    dscores = probs * (dout @ v.transpose(-2, -1) - delta.unsqueeze(-1)) * scale
+        below = torch.ones(n, m, dtype=torch.bool, device=q.device).tril()
+        probs = probs.masked_fill(~below, 0.0)
+    dprobs = dout @ v.transpose(-2, -1)
+    if keep is not None:
+        dprobs = dprobs * keep
+    dv = (probs if keep is None else probs * keep).transpose(-2, -1) @ dout
+    dscores = probs * (dprobs - delta.unsqueeze(-1)) * scale
     return dscores @ k, dscores.transpose(-2, -1) @ q, dv
 
 
@@ -175,27 +192,51 @@ def _chunk(q: torch.Tensor) -> int:
     return n // 2
 
 
+def _keep_of(
+    keep: torch.Tensor | None, *, source: int, cp: int, head_only: bool, tail_rows: bool
+) -> torch.Tensor | None:
+    """The dropout multipliers of the block from rank `source`: `keep` [b, h, 2c, S] holds
+    this rank's query rows against every global key position; a block's columns are its
+    keys' global positions (its head chunk only, or all), its rows this rank's queries
+    (the tail chunk only, or all)."""
+    if keep is None:
+        return None
+    n, seq_len = keep.shape[-2:]
+    cols = zigzag_positions(seq_len, cp, source).to(keep.device)
+    if head_only:
+        cols = cols[: n // 2]
+    rows = keep[..., n // 2 :, :] if tail_rows else keep
+    return rows.index_select(-1, cols)
+
+
 # --- the ring --------------------------------------------------------------------------
 
 
 def attention_forward_steps(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, rank: int, cp: int, scale: float
-) -> Steps[Tensors]:
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, rank: int, cp: int, scale: float,
+    keep: torch.Tensor | None = None,
+) -> Steps[Tensors]:  # fmt: skip
     """One rank's forward: (out [b, h, 2c, d], lse [b, h, 2c]) of its zigzag queries
     against every rank's keys and values, causal by global position. The next block's
-    transfer is posted before the current block's attention, so the two overlap."""
+    transfer is posted before the current block's attention, so the two overlap.
+    `keep` [b, h, 2c, S]: attention dropout's multipliers (0 or 1/(1 − p)) of this rank's
+    queries against every global key position; None: no dropout."""
     c = _chunk(q)
     ticket: int = (yield Post((k, v))) if cp > 1 else -1
-    out, lse = _block(q, k, v, scale, causal=True)  # own block: local order is global order
+    own = _keep_of(keep, source=rank, cp=cp, head_only=False, tail_rows=False)
+    out, lse = _block(q, k, v, scale, causal=True, keep=own)  # local order is global order
     for t in range(1, cp):
         k, v = yield Wait(ticket)
         if t < cp - 1:
             ticket = yield Post((k, v))
-        if (rank - t) % cp < rank:  # an earlier rank's block: its head chunk, all queries
-            o, lo = _block(q, k[..., :c, :], v[..., :c, :], scale, causal=False)
+        source = (rank - t) % cp
+        if source < rank:  # an earlier rank's block: its head chunk, all queries
+            part = _keep_of(keep, source=source, cp=cp, head_only=True, tail_rows=False)
+            o, lo = _block(q, k[..., :c, :], v[..., :c, :], scale, causal=False, keep=part)
             out, lse = _merge(out, lse, o, lo)
         else:  # a later rank's block: all of it, for the tail queries only
-            o, lo = _block(q[..., c:, :], k, v, scale, causal=False)
+            part = _keep_of(keep, source=source, cp=cp, head_only=False, tail_rows=True)
+            o, lo = _block(q[..., c:, :], k, v, scale, causal=False, keep=part)
             tail, tail_lse = _merge(out[..., c:, :], lse[..., c:], o, lo)
             out = torch.cat([out[..., :c, :], tail], dim=-2)
             lse = torch.cat([lse[..., :c], tail_lse], dim=-1)
@@ -213,14 +254,17 @@ def attention_backward_steps(
     rank: int,
     cp: int,
     scale: float,
+    keep: torch.Tensor | None = None,
 ) -> Steps[Tensors]:
     """One rank's backward: (dq, dk, dv) of its own q, k, v. dK/dV accumulators travel
     with their block around the ring (one step behind it) and come home after cp
-    transfers; the next block's transfer overlaps the current block's gradients."""
+    transfers; the next block's transfer overlaps the current block's gradients.
+    `keep`: the forward's dropout multipliers (see `attention_forward_steps`)."""
     c = _chunk(q)
     delta = (dout * out).sum(-1)  # [b, h, 2c]
     kv_ticket: int = (yield Post((k, v))) if cp > 1 else -1
-    dq, dk, dv = _block_grads(q, k, v, dout, lse, delta, scale, causal=True)
+    own = _keep_of(keep, source=rank, cp=cp, head_only=False, tail_rows=False)
+    dq, dk, dv = _block_grads(q, k, v, dout, lse, delta, scale, causal=True, keep=own)
     if cp == 1:
         return dq, dk, dv
     acc: int = yield Post((dk, dv))
@@ -228,16 +272,20 @@ def attention_backward_steps(
         k, v = yield Wait(kv_ticket)
         if t < cp - 1:
             kv_ticket = yield Post((k, v))
-        if (rank - t) % cp < rank:
+        source = (rank - t) % cp
+        if source < rank:
+            part = _keep_of(keep, source=source, cp=cp, head_only=True, tail_rows=False)
             gq, gk, gv = _block_grads(q, k[..., :c, :], v[..., :c, :], dout, lse, delta,
-                                      scale, causal=False)  # fmt: skip
+                                      scale, causal=False, keep=part)  # fmt: skip
             dq = dq + gq
             dk, dv = yield Wait(acc)  # this block's accumulators, from the previous rank
             dk = torch.cat([dk[..., :c, :] + gk, dk[..., c:, :]], dim=-2)
             dv = torch.cat([dv[..., :c, :] + gv, dv[..., c:, :]], dim=-2)
         else:
+            part = _keep_of(keep, source=source, cp=cp, head_only=False, tail_rows=True)
             gq, gk, gv = _block_grads(q[..., c:, :], k, v, dout[..., c:, :], lse[..., c:],
-                                      delta[..., c:], scale, causal=False)  # fmt: skip
+                                      delta[..., c:], scale, causal=False,
+                                      keep=part)  # fmt: skip
             dq = torch.cat([dq[..., :c, :], dq[..., c:, :] + gq], dim=-2)
             dk, dv = yield Wait(acc)
             dk, dv = dk + gk, dv + gv
@@ -325,36 +373,59 @@ class RingAttention(torch.autograd.Function):
         v: torch.Tensor,
         group: dist.ProcessGroup,
         scale: float,
+        keep: torch.Tensor | None,
+        p: float,
     ) -> torch.Tensor:
         rank, cp = dist.get_rank(group), dist.get_world_size(group)
         dtypes = (q.dtype, k.dtype, v.dtype)
         with torch.autocast(q.device.type, enabled=False):
             q, k, v = (t.float() for t in (q, k, v))
-            steps = attention_forward_steps(q, k, v, rank=rank, cp=cp, scale=scale)
+            scaled = _multipliers(keep, p)
+            steps = attention_forward_steps(q, k, v, rank=rank, cp=cp, scale=scale, keep=scaled)
             out, lse = run_on_group(steps, group)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.scale, ctx.dtypes = group, scale, dtypes
+        ctx.save_for_backward(q, k, v, out, lse, keep)  # the mask as booleans: 1/4 the bytes
+        ctx.group, ctx.scale, ctx.dtypes, ctx.p = group, scale, dtypes, p
         return out.to(dtypes[0])
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, keep = ctx.saved_tensors
         group = ctx.group
         rank, cp = dist.get_rank(group), dist.get_world_size(group)
         with torch.autocast(q.device.type, enabled=False):
             steps = attention_backward_steps(
-                q, k, v, out, lse, dout.float().contiguous(), rank=rank, cp=cp, scale=ctx.scale
-            )
+                q, k, v, out, lse, dout.float().contiguous(), rank=rank, cp=cp,
+                scale=ctx.scale, keep=_multipliers(keep, ctx.p),
+            )  # fmt: skip
             grads = run_on_group(steps, group)
         dq, dk, dv = (g.to(t) for g, t in zip(grads, ctx.dtypes, strict=True))
-        return dq, dk, dv, None, None
+        return dq, dk, dv, None, None, None, None
+
+
+def _multipliers(keep: torch.Tensor | None, p: float) -> torch.Tensor | None:
+    """A keep mask as dropout's multipliers: 0 where dropped, 1/(1 − p) where kept."""
+    return None if keep is None else keep.float() / (1.0 - p)
 
 
 def ring_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: dist.ProcessGroup
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    group: dist.ProcessGroup,
+    keep: torch.Tensor | None = None,
+    p: float = 0.0,
 ) -> torch.Tensor:
     """Causal attention of this rank's zigzag shards q, k, v [b, h, 2c, d] against the
-    whole sequence held by the ranks of `group` (SDPA's scale, 1/√d)."""
+    whole sequence held by the ranks of `group` (SDPA's scale, 1/√d). Attention dropout:
+    `keep` [b, h, 2c, S] (bool) says which probabilities of this rank's queries against
+    every global key position survive, each kept one scaled by 1/(1 − `p`)."""
     _chunk(q)
-    out: torch.Tensor = RingAttention.apply(q, k, v, group, q.shape[-1] ** -0.5)  # type: ignore[no-untyped-call]
+    if keep is not None and keep.shape[-2] != q.shape[-2]:
+        raise ValueError(
+            f"keep has {keep.shape[-2]} query rows, q {q.shape[-2]}: give the mask of this "
+            "rank's queries against every global key position, [b, h, 2c, S]"
+        )
+    scale = q.shape[-1] ** -0.5
+    out: torch.Tensor = RingAttention.apply(q, k, v, group, scale, keep, p)  # type: ignore[no-untyped-call]
     return out

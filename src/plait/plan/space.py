@@ -197,8 +197,11 @@ def _layouts(
             _schedules(space, pp, model.num_blocks),
             space.recompute,
             space.zero_stages if dp > 1 else (0,),
-            # MoE layers take whole sequences (plait.models.moe)
-            space.sequence_parallel if tp > 1 and not model.num_experts else (False,),
+            # MoE layers take whole sequences (plait.models.moe); sequence parallelism
+            # splits each cp rank's s/cp tokens over tp
+            space.sequence_parallel
+            if tp > 1 and not model.num_experts and (model.seq_len // cp) % tp == 0
+            else (False,),
             # the order of ranks matters only when both dp and pp split the devices
             space.rank_orders if dp > 1 and pp > 1 else space.rank_orders[:1],
             space.compress if dp > 1 and cp == 1 else ("none",),

@@ -3,7 +3,10 @@
 Under cp > 1 the engine gives each rank its zigzag chunks of the sequence
 (`plait.train.engine.Engine._shard`); this pass makes the model read them as such: the
 token embedding takes the chunks' global positions, and each causal self-attention runs
-as ring attention on the cp group (`plait.parallel.context`). Gradients are reduced
+as ring attention on the cp group (`plait.parallel.context`). Keyed dropout
+(`plait.keyed`) learns the same positions: each dropout keys its mask by its tokens'
+global positions, attention dropout by the global (query, key) position of each
+probability, so a cp run drops what one process drops. Gradients are reduced
 over dp × cp (`plait.mesh.Meshes.grad_dp`). What is not built yet is refused here,
 before the model is touched, naming the fix.
 """
@@ -18,7 +21,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from plait.keyed import KeyedDropout
 from plait.models.gpt import Attention, Head, TokenEmbedding
 from plait.models.hf import _Head as HFHead
 from plait.models.moe import Experts
@@ -51,12 +53,16 @@ def cp_refusal(plan: Any, *, compile: bool = False, mesh_given: bool = False) ->
 def apply_context_parallel(stages: dict[int, nn.Module], group: dist.ProcessGroup) -> None:
     """Wire every stage's GPT (or Hugging Face GPT-2/Llama) attention to the ring of
     `group` and its embeddings (Llama: its rotary positions) to the global positions of
-    this rank's chunks. Raises ValueError on a model it cannot wire."""
+    this rank's chunks, and keyed dropout (plait's GPT: embedding, residual, MLP and
+    attention) to them too. Raises ValueError on a model it cannot wire."""
     cp, index = dist.get_world_size(group), dist.get_rank(group)
     check_model(stages, cp)
     ring = functools.partial(ring_attention, group=group)
+    shard = functools.partial(_shard, cp=cp, rank=index)
     for stage in stages.values():
         for module in stage.modules():
+            if hasattr(module, "cp_shard"):  # keyed dropout, plait's attention
+                setattr(module, "cp_shard", shard)  # noqa: B010 (a plain attribute)
             if isinstance(module, Attention):
                 module.ring = ring
             elif type(module).__name__ in HF_ATTENTION:
@@ -68,8 +74,8 @@ def apply_context_parallel(stages: dict[int, nn.Module], group: dist.ProcessGrou
 
 def check_model(stages: Mapping[int, nn.Module], cp: int) -> None:
     """Raise ValueError (naming the module and the fix) unless cp can wire these stages:
-    plait's GPT or Hugging Face GPT-2/Llama parts, no keyed dropout, no attention dropout,
-    no experts, no other attention."""
+    plait's GPT or Hugging Face GPT-2/Llama parts (these without attention dropout), no
+    experts, no other attention."""
     found = 0  # the GPT parts: a stage of another model has none
     for stage in stages.values():
         for name, module in stage.named_modules():
@@ -89,13 +95,11 @@ def _positions(local_len: int, *, cp: int, rank: int) -> torch.Tensor:
     return zigzag_positions(local_len * cp, cp, rank)
 
 
+def _shard(local_len: int, *, cp: int, rank: int) -> tuple[torch.Tensor, int]:
+    return zigzag_positions(local_len * cp, cp, rank), local_len * cp
+
+
 def _refuse_module(name: str, module: nn.Module, cp: int) -> None:
-    dropout = module.p if isinstance(module, KeyedDropout) else getattr(module, "dropout", 0.0)
-    if isinstance(module, (KeyedDropout, Attention)) and dropout > 0.0:
-        raise ValueError(
-            f"cp={cp} with dropout={dropout} (at {name!r}): keyed dropout does not follow "
-            "the sequence split yet; use dropout=0, or cp=1"
-        )
     if isinstance(module, Experts):
         raise ValueError(
             f"cp={cp} with a mixture of experts (at {name!r}) is not supported yet: its "

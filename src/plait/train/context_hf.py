@@ -55,7 +55,10 @@ def hf_refusal(module: Any) -> str | None:
     drop = getattr(module, "attn_dropout", None)
     p = drop.p if isinstance(drop, nn.Dropout) else float(getattr(module, "attention_dropout", 0))
     if p > 0:
-        return f"its attention dropout is {p} (the ring applies none): set it to 0"
+        return (
+            f"its attention dropout is {p}, drawn by torch per process (the ring applies "
+            "none): set it to 0, or use plait's GPT, whose keyed dropout works under cp"
+        )
     return None
 
 
