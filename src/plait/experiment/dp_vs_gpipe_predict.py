@@ -15,8 +15,9 @@ all), and the Python dispatch of every operator, which the simulator charges its
 (`Device.dispatch_s`: the counted operators per block × `PaperSetup.dispatch_s`; each
 action lasts at least its issue, and torchgpipe's single process issues every stage's
 actions on one host timeline, `SimPlan.single_process`). A step takes the longer of the
-simulated step and the input pipeline, as a prefetching loader overlaps them. Beside the paper's two methods it predicts
-plait's own schedules on the same GPUs and the layout plait's planner picks.
+simulated step and the input pipeline, as a prefetching loader overlaps them. Beside the
+paper's two methods it predicts plait's own schedules on the same GPUs and the layout
+plait's planner picks.
 Limits: the seed gives neither batch size nor chunk count nor loader settings; the values
 in `PaperSetup` are stated assumptions, printed with every prediction.
 """
