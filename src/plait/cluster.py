@@ -70,9 +70,15 @@ def _positive(owner: str, name: str, value: float) -> None:
 class Device:
     """One accelerator: peak FLOP/s per dtype, the fraction of peak large matmuls achieve,
     memory capacity, memory bandwidth (which bounds the optimizer step), the bandwidth of the
-    link to host memory (which bounds offload), and the measured seconds per gradient entry
+    link to host memory (which bounds offload), the measured seconds per gradient entry
     of each gradient compression's encode + decode, by `--compress` value
-    (`plait.profile.codec`; empty: the cost model estimates them)."""
+    (`plait.profile.codec`; empty: the cost model estimates them), and `dispatch_s`, the
+    host seconds a process takes to issue one block's forward or backward (its operators'
+    Python and kernel-launch overhead, `plait.sim.replica`; 0: unknown, never binding).
+
+    `dispatch_s` is per block action because the block is the cost model's unit (a
+    `BlockCost` carries FLOPs and bytes, no operator count) and the unit `plait profile`
+    times; a stage's action issues as many of them as it has blocks."""
 
     name: str
     peak_flops: Mapping[str, float] = field(hash=False)
@@ -87,6 +93,7 @@ class Device:
     # divided by it, and plait's runtime pads its ranks' compute to that many times its
     # time (`plait.emulate.slowdown`), so heterogeneous plans can be tried on one CPU
     slowdown: float = 1.0
+    dispatch_s: float = 0.0
 
     def __post_init__(self) -> None:
         owner = f"device {self.name!r}"
@@ -109,6 +116,12 @@ class Device:
         object.__setattr__(self, "codec_s_per_entry", codec)
         if not (isinstance(self.slowdown, int | float) and 1 <= self.slowdown < math.inf):
             raise ValueError(f"{owner}: slowdown={self.slowdown!r} must be a number >= 1")
+        number = isinstance(self.dispatch_s, int | float) and not isinstance(self.dispatch_s, bool)
+        if not (number and 0 <= self.dispatch_s < math.inf):
+            raise ValueError(
+                f"{owner}: dispatch_s={self.dispatch_s!r} must be a finite number of seconds "
+                ">= 0 (0: no host time per block action)"
+            )
 
     def peak(self, dtype: str) -> float:
         """Peak FLOP/s in `dtype` (fp32 falls back on nothing: name what the device has)."""

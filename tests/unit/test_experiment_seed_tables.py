@@ -263,3 +263,24 @@ def test_a_rerun_keeps_the_hand_written_preface_and_discussion(tmp_path: object)
     text = (out / "report.md").read_text()
     assert text.index("Run on a quiet machine.") < text.index("## Data parallelism vs GPipe")
     assert text.index("## Plots") < text.index("## Discussion\n\nThe shares agree.")
+
+
+@pytest.mark.parametrize("gpus", [2, 4])
+def test_torchgpipe_issues_every_stage_on_one_host(resnet18_work: list, gpus: int) -> None:
+    """A host far slower than the GPUs (1 ms an operator) and a free loader: torchgpipe's
+    one process issues, per micro-batch, every block's forward, recomputed forward and
+    backward, whatever the GPU count; DDP's processes each issue one forward and backward.
+    Each block action costs its share of the model's counted operators."""
+    per_op = 1e-3
+    setup = dg.PaperSetup(loader_samples_per_s=1e30, dispatch_s=per_op)
+    ops = sum(w.forward_ops + w.backward_ops for w in resnet18_work)
+    per_action = per_op * ops / (2 * len(resnet18_work))
+    steps = setup.epochs * math.ceil(setup.images / setup.batch_size)
+    cell = _cell(setup, resnet18_work, method="gpipe", gpus=gpus, dtype="fp32")
+    expected = setup.chunks * 3 * len(resnet18_work) * per_action
+    assert cell["bound"] == "host"
+    assert cell["seconds"] == pytest.approx(steps * expected, rel=1e-6)
+    ddp = _cell(setup, resnet18_work, method="ddp", gpus=gpus, dtype="fp32")
+    # after the last backward the gradient all-reduce's tail and the SGD step remain:
+    # under 1% of a step this host-bound
+    assert steps * per_op * ops < ddp["seconds"] < 1.01 * steps * per_op * ops

@@ -96,8 +96,10 @@ def run(args: argparse.Namespace) -> int:
     cluster = load_cluster(args.cluster, num_nodes=args.nodes)
     if args.profile:
         from plait.profile.codec import read_codec_profile, with_codec
+        from plait.profile.dispatch import read_dispatch_profile, with_dispatch
 
         cluster = with_codec(cluster, read_codec_profile(args.profile))
+        cluster = with_dispatch(cluster, read_dispatch_profile(args.profile))
     sizes = {
         "num_layers": spec.num_layers,
         "hidden": spec.hidden,

@@ -155,6 +155,7 @@ def _measure(spec: GPTSpec, args: argparse.Namespace, dtype: str) -> dict[str, A
     )
     costs = profile.costs(device, dtype)
     codec, codec_cached = _codec(args)
+    dispatch = _dispatch(model, ids, where, args.threads)
     return {
         "source": "measured",
         "cached": profile.cached and codec_cached,
@@ -168,9 +169,21 @@ def _measure(spec: GPTSpec, args: argparse.Namespace, dtype: str) -> dict[str, A
             "link": local.to_dict()["link"],
             "dtype": dtype,
             "codec_s_per_entry": codec,
+            "dispatch_s": dispatch,
         },
         "blocks": [_measured_row(b, c) for b, c in zip(profile.blocks, costs, strict=True)],
     }
+
+
+def _dispatch(model: Any, ids: Any, where: Any, num_threads: int) -> float:
+    """Host seconds to issue one block's forward or backward (`plait.profile.dispatch`),
+    on one token of one sample: the issue alone, next to as little device work as can be."""
+    from plait.blocks import as_blocks
+    from plait.profile import threads
+    from plait.profile.dispatch import measure_dispatch
+
+    with threads(num_threads):
+        return measure_dispatch(as_blocks(model), ids[:1, :1], device=where)
 
 
 def _codec_methods(text: str) -> list[str]:
@@ -359,6 +372,11 @@ def _print(out: dict[str, Any]) -> None:
             f"{device['count']} × {device['name']}: matmul {rates}; memory "
             f"{device['memory_bytes'] / 2**30:.1f} GiB{between}"
         )
+        if device.get("dispatch_s") is not None:
+            console.print(
+                f"host time to issue one block's forward or backward: "
+                f"{device['dispatch_s'] * 1e6:.1f} µs (`plait plan/simulate --profile FILE`)"
+            )
         codec = device.get("codec_s_per_entry", {})
         if codec:
             console.print(

@@ -267,8 +267,10 @@ def run(args: argparse.Namespace) -> int:
     cluster = scaled_cluster(given, plan.world_size)
     if args.profile:
         from plait.profile.codec import read_codec_profile, with_codec
+        from plait.profile.dispatch import read_dispatch_profile, with_dispatch
 
         cluster = with_codec(cluster, read_codec_profile(args.profile))
+        cluster = with_dispatch(cluster, read_dispatch_profile(args.profile))
     cluster.device(0).peak(dtype)  # a device without this dtype fails here, naming it
     blocks = spec.block_costs(micro_batch_size=args.micro_batch_size, dtype=dtype, layout=plan)
     prediction = predict(blocks, cluster, plan)

@@ -11,10 +11,13 @@ The simulator replays one step of each layout on the cluster file (`dgx-a100-80g
 default) with block costs counted from the full-width model (`plait.experiment.work`); the
 paper's software adds host-side costs the cluster file does not describe, stated in
 `PaperSetup`: one input pipeline per process (Horovod runs one per GPU, torchgpipe one for
-all), and the Python dispatch of every operator (torchgpipe's single process dispatches
-every stage's kernels). A step takes the longest of the three, as a prefetching loader and
-asynchronous kernel launches overlap them. Beside the paper's two methods it predicts
-plait's own schedules on the same GPUs and the layout plait's planner picks.
+all), and the Python dispatch of every operator, which the simulator charges itself
+(`Device.dispatch_s`: the counted operators per block × `PaperSetup.dispatch_s`; each
+action lasts at least its issue, and torchgpipe's single process issues every stage's
+actions on one host timeline, `SimPlan.single_process`). A step takes the longer of the
+simulated step and the input pipeline, as a prefetching loader overlaps them. Beside the
+paper's two methods it predicts plait's own schedules on the same GPUs and the layout
+plait's planner picks.
 Limits: the seed gives neither batch size nor chunk count nor loader settings; the values
 in `PaperSetup` are stated assumptions, printed with every prediction.
 """
@@ -31,9 +34,18 @@ from plait.cost import BlockCost, Recompute, StageCost, stage_costs
 from plait.experiment.work import BlockWork, block_costs, count_work, median_abs_error
 from plait.experiment.work import relative_error as _err
 from plait.presets import load_cluster
+from plait.profile.dispatch import with_dispatch
 from plait.sim import SimPlan, build_schedule, simulate
 
-__all__ = ["METHODS", "PUBLISHED", "PaperSetup", "implied_task_s", "predict", "predict_cell"]
+__all__ = [
+    "METHODS",
+    "PUBLISHED",
+    "PaperSetup",
+    "block_dispatch_s",
+    "implied_task_s",
+    "predict",
+    "predict_cell",
+]
 
 # Seed 001, Table 3 (fp32; Table 4, fp16, prints the same numbers): per GPU count,
 # (accuracy %, seconds) of DDP and of GPipe over 10 epochs of CIFAR-100.
@@ -106,42 +118,49 @@ def _balanced(cluster: Cluster, blocks: Sequence[Any], pp: int, dtype: str) -> l
     return stage_costs(list(blocks), part.boundaries)
 
 
+def block_dispatch_s(work: Sequence[BlockWork], per_op_s: float) -> float:
+    """Host seconds to issue one block's forward or backward (`Device.dispatch_s`): the
+    model's counted operators of a forward and a backward, averaged over its blocks and
+    the two passes, at `per_op_s` each."""
+    return per_op_s * sum(w.ops for w in work) / (2 * len(work))
+
+
 def predict_cell(
     cluster: Cluster, setup: PaperSetup, work: Sequence[BlockWork], *, method: str,
     gpus: int, dtype: str, schedule: str | None = None, chunks: int = 1,
 ) -> dict[str, Any]:  # fmt: skip
     """Seconds of the paper's run of `method` on `gpus` GPUs, with the parts of a step:
-    the simulated GPU step, the input pipeline and the host's operator dispatch."""
-    b, dev = setup.batch_size, cluster.device(0)
-    ops = sum(w.ops for w in work)
-    fwd_ops = sum(w.forward_ops for w in work)
+    the simulated step (GPU work, each action at least its host issue time, all stages'
+    issue serialised on one host for torchgpipe), the input pipeline, and the host time."""
+    b = setup.batch_size
+    dispatch = block_dispatch_s(work, setup.dispatch_s)
+    cluster = with_dispatch(cluster, dispatch)
+    dev = cluster.device(0)
     if method == "ddp":
         mbs = max(1, b // gpus)
         plan = SimPlan(dp=gpus, schedule="gpipe", microbatches=1, micro_batch_size=mbs,
                        dtype=dtype, optimizer="sgd")  # fmt: skip
         stages = [StageCost(tuple(block_costs(work, dev, dtype, mbs)))]
-        gpu = _gpu_step(cluster, plan, stages)
-        loader, host = mbs / setup.loader_samples_per_s, ops * setup.dispatch_s
+        loader, host = mbs / setup.loader_samples_per_s, 2 * len(work) * dispatch
     else:
         m, kind = setup.chunks, schedule or "gpipe"
         mbs = max(1, b // m)
         recompute: Recompute = "full" if kind == "gpipe" else "none"  # torchgpipe checkpoints
+        # torchgpipe runs one process for every stage; plait a process per stage
         plan = SimPlan(pp=gpus, schedule=kind, microbatches=m, micro_batch_size=mbs,
-                       chunks=chunks, dtype=dtype, optimizer="sgd",
-                       recompute=recompute)  # fmt: skip
+                       chunks=chunks, dtype=dtype, optimizer="sgd", recompute=recompute,
+                       single_process=schedule is None)  # fmt: skip
         stages = _balanced(cluster, block_costs(work, dev, dtype, mbs), gpus * chunks, dtype)
         if setup.task_s > 0 and schedule is None:
             stages = [_with_task(stage, setup.task_s * dev.achievable_flops(dtype))
                       for stage in stages]  # fmt: skip
-        gpu = _gpu_step(cluster, plan, stages)
-        redo = fwd_ops if recompute == "full" else 0
         loader = b / setup.loader_samples_per_s
-        # one process dispatches every stage's operators (torchgpipe); plait runs one
-        # process per stage, each dispatching its own share
-        share = 1 if schedule is None else gpus
-        host = m * (ops + redo) * setup.dispatch_s / share
-    step = max(gpu, loader, host)
-    bound = "gpu" if step == gpu else "input" if step == loader else "host"
+        passes = 3 if recompute == "full" else 2
+        share = len(work) if schedule is None else max(len(st.blocks) for st in stages)
+        host = m * passes * share * dispatch
+    gpu = _gpu_step(cluster, plan, stages)
+    step = max(gpu, loader)
+    bound = "input" if step == loader else "host" if gpu <= host * (1 + 1e-9) else "gpu"
     return {"seconds": step * setup.steps, "step_s": step, "gpu_step_s": gpu,
             "loader_step_s": loader, "host_step_s": host, "bound": bound}  # fmt: skip
 
@@ -225,6 +244,7 @@ def _planner_pick(cluster: Cluster, setup: PaperSetup, work: Sequence[BlockWork]
     from plait.plan.search import describe, search
     from plait.plan.space import ModelSpec, SearchSpace
 
+    cluster = with_dispatch(cluster, block_dispatch_s(work, setup.dispatch_s))
     dev = cluster.device(0)
 
     def costs(mbs: int, layout: object) -> list[Any]:
@@ -243,12 +263,10 @@ def _planner_pick(cluster: Cluster, setup: PaperSetup, work: Sequence[BlockWork]
     except ValueError:
         return None
     best = found.best
-    plan = best.plan
-    # host dispatch, one process per stage, the planner does not model
-    host = sum(w.ops for w in work) * plan.microbatches / plan.pp * setup.dispatch_s
-    step = max(best.step_time_s, host)
-    bound = "host" if step > best.step_time_s else "input" if best.input_bound else "gpu"
-    return {"plan": describe(plan), "seconds": step * setup.steps, "bound": bound}
+    # the simulator charges each rank's host issue (one process per rank) within the step
+    bound = "input" if best.input_bound else "gpu"
+    return {"plan": describe(best.plan), "seconds": best.step_time_s * setup.steps,
+            "bound": bound}  # fmt: skip
 
 
 def _task_fit(cluster: Cluster, setup: PaperSetup, work: Sequence[BlockWork],

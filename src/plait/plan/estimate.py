@@ -169,10 +169,14 @@ class Estimator:
                 StageCost((b,)).times(self.device, plan.dtype, recompute=rc, links=axes)
                 for b in blocks
             ]
+            # each block action lasts at least its host issue (`plait.sim.host`, per block
+            # here: a stage's max of sums is at most this sum of maxima)
+            d = self.device.dispatch_s
+            redo = d if rc == "full" else 0.0
             self._arrays[key] = _BlockArrays(
-                np.array([t.forward_s for t in times]),
-                np.array([t.backward_input_s for t in times]),
-                np.array([t.backward_weight_s for t in times]),
+                np.array([max(t.forward_s, d) for t in times]),
+                np.array([max(t.backward_input_s, d / 2 + redo) for t in times]),
+                np.array([max(t.backward_weight_s, d / 2) for t in times]),
                 np.array([b.num_params for b in blocks], dtype=float),
                 np.array([b.saved_for(rc) for b in blocks]),
                 np.array(

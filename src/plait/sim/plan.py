@@ -43,6 +43,10 @@ class SimPlan(ParallelPlan):
     # sets the step. Training runs it as pipelines of their own shares
     # (`ParallelPlan.pipelines`).
     total_microbatches: int = field(default=0)
+    # one process issues every pipeline stage's work (torchgpipe's runner: a thread per
+    # device under one interpreter), so the host time of all stages' actions is serialised
+    # (`plait.sim.replica`); False: a process per rank, as plait's runtime runs
+    single_process: bool = field(default=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.dtype, str):
@@ -62,11 +66,13 @@ class SimPlan(ParallelPlan):
             )
 
     def to_dict(self) -> dict[str, Any]:
-        """Every field, less `total_microbatches` when the shares are equal (as they were
-        before it existed)."""
+        """Every field, less `total_microbatches` when the shares are equal and
+        `single_process` when False (as they were before these existed)."""
         out = super().to_dict()
         if not self.total_microbatches:
             del out["total_microbatches"]
+        if not self.single_process:
+            del out["single_process"]
         return out
 
     @property

@@ -50,6 +50,7 @@ from plait.cost import (
 from plait.offload import offloaded_blocks
 from plait.schedule import Action, Op, Replay, Schedule, Unrolled, replay, unroll, window_ends
 from plait.schedule.sharing import Sharing
+from plait.sim.host import host_window_s, issue_times
 from plait.sim.plan import SimPlan
 from plait.sim.result import MemoryUse, RankReport
 from plait.sim.walk import Walk, walk, walk_events
@@ -106,6 +107,9 @@ class _Replica:
             for i, st in enumerate(stages)
         ]
         self.gather = [self._zero3_gather(i) for i in range(len(stages))]
+        self.issue = issue_times(
+            stages, [self.devices[place[i]] for i in range(len(stages))], self.rc
+        )
         self.offloaded = self._offloaded()
         self.durations = self._durations()
         self.transfers = self._transfers()
@@ -159,11 +163,21 @@ class _Replica:
             for i in range(n):
                 state = self._state(i).optimizer
                 update[i] += 2 * offload_time(state, self.devices[place[i]])
+        issue = self.issue
         return {
-            Op.F: [x.forward_s + y + h for x, y, h in zip(t, g, host, strict=True)],
-            Op.B: [x.backward_s + y + h for x, y, h in zip(t, g, host, strict=True)],
-            Op.BI: [x.backward_input_s + y + h for x, y, h in zip(t, g, host, strict=True)],
-            Op.BW: [x.backward_weight_s for x in t],
+            Op.F: [
+                max(x.forward_s + y + h, issue[Op.F][i])
+                for i, (x, y, h) in enumerate(zip(t, g, host, strict=True))
+            ],
+            Op.B: [
+                max(x.backward_s + y + h, issue[Op.B][i])
+                for i, (x, y, h) in enumerate(zip(t, g, host, strict=True))
+            ],
+            Op.BI: [
+                max(x.backward_input_s + y + h, issue[Op.BI][i])
+                for i, (x, y, h) in enumerate(zip(t, g, host, strict=True))
+            ],
+            Op.BW: [max(x.backward_weight_s, issue[Op.BW][i]) for i, x in enumerate(t)],
             Op.REDUCE: [self.dp_sync_time(i) for i in range(n)],
             Op.UPDATE: update,
             # a copy reads and writes the weights; a prediction also reads the direction
@@ -215,6 +229,13 @@ class _Replica:
             step = max(w.end for w in walks)
         else:
             step = span
+        if self.plan.single_process:
+            # one process (torchgpipe's) issues every rank's actions through one interpreter:
+            # its host time is serialised, so the step lasts at least its sum; when the host
+            # binds, some action is always ready to issue (each finishes on its device within
+            # its own issue time), so the sum is the step
+            host = host_window_s(self.s, self.issue)
+            span, step = max(span, host), max(step, host)
         reports = tuple(self._rank(rank, walks[rank], step) for rank in range(self.plan.pp))
         busy = sum(w.busy + (0.0 if self.num_windows == 1 else w.update) for w in walks)
         return ReplicaRun(result, reports, span, busy, step)
