@@ -154,7 +154,7 @@ def test_the_simulators_plan_is_the_training_layout_plus_the_batch_shape() -> No
     parallel = {f.name for f in dataclasses.fields(ParallelPlan)}
     sim = {f.name for f in dataclasses.fields(SimPlan)}
     # the batch shape, and how the replicas share it when it does not divide equally
-    shape = {"micro_batch_size", "seq_len", "optimizer", "total_microbatches"}
+    shape = {"micro_batch_size", "seq_len", "optimizer", "total_microbatches", "single_process"}
     assert parallel <= sim and sim - parallel == shape
     layout = ParallelPlan(dp=2, pp=2, ep=2, microbatches=4, rank_order="dp-tp-pp",
                           compress="fp16", schedule="zb-h1", partition=(2, 3))  # fmt: skip
