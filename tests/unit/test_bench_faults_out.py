@@ -35,3 +35,24 @@ def test_kept_modes_are_not_run_again_and_other_settings_run_anew(
     assert again["modes"]["1f1b"] == first["modes"]["1f1b"]
     faults.run_bench(faults.FaultsConfig(trials=1, steps=12, modes=("1f1b",)), out=tmp_path)
     assert calls[-1] == "1f1b"  # other settings: the kept trials do not count
+
+
+def test_a_trial_that_does_not_end_in_time_counts_as_not_recovered(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run that outlives the trial's time (a loaded host, a hang) is one trial not
+    recovered, with why; the bench goes on instead of stopping on a traceback."""
+    import random
+    import sys
+
+    hang = [sys.executable, "-c", "import time; time.sleep(600)"]
+    monkeypatch.setattr(faults, "train_command", lambda *a, **k: hang)
+    config = faults.FaultsConfig(trials=1, trial_timeout_s=0.5)
+    outcome = faults.run_trial(config, tmp_path, 0, random.Random(0), {}, "1f1b")
+    assert outcome["recovered"] is False and outcome["bit_identical"] is False
+    assert "ended before step" in outcome["unfinished"]
+
+
+def test_the_trial_timeout_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="trial_timeout_s=0"):
+        faults.FaultsConfig(trial_timeout_s=0)

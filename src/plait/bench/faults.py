@@ -65,6 +65,8 @@ class FaultsConfig:
                 f"trials={self.trials}, nproc={self.nproc}: give ≥ 1 trial, ≥ 2 workers"
             )
         parse_modes(",".join(self.modes))
+        if not self.trial_timeout_s > 0:
+            raise ValueError(f"trial_timeout_s={self.trial_timeout_s}: give seconds > 0")
         if not 1 <= self.every < self.steps - 1:
             raise ValueError(
                 f"every={self.every}, steps={self.steps}: checkpoint more than once a run "
@@ -194,13 +196,15 @@ def run_trial(
     try:
         while len(_rows(run_dir)) < kill_after:
             if proc.poll() is not None or time.time() > deadline:
-                raise RuntimeError(f"trial {index}: the run ended before step {kill_after}")
+                return _unfinished(outcome, proc, err, f"the run ended before step {kill_after}")
             time.sleep(0.002)
         done = len(_rows(run_dir))
         victim = rng.choice(workers_of(proc.pid))
         killed_at = time.time()
         os.kill(victim, signal.SIGKILL)
         code = proc.wait(timeout=max(1.0, deadline - time.time()))
+    except subprocess.TimeoutExpired:
+        return _unfinished(outcome, proc, err, f"no end within {config.trial_timeout_s:g} s")
     except BaseException:
         proc.kill()
         raise
@@ -225,6 +229,19 @@ def run_trial(
         recovery_s=first["time"] - killed_at,
         bit_identical=_equal(final_weights(run_dir), reference),
     )
+    return outcome
+
+
+def _unfinished(
+    outcome: dict[str, Any], proc: subprocess.Popen[str], err: _Stderr, why: str
+) -> dict[str, Any]:
+    """A trial that did not end in time, or ended early: counted as not recovered (the
+    bench goes on to the next trial), with why and the run's last lines."""
+    proc.kill()
+    proc.wait()
+    err.thread.join(timeout=10)
+    outcome.update(recovered=False, bit_identical=False, unfinished=why,
+                   stderr=[line for _, line in err.lines][-5:])  # fmt: skip
     return outcome
 
 
@@ -345,13 +362,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help=f"'all' or modes to kill runs of, comma-separated: {', '.join(MODES)}")  # fmt: skip
     a("--out", type=Path, help="keep each mode's trials in this folder as the mode ends; "
       "modes already there under the same settings are not run again")  # fmt: skip
+    a("--trial-timeout", type=float, default=d.trial_timeout_s, metavar="S",
+      help="seconds a trial may take before it counts as not recovered")  # fmt: skip
     a("--json", action="store_true", help="print one JSON object instead of a table")
 
 
 def run(args: argparse.Namespace) -> int:
     config = FaultsConfig(
         trials=args.trials, nproc=args.nproc, steps=args.steps, every=args.every,
-        seed=args.seed, modes=parse_modes(args.modes),
+        seed=args.seed, modes=parse_modes(args.modes), trial_timeout_s=args.trial_timeout,
     )  # fmt: skip
     result = run_bench(config, out=args.out)
     if args.json:
