@@ -192,9 +192,14 @@ def test_a_ctrl_c_while_the_workers_start_is_answered_after_every_worker_is_reco
         seen.append("started")
 
     monkeypatch.setattr(api.MultiprocessContext, "_start", start_all)
-    with pytest.raises(KeyboardInterrupt), _workers_start_sigint_blocked():
-        api.MultiprocessContext._start(None)  # type: ignore[arg-type]
-        time.sleep(1)  # the held signal is answered as the start returns, not later
-        seen.append("not interrupted")
+    # an earlier launch in this process may have left torch's own handler installed
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt), _workers_start_sigint_blocked():
+            api.MultiprocessContext._start(None)  # type: ignore[arg-type]
+            time.sleep(1)  # the held signal is answered as the start returns, not later
+            seen.append("not interrupted")
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+    finally:
+        signal.signal(signal.SIGINT, before)
     assert seen == ["started"]
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
