@@ -192,8 +192,10 @@ def test_a_ctrl_c_while_the_workers_start_is_answered_after_every_worker_is_reco
         seen.append("started")
 
     monkeypatch.setattr(api.MultiprocessContext, "_start", start_all)
-    # an earlier launch in this process may have left torch's own handler installed
+    # an earlier launch in this process may have left torch's own handler installed, or
+    # SIGINT blocked in this thread: start from Python's handler, the signal deliverable
     before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     try:
         with pytest.raises(KeyboardInterrupt), _workers_start_sigint_blocked():
             api.MultiprocessContext._start(None)  # type: ignore[arg-type]
@@ -202,4 +204,5 @@ def test_a_ctrl_c_while_the_workers_start_is_answered_after_every_worker_is_reco
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
     finally:
         signal.signal(signal.SIGINT, before)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     assert seen == ["started"]
