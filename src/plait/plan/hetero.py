@@ -17,16 +17,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from itertools import pairwise
 from typing import Any
 
-from plait.cluster import Cluster, Device, Link
+from plait.cluster import Cluster, Device
 from plait.cost import BlockCost, StageCost
 from plait.plan.estimate import inflight
 from plait.plan.partition import Partition, partition_blocks
 from plait.plan.space import ModelSpec
 from plait.sim import SimPlan, build_schedule
-from plait.sim.replica import ReplicaRun, simulate_replica
+from plait.sim.replica import ReplicaRun, signature, simulate_replica
 
 __all__ = ["HeteroPlan", "Replica", "plan_replicas", "shares", "split_replica"]
 
@@ -123,21 +122,11 @@ def plan_replicas(plan: SimPlan, model: ModelSpec, cluster: Cluster) -> HeteroPl
     runs: dict[tuple[Any, ...], ReplicaRun] = {}
     replicas = []
     for d, ((_, part), m) in enumerate(zip(splits, counts, strict=True)):
-        alike = (kinds[d], m, _links(plan, cluster, d))
+        alike = (m, signature(cluster, plan, d))  # what the replay of replica d depends on
         if alike not in runs:
             runs[alike] = _simulate_share(plan, blocks, part, cluster, m, d)
         replicas.append(Replica(d, kinds[d], tuple(part.sizes), m, part.bottleneck_s, runs[alike]))
     return HeteroPlan(plan, tuple(replicas))
-
-
-def _links(plan: SimPlan, cluster: Cluster, d: int) -> tuple[Link, ...]:
-    """The links replica `d`'s replay prices: between its consecutive stages and inside
-    each stage's tensor-parallel group (its data-parallel groups are every replica's)."""
-    ranks = [plan.global_rank(s, d) for s in range(plan.pp)]
-    return (
-        *(cluster.link(a, b) for a, b in pairwise(ranks)),
-        *(cluster.group_link(plan.layout.ranks("tp", r)) for r in ranks),
-    )
 
 
 def _simulate_share(
