@@ -19,6 +19,7 @@ answers "unknown", and the backend's message stands.
 from __future__ import annotations
 
 import datetime
+import re
 import threading
 import time
 from typing import Any
@@ -119,13 +120,18 @@ def explain_lost(cause: str) -> str:
     """`cause` (a worker's one-line error), naming the ranks gone when it is a broken
     connection the backend reported without them; `cause` unchanged otherwise."""
     beat = _current
-    broken = any(b in cause.lower() for b in BROKEN_CONNECTION)
-    if beat is None or not broken or "lost the connection" in cause:
+    peer_lost = "lost the connection while waiting for" in cause  # a `PeerLost`'s text
+    broken = peer_lost or any(b in cause.lower() for b in BROKEN_CONNECTION)
+    if beat is None or not broken:
         return cause
+    if peer_lost and re.search(r"waiting for [^(]*\brank \d+", cause):
+        return cause  # the wait was for a peer it names
     gone = beat.lost()
     if not gone:
         return cause
     names = ", ".join(f"rank {r}" for r in gone)
+    if peer_lost:  # a timed collective's wait: it knows what it waited for, not who left
+        return cause.replace("lost the connection", f"lost the connection to {names}", 1)
     return (
         f"lost the connection to {names} ({backend_cause(cause)}): that rank's process or "
         "its machine is gone; check its log"

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from tests.dist.harness import start_world
 
 from plait import heartbeat
+from plait.wait import timed_wait, timeout_message
 
 pytestmark = pytest.mark.dist
 
@@ -28,6 +29,11 @@ def _lose_rank_1(rank: int, world: int, folder: str, what: str) -> None:
     try:
         if what == "collective":
             dist.all_reduce(torch.ones(4))
+        elif what == "timed collective":  # as the loss exchange waits: names no peer
+            work = dist.all_reduce(torch.ones(4), async_op=True)
+            timed_wait(work, 30.0, lambda: timeout_message(
+                f"rank {rank}", "the loss exchange of window 5", 30.0,
+                "the all-reduce of the losses over every rank", peers=world - 1))  # fmt: skip
         else:
             import torch.distributed.checkpoint as dcp
 
@@ -39,7 +45,7 @@ def _lose_rank_1(rank: int, world: int, folder: str, what: str) -> None:
     os._exit(0)  # the group cannot be left cleanly with a peer gone
 
 
-@pytest.mark.parametrize("what", ["collective", "checkpoint save"])
+@pytest.mark.parametrize("what", ["collective", "timed collective", "checkpoint save"])
 def test_the_survivors_of_a_lost_rank_name_it(tmp_path: Path, what: str) -> None:
     world = 3
     context = start_world(tmp_path, world, _lose_rank_1, str(tmp_path), what)
@@ -48,7 +54,12 @@ def test_the_survivors_of_a_lost_rank_name_it(tmp_path: Path, what: str) -> None
         assert context.processes[rank].exitcode == 0, (rank, context.processes[rank].exitcode)
     for rank in (0, 2):
         said = (tmp_path / f"rank{rank}.txt").read_text()
-        assert said.startswith("lost the connection to rank 1 ("), (rank, said)
+        if what == "timed collective":  # the wait's own words, and the rank gone
+            assert said.startswith(f"rank {rank}: the loss exchange of window 5 lost the "
+                                   "connection to rank 1 while waiting for the all-reduce"), (
+                rank, said)  # fmt: skip
+        else:
+            assert said.startswith("lost the connection to rank 1 ("), (rank, said)
 
 
 def test_under_a_tcp_store_launcher_the_heartbeat_beats_in_its_store(
