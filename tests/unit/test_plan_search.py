@@ -7,6 +7,7 @@ import dataclasses
 import itertools
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -121,6 +122,35 @@ def test_planner_pick_equals_brute_force(gib: float) -> None:
     assert found.best.step_time_s == pytest.approx(best, rel=2e-3), describe(found.best.plan)
     exhaustive = search(MODEL, cluster, global_batch=16, space=SPACE, exact_limit=10**6)
     assert exhaustive.best.step_time_s == pytest.approx(best, rel=2e-3)
+
+
+def test_the_search_stops_on_replayed_work_not_on_the_clock(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The estimate-then-simulate path decides the same on a slow machine: a clock that
+    jumps 1000 s at each read changes nothing; the replay budget alone sets the count."""
+    import importlib
+
+    module = importlib.import_module("plait.plan.search")
+    cluster = _cluster((_device("gpu", 100, 80.0), 2, 2))  # every plan fits
+    kwargs: dict[str, Any] = dict(global_batch=16, space=SPACE, exact_limit=0,
+                                  max_simulated=12, top_k=3)  # fmt: skip
+    order: list[SimPlan] = []
+    exact_of = module._exact_of
+    monkeypatch.setattr(
+        module, "_exact_of", lambda plan, c: order.append(plan) or exact_of(plan, c)
+    )
+    plain = search(MODEL, cluster, **kwargs)
+    ticks = iter(range(0, 10**9, 1000))
+    with monkeypatch.context() as patch:
+        patch.setattr(module.time, "perf_counter", lambda: float(next(ticks)))
+        slow = search(MODEL, cluster, **kwargs)
+    assert slow.num_simulated == plain.num_simulated == 12  # small plans: within the budget
+    assert [r.plan for r in slow.ranked] == [r.plan for r in plain.ranked]
+    # no budget: it stops once top_k fit; a budget of the first five plans' work: after them
+    assert search(MODEL, cluster, replay_budget=0, **kwargs).num_simulated == 3
+    work = sum(p.pp * p.chunks * p.microbatches for p in order[:5])
+    assert search(MODEL, cluster, replay_budget=work, **kwargs).num_simulated == 5
 
 
 def test_explanation_names_gains_and_costs() -> None:

@@ -258,7 +258,7 @@ def _planner_pick(cluster: Cluster, setup: PaperSetup, work: Sequence[BlockWork]
         # the search waits for the input: each data-parallel replica's first stage reads
         # that replica's batch through its own loader
         found = search(spec, cluster, global_batch=setup.batch_size, num_devices=gpus,
-                       space=space, top_k=1, time_budget_s=2.0,
+                       space=space, top_k=1,
                        loader_samples_per_s=setup.loader_samples_per_s)  # fmt: skip
     except ValueError:
         return None
