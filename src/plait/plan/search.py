@@ -5,8 +5,8 @@ micro-batch size that divides the batch, every schedule (with its chunk counts),
 recomputation mode and ZeRO stage is a candidate. When the space is small (at most
 `exact_limit` candidates) all of them are simulated; otherwise closed-form estimates
 (`plait.plan.estimate`) order them and only the most promising are partitioned exactly
-(`partition_blocks`, memory caps included) and replayed by the simulator, within a time
-budget. Every registered schedule kind is searched (asynchronous ones with
+(`partition_blocks`, memory caps included) and replayed by the simulator, within a budget
+of replayed work. Every registered schedule kind is searched (asynchronous ones with
 `allow_staleness`); bounds keep that fast: a candidate whose memory does not fit, or whose
 lower bound on the step is slower than the estimates that could still be simulated and
 than the fastest of its kind, is never estimated in full (`plait.plan.prune`). Given the
@@ -22,87 +22,21 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from plait.cluster import Cluster
-from plait.cost import StageCost
 from plait.plan.describe import describe
 from plait.plan.estimate import Estimate
-from plait.plan.hetero import HeteroPlan, plan_replicas, split_replica
+from plait.plan.exact import NoFeasiblePlan, RankedPlan, Rejection, exact_of
 from plait.plan.lighter import lighter_recompute
 from plait.plan.loader import check_rate, with_loader
-from plait.plan.partition import MemoryShortfall
 from plait.plan.prune import fastest_of_each_kind, fastest_without_cp, order_key, pruned_estimates
 from plait.plan.space import ModelSpec, SearchSpace, candidates
-from plait.sim import SimPlan, SimResult, build_schedule, simulate
+from plait.sim import SimPlan
 
 __all__ = ["NoFeasiblePlan", "PlanSearch", "RankedPlan", "Rejection", "describe", "search"]
 
 _GIB = 2.0**30
-
-
-class NoFeasiblePlan(ValueError):
-    """No plan of the space fits; the message says what is short and what would help."""
-
-
-@dataclass(frozen=True)
-class RankedPlan:
-    """A plan the simulator says fits, with its prediction. On unequal devices each
-    data-parallel replica (pipeline) has its own split and batch share (`hetero`)."""
-
-    plan: SimPlan
-    sizes: tuple[int, ...]  # blocks per (virtual) stage (of replica 0 when hetero)
-    step_time_s: float
-    bubble_fraction: float
-    comm_share: float
-    mfu: float
-    tokens_per_s: float
-    peak_memory_bytes: tuple[float, ...]  # per pipeline rank (worst replica when hetero)
-    capacity_bytes: tuple[float, ...]
-    result: SimResult | None = None
-    hetero: HeteroPlan | None = None
-    # seconds one loading process takes to load a replica's batch (0: input not modelled);
-    # prefetching overlaps it with compute, so `step_time_s` is the longer of the two
-    loader_step_s: float = 0.0
-
-    @property
-    def simulated_step_s(self) -> float:
-        """The simulator's step, before any wait for input."""
-        if self.hetero is not None:
-            return self.hetero.step_time_s
-        return self.result.step_time_s if self.result is not None else self.step_time_s
-
-    @property
-    def input_bound(self) -> bool:
-        """The input pipeline, not the devices, sets the step time."""
-        return self.loader_step_s > 0 and self.loader_step_s >= self.simulated_step_s
-
-    @property
-    def headroom_bytes(self) -> float:
-        return min(c - m for c, m in zip(self.capacity_bytes, self.peak_memory_bytes, strict=True))
-
-    @staticmethod
-    def of(plan: SimPlan, sizes: tuple[int, ...], result: SimResult) -> RankedPlan:
-        return RankedPlan(
-            plan,
-            sizes,
-            result.step_time_s,
-            result.bubble_fraction,
-            result.comm_share,
-            result.mfu,
-            result.tokens_per_s,
-            result.peak_memory_bytes,
-            tuple(r.capacity_bytes for r in result.ranks),
-            result=result,
-        )
-
-
-@dataclass(frozen=True)
-class Rejection:
-    plan: SimPlan
-    reason: str
-    excess_bytes: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -142,62 +76,6 @@ def replay_work(plan: SimPlan) -> int:
     return plan.pp * plan.chunks * plan.microbatches
 
 
-def _exact(plan: SimPlan, model: ModelSpec, cluster: Cluster) -> RankedPlan | Rejection:
-    """Partition exactly under memory caps, then simulate."""
-    blocks = model.blocks_for(plan)
-    try:
-        part = split_replica(plan, blocks, cluster)[1]
-    except ValueError as err:
-        return Rejection(plan, f"no stage split fits in memory: {err}", _excess(err))
-    sizes = tuple(part.sizes)
-    stage_list = [StageCost(tuple(s)) for s in part.split(list(blocks))]
-    result = simulate(build_schedule(plan, check=False), stage_list, cluster, plan)
-    if not result.fits:
-        worst = max(result.overflows, key=lambda o: o.excess_bytes)
-        return Rejection(plan, str(worst), worst.excess_bytes)
-    return RankedPlan.of(plan, sizes, result)
-
-
-def _exact_hetero(plan: SimPlan, model: ModelSpec, cluster: Cluster) -> RankedPlan | Rejection:
-    """Unequal devices: one split and batch share per pipeline (`plait.plan.hetero`)."""
-    try:
-        het = plan_replicas(plan, model, cluster)
-    except ValueError as err:
-        return Rejection(plan, str(err), _excess(err))
-    worst = max(
-        het.replicas, key=lambda r: max(x.memory.total - x.capacity_bytes for x in r.run.ranks)
-    )
-    over = max(x.memory.total - x.capacity_bytes for x in worst.run.ranks)
-    if over > 0:
-        return Rejection(plan, f"pipeline {worst.dp_rank} is {over / _GIB:.2f} GiB over", over)
-    step = het.step_time_s
-    flops = sum(
-        b.forward_flops + b.backward_input_flops + b.backward_weight_flops
-        for b in model.blocks_for(plan)
-    )
-    total_flops = flops * plan.tp * sum(plan.shares)
-    peak = sum(cluster.device(g).peak(plan.dtype) for g in range(plan.world_size))
-    bubble = max(1.0 - r.run.busy_s / (plan.pp * r.run.pipeline_time_s) for r in het.replicas)
-    batch = plan.global_batch_size
-    return RankedPlan(
-        plan,
-        worst.sizes,
-        step,
-        bubble,
-        0.0,
-        total_flops / (step * peak),
-        batch * plan.seq_len / step,
-        tuple(x.memory.total for x in worst.run.ranks),
-        tuple(x.capacity_bytes for x in worst.run.ranks),
-        hetero=het,
-    )
-
-
-def _exact_of(plan: SimPlan, cluster: Cluster) -> Callable[..., RankedPlan | Rejection]:
-    """Replicas alike: one replay. Unequal devices or unequal shares: one per replica."""
-    return _exact if cluster.is_homogeneous and not plan.total_microbatches else _exact_hetero
-
-
 def _preference(r: RankedPlan) -> tuple[int, bool, bool, int, int, bool, int, float, float]:
     """Fastest first; among plans equally fast (to 0.1%), the simpler one: equal shares,
     exact gradients (no compression), less sharding, less recomputation, the least context
@@ -233,11 +111,6 @@ def _with_margin(ranked: RankedPlan, margin: float) -> RankedPlan | Rejection:
         f"leaves {spare:.1%} of device memory free, under the {margin:.0%} margin",
         short,
     )
-
-
-def _excess(err: ValueError) -> float:
-    """How many bytes over memory a failed split was (0 for other errors)."""
-    return err.excess_bytes if isinstance(err, MemoryShortfall) else 0.0
 
 
 def search(
@@ -306,7 +179,7 @@ def search(
         budget_gone = replayed >= replay_budget and len(ranked) >= top_k
         if not exhaustive and (simulated >= max_simulated or budget_gone):
             break
-        outcome = _exact_of(plan, cluster)(plan, model, cluster)
+        outcome = exact_of(plan, cluster)(plan, model, cluster)
         simulated += 1
         replayed += replay_work(plan)
         if isinstance(outcome, RankedPlan):
@@ -372,7 +245,7 @@ def _offloaded(
         "it swaps to host memory and pays the host-link transfers"
     )
     found = [
-        _exact_of(r.plan, cluster)(dataclasses.replace(r.plan, **option), model, cluster)
+        exact_of(r.plan, cluster)(dataclasses.replace(r.plan, **option), model, cluster)
         for r in short[:limit]
         for option in _OFFLOADS
     ]
