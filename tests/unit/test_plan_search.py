@@ -137,9 +137,7 @@ def test_the_search_stops_on_replayed_work_not_on_the_clock(
                                   max_simulated=12, top_k=3)  # fmt: skip
     order: list[SimPlan] = []
     exact_of = module.exact_of
-    monkeypatch.setattr(
-        module, "exact_of", lambda plan, c: order.append(plan) or exact_of(plan, c)
-    )
+    monkeypatch.setattr(module, "exact_of", lambda plan, c: order.append(plan) or exact_of(plan, c))
     plain = search(MODEL, cluster, **kwargs)
     ticks = iter(range(0, 10**9, 1000))
     with monkeypatch.context() as patch:
