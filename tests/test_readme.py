@@ -70,7 +70,7 @@ SHORTEST = {
                       "--window", "1", *_TINY, "--heads", "2", "--batch-size", "8"],
     "bench cp": ["--layers", "1", "--hidden", "32", "--heads", "2", "--seq-len", "64",
                  "--repeats", "1", "--steps", "1"],
-    "experiment staleness": ["--stages", "1,2", "--microbatches", "2", "--budget", "4"],
+    "experiment staleness": ["--pp", "1,2", "--microbatches", "2", "--budget", "4"],
     "experiment convergence": ["--quick", "--sections", "image"],
     # the measured halves train for real in tests/dist/test_experiment_seeds.py
     "experiment dp-vs-gpipe": ["--predict-only"],

@@ -32,6 +32,7 @@ FLOORS: dict[int, tuple[str, ...]] = {
         "compat",
         "keyed",
         "console",
+        "flags",
         "dataspec",
         "pretrained",
         "_layers",

@@ -18,7 +18,7 @@ TINY = ["--layers", "2", "--hidden", "16", "--heads", "2", "--seq-len", "8", "--
 @pytest.mark.dist
 @pytest.mark.timeout(120)
 def test_bench_reports_throughput_and_measured_versions(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["bench", "async", "--stages", "2", "--microbatches", "4", "--steps", "2"]
+    argv = ["bench", "async", "--pp", "2", "--microbatches", "4", "--steps", "2"]
     argv += ["--rounds", "1", "--warmup", "1", "--json", *TINY]
     assert main(argv) == 0
     lines = capsys.readouterr().out.strip().splitlines()

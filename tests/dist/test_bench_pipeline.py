@@ -23,7 +23,7 @@ INTERLEAVED_9_ON_4 = {"schedule": "interleaved", "num_chunks": 2, "num_stages": 
 @pytest.mark.dist
 @pytest.mark.timeout(90)
 def test_bench_runs_both_runtimes_to_the_same_loss(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["bench", "pipeline", "--schedule", "interleaved", "--stages", "2"]
+    argv = ["bench", "pipeline", "--schedule", "interleaved", "--pp", "2"]
     argv += ["--microbatches", "4", "--warmup", "1", "--steps", "2", "--json", *TINY]
     assert main(argv) == 0
     lines = capsys.readouterr().out.strip().splitlines()

@@ -35,17 +35,17 @@ CASES = [
     (["train", "--zero", "3"], "zero=3 with dp=1 does nothing"),
     (["train", "--sample-chars", "-1"], "sample_chars=-1"),
     (["train", "--nproc", "4", "--dp", "2", "--tp", "2", "--pp", "2"], "nproc=4 workers"),
-    (["plan", "--cluster", "local-cpu", "--global-batch", "8", "--out", "nowhere/p.json"],
+    (["plan", "--cluster", "local-cpu", "--batch-size", "8", "--out", "nowhere/p.json"],
      "folder nowhere does not exist"),
-    (["plan", "--cluster", "local-cpu", "--global-batch", "8", "--devices", "0"],
+    (["plan", "--cluster", "local-cpu", "--batch-size", "8", "--devices", "0"],
      "--devices 0 must be at least 1"),
     (["profile", "--cache-dir", "a-file"], "--cache-dir a-file is a file"),
     (["simulate", "--cluster", "local-cpu", "--sequence-parallel"],
      "--sequence-parallel needs --tp > 1"),
     (["simulate", "--cluster", "local-cpu", "--dp", "64"], "64 ranks but cluster 'local-cpu'"),
     (["simulate", "--cluster", "local-cpu", "--dp", "1", "--zero", "2"], "--zero 2 with --dp 1"),
-    (["schedule", "1f1b", "--stages", "100000", "--microbatches", "100000"],
-     "--stages 100000 is more than this command prints"),
+    (["schedule", "1f1b", "--pp", "100000", "--microbatches", "100000"],
+     "--pp 100000 is more than this command prints"),
 ]  # fmt: skip
 
 

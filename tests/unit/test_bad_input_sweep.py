@@ -362,7 +362,7 @@ _CLUSTER_BAD: list[tuple[tuple[str, ...], Any, str]] = [
 
 def _cluster_cases() -> list[Case]:
     cases = []
-    for command in (("simulate",), ("plan", "--global-batch", "8")):
+    for command in (("simulate",), ("plan", "--batch-size", "8")):
         for where, value, names in _CLUSTER_BAD:
             text = _cluster_toml(_mutated(where, value))
             label = ".".join(where) + (" missing" if value is _DROP else f"={value!r}")
@@ -389,7 +389,7 @@ _MODEL_FLAGS = [
     ("--model", "bert"),
 ]  # fmt: skip
 _SIM = ("simulate", "--cluster", "local-cpu")
-_PLAN = ("plan", "--cluster", "local-cpu", "--global-batch", "8")
+_PLAN = ("plan", "--cluster", "local-cpu", "--batch-size", "8")
 
 
 def _command_cases() -> list[Case]:
@@ -415,19 +415,19 @@ def _command_cases() -> list[Case]:
         _case("simulate", names="--cluster"),
     ]  # fmt: skip
     plan = [
-        ("--nodes", "0"), ("--nodes", "x"), ("--devices", "-1"), ("--global-batch", "0"),
-        ("--global-batch", "x"), ("--top", "0"), ("--dtype", "fp64"), ("--compress", "bogus"),
+        ("--nodes", "0"), ("--nodes", "x"), ("--devices", "-1"), ("--batch-size", "0"),
+        ("--batch-size", "x"), ("--top", "0"), ("--dtype", "fp64"), ("--compress", "bogus"),
         ("--out", "folder"), ("--devices", "99999"), ("--wsp-staleness", "-1"),
         ("--wsp-staleness", "x"), ("--loader-rate", "-1"), ("--loader-rate", "nan"),
         ("--loader-rate", "inf"), ("--loader-rate", "x"),
     ]  # fmt: skip
     cases += [_flag_case(*_PLAN, f, v, flag=f, value=v) for f, v in plan]
     cases += [
-        _case("plan", "--cluster", "local-cpu", names="--global-batch"),
+        _case("plan", "--cluster", "local-cpu", names="--batch-size"),
         _case(*_PLAN, "--compress", "none,topk:0", names=("--compress", "topk:0")),
-        _case("plan", "--cluster", "local-cpu", "--global-batch", "8", "--micro-batch-size",
-              "3", names=("--global-batch", "--micro-batch-size")),
-        _case("plan", "--cluster", "local-cpu", "--global-batch", "8", "--nodes", "2",
+        _case("plan", "--cluster", "local-cpu", "--batch-size", "8", "--micro-batch-size",
+              "3", names=("--batch-size", "--micro-batch-size")),
+        _case("plan", "--cluster", "local-cpu", "--batch-size", "8", "--nodes", "2",
               names="--nodes"),
     ]  # fmt: skip
     profile = [
@@ -448,22 +448,22 @@ def _command_cases() -> list[Case]:
 
 
 def _schedule_cases() -> list[Case]:
-    base = ("schedule", "1f1b", "--stages", "4", "--microbatches", "8")
+    base = ("schedule", "1f1b", "--pp", "4", "--microbatches", "8")
     cases = [
-        _case("schedule", "bogus", "--stages", "2", "--microbatches", "4", names="bogus"),
-        _case("schedule", "1f1b", "--microbatches", "4", names="--stages"),
-        _case("schedule", "1f1b", "--stages", "0", "--microbatches", "4", names="--stages"),
-        _case("schedule", "1f1b", "--stages", "x", "--microbatches", "4", names="--stages"),
-        _case("schedule", "1f1b", "--stages", "2", "--microbatches", "-1", names="--microbatches"),
+        _case("schedule", "bogus", "--pp", "2", "--microbatches", "4", names="bogus"),
+        _case("schedule", "1f1b", "--microbatches", "4", names="--pp"),
+        _case("schedule", "1f1b", "--pp", "0", "--microbatches", "4", names="--pp"),
+        _case("schedule", "1f1b", "--pp", "x", "--microbatches", "4", names="--pp"),
+        _case("schedule", "1f1b", "--pp", "2", "--microbatches", "-1", names="--microbatches"),
         _case(*base, "--chunks", "2", names="--chunks"),
         _case(*base, "--chunks", "0", names="--chunks"),
-        _case("schedule", "interleaved", "--stages", "2", "--microbatches", "4", "--chunks", "1",
+        _case("schedule", "interleaved", "--pp", "2", "--microbatches", "4", "--chunks", "1",
               names="--chunks"),
         _case(*base, "--windows", "0", names="--windows"),
         _case(*base, "--json", "--windows", "2", names="--windows"),
         _case(*base, "--json", "--program", names="--program"),
         _case(*base, "--windows", "x", names="--windows"),
-        _case("schedule", "2bw", "--stages", "2", "--microbatches", "4", "--windows", "-2",
+        _case("schedule", "2bw", "--pp", "2", "--microbatches", "4", "--windows", "-2",
               names="--windows"),
     ]  # fmt: skip
     return cases
@@ -471,23 +471,23 @@ def _schedule_cases() -> list[Case]:
 
 _BENCH: dict[str, list[tuple[tuple[str, ...], str | tuple[str, ...]]]] = {
     "pipeline": [
-        (("--stages", "0"), "stages"), (("--microbatches", "0"), "microbatches"),
+        (("--pp", "0"), "stages"), (("--microbatches", "0"), "microbatches"),
         (("--chunks", "0"), "chunks"), (("--chunks", "2"), "chunks"),
         (("--steps", "0"), "steps"), (("--warmup", "-1"), "warmup"), (("--layers", "0"), "layers"),
         (("--hidden", "0"), "hidden"), (("--heads", "3"), "heads"), (("--seq-len", "0"), "seq_len"),
-        (("--batch-size", "7"), "batch_size"), (("--vocab-size", "0"), "vocab_size"),
-        (("--schedule", "bogus"), "--schedule"), (("--stages", "x"), "--stages"),
-        (("--stages", "4", "--microbatches", "2"), "microbatches"),
+        (("--batch-size", "7"), "batch_size"), (("--vocab", "0"), "vocab_size"),
+        (("--schedule", "bogus"), "--schedule"), (("--pp", "x"), "--pp"),
+        (("--pp", "4", "--microbatches", "2"), "microbatches"),
     ],
     "dp": [
         (("--workers", "0"), "workers"), (("--steps", "0"), "steps"),
         (("--warmup", "-1"), "warmup"), (("--optimizer", "lamb"), "--optimizer"),
         (("--batch-size", "7"), "batch_size"), (("--layers", "0"), "layers"),
-        (("--heads", "3"), "heads"), (("--vocab-size", "-1"), "vocab_size"),
+        (("--heads", "3"), "heads"), (("--vocab", "-1"), "vocab_size"),
     ],
     "async": [
         (("--schedules", "pipedream"), "1f1b"), (("--schedules", "1f1b,bogus"), "bogus"),
-        (("--stages", "0"), "stages"), (("--warmup", "-1"), "warmup"),
+        (("--pp", "0"), "stages"), (("--warmup", "-1"), "warmup"),
         (("--layers", "0"), "layers"), (("--hidden", "0"), "hidden"),
         (("--heads", "3"), "heads"), (("--batch-size", "6"), "batch_size"),
         (("--rounds", "0"), "rounds"), (("--seq-len", "0"), "seq_len"),
@@ -559,8 +559,8 @@ def _checkpoint_cases() -> list[Case]:
 def _experiment_cases() -> list[Case]:
     base = ("experiment", "staleness")
     items = [
-        (("--stages", "x"), "--stages"), (("--stages", "0"), "stages"),
-        (("--stages", ","), "stages"), (("--stages", "2,2"), "stages"),
+        (("--pp", "x"), "--pp"), (("--pp", "0"), "stages"),
+        (("--pp", ","), "stages"), (("--pp", "2,2"), "stages"),
         (("--schedules", "bogus"), "bogus"), (("--schedules", ""), "schedules"),
         (("--microbatches", "0"), "microbatches"), (("--microbatches", "x"), "--microbatches"),
         (("--budget", "5"), "budget"), (("--target", "-1"), "target"),

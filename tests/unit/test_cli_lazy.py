@@ -48,7 +48,7 @@ def test_command_help_imports_no_torch(command: str) -> None:
 
 
 def test_schedule_imports_no_torch() -> None:
-    out, modules = _plait("schedule", "1f1b", "--stages", "2", "--microbatches", "4")
+    out, modules = _plait("schedule", "1f1b", "--pp", "2", "--microbatches", "4")
     assert _torch(modules) == []
     # 1F1B on p = 2 stages, m = 4 micro-batches, forward 1 and backward 2 units: the
     # makespan is (m + p − 1) × 3 units and the bubble (p − 1) / (m + p − 1)

@@ -17,7 +17,7 @@ def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
 
 
 def test_grid_and_summary(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, err = run(capsys, "1f1b", "--stages", "2", "--microbatches", "3")
+    code, out, err = run(capsys, "1f1b", "--pp", "2", "--microbatches", "3")
     assert code == 0 and err == ""
     grid, summary = out.rstrip("\n").split("\n\n")
     assert grid == format_grid(build("1f1b", 2, 3))
@@ -28,7 +28,7 @@ def test_grid_and_summary(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_program_shows_the_messages(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = run(capsys, "gpipe", "--stages", "2", "--microbatches", "2", "--program")
+    code, out, _ = run(capsys, "gpipe", "--pp", "2", "--microbatches", "2", "--program")
     assert code == 0
     assert out.split("\n\n")[0] == format_program(build("gpipe", 2, 2))
     assert "0SEND_F0" in out and "1RECV_F0" in out
@@ -37,9 +37,9 @@ def test_program_shows_the_messages(capsys: pytest.CaptureFixture[str]) -> None:
 @pytest.mark.parametrize(
     ("argv", "chunks"),
     [
-        (["interleaved", "--stages", "2", "--microbatches", "4"], 2),  # chunks default to 2
-        (["interleaved", "--stages", "3", "--microbatches", "6", "--chunks", "3"], 3),
-        (["zb-h1", "--stages", "3", "--microbatches", "5"], 1),
+        (["interleaved", "--pp", "2", "--microbatches", "4"], 2),  # chunks default to 2
+        (["interleaved", "--pp", "3", "--microbatches", "6", "--chunks", "3"], 3),
+        (["zb-h1", "--pp", "3", "--microbatches", "5"], 1),
     ],
 )
 def test_json_is_the_built_schedule(
@@ -54,11 +54,11 @@ def test_json_is_the_built_schedule(
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["1f1b", "--stages", "0", "--microbatches", "4"], "--stages 0: use a positive count"),
-        (["gpipe", "--stages", "2", "--microbatches", "-1"], "--microbatches -1"),
-        (["interleaved", "--stages", "2", "--microbatches", "4", "--chunks", "1"], "--chunks 1"),
+        (["1f1b", "--pp", "0", "--microbatches", "4"], "--pp 0: use a positive count"),
+        (["gpipe", "--pp", "2", "--microbatches", "-1"], "--microbatches -1"),
+        (["interleaved", "--pp", "2", "--microbatches", "4", "--chunks", "1"], "--chunks 1"),
         (
-            ["1f1b", "--stages", "2", "--microbatches", "4", "--chunks", "2"],
+            ["1f1b", "--pp", "2", "--microbatches", "4", "--chunks", "2"],
             "applies only to ['interleaved', 'zb-v']",
         ),
     ],
@@ -74,12 +74,12 @@ def test_bad_values_exit_2_with_the_fix(
 
 def test_unknown_kind_is_an_argparse_error(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as caught:
-        main(["schedule", "dualpipe", "--stages", "2", "--microbatches", "4"])
+        main(["schedule", "dualpipe", "--pp", "2", "--microbatches", "4"])
     assert caught.value.code == 2
     assert "invalid choice: 'dualpipe'" in capsys.readouterr().err
 
 
 def test_missing_required_flag(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
-        main(["schedule", "1f1b", "--stages", "2"])
+        main(["schedule", "1f1b", "--pp", "2"])
     assert "--microbatches" in capsys.readouterr().err

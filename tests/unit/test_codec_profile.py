@@ -131,7 +131,7 @@ def test_profile_writes_the_figures_and_simulate_and_plan_use_them(
     assert code == 0 and json.loads(out)["codec"]["source"] == "analytic"
     assert "memory bandwidth" in json.loads(out)["codec"]["text"]
 
-    plan = ["plan", *SMALL, "--cluster", "local-cpu", "--devices", "2", "--global-batch", "4",
+    plan = ["plan", *SMALL, "--cluster", "local-cpu", "--devices", "2", "--batch-size", "4",
             "--compress", "powersgd:2", "--dtype", "fp32", "--json"]  # fmt: skip
     profile.write_text(json.dumps({"device": {"codec_s_per_entry": written}}))
     code, out, _ = _run(capsys, *plan, "--profile", str(profile))

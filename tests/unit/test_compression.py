@@ -161,6 +161,6 @@ def test_simulate_and_plan_take_compress(
                  "--compress", "sign"]) == 2  # fmt: skip
     assert "ZeRO-2/3 reduce by FSDP2" in capsys.readouterr().err
     out = Path(str(tmp_path)) / "plan.json"
-    assert main(["plan", "--cluster", "local-cpu", "--global-batch", "32",
+    assert main(["plan", "--cluster", "local-cpu", "--batch-size", "32",
                  "--compress", "none,powersgd:4", "--out", str(out)]) == 0  # fmt: skip
     assert json.loads(out.read_text())["compress"] in ("none", "powersgd:4")

@@ -126,7 +126,7 @@ def test_a_saved_config_json_loads_back_to_the_same_config(tmp_path: Path) -> No
 def test_plan_simulate_and_profile_describe_trains_default_model() -> None:
     parser = build_parser()
     model, dtype = ModelConfig(), ParallelPlan().dtype
-    for argv in (["plan", "--cluster", "local-cpu", "--global-batch", "8"],
+    for argv in (["plan", "--cluster", "local-cpu", "--batch-size", "8"],
                  ["simulate"], ["profile"]):  # fmt: skip
         args = parser.parse_args(argv)
         got = (args.layers, args.hidden, args.heads, args.seq_len, args.dtype)

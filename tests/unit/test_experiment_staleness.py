@@ -115,7 +115,7 @@ def test_updates_follow_the_kind(tiny: StalenessResult) -> None:
 
 
 def test_cli_json_prints_one_line(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["experiment", "staleness", "--stages", "1,2", "--schedules", "1f1b,pipedream",
+    argv = ["experiment", "staleness", "--pp", "1,2", "--schedules", "1f1b,pipedream",
             "--budget", "8", "--json"]  # fmt: skip
     assert main(argv) == 0
     captured = capsys.readouterr()
@@ -127,7 +127,7 @@ def test_cli_json_prints_one_line(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 @pytest.mark.parametrize(
-    ("flag", "value"), [("--stages", "1,x"), ("--budget", "6"), ("--schedules", "1f1b,nope")]
+    ("flag", "value"), [("--pp", "1,x"), ("--budget", "6"), ("--schedules", "1f1b,nope")]
 )
 def test_cli_bad_values_exit_2_with_one_line(
     flag: str, value: str, capsys: pytest.CaptureFixture[str]

@@ -51,7 +51,7 @@ def test_sequence_parallel_candidates_split_each_cp_rank_s_tokens_over_tp() -> N
 
 def _plan(capsys: pytest.CaptureFixture[str], seq_len: int, batch: int) -> dict[str, Any]:
     code = main(["plan", "--layers", "32", "--hidden", "4096", "--heads", "32", "--seq-len",
-                 str(seq_len), "--vocab", "50304", "--global-batch", str(batch), "--cluster",
+                 str(seq_len), "--vocab", "50304", "--batch-size", str(batch), "--cluster",
                  "dgx-h100", "--nodes", "1", "--dtype", "bf16", "--json"])  # fmt: skip
     out, err = capsys.readouterr()
     assert code == 0, err

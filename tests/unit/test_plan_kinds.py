@@ -177,7 +177,7 @@ def test_plan_json_lists_the_runner_up_of_each_kind(capsys: pytest.CaptureFixtur
 
     args = ["plan", "--layers", "4", "--hidden", "512", "--heads", "8", "--seq-len", "256",
             "--vocab", "8000", "--cluster", "dgx-a100-80gb", "--devices", "4",
-            "--global-batch", "16"]  # fmt: skip
+            "--batch-size", "16"]  # fmt: skip
     assert main([*args, "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     runners = data["runners_up"]

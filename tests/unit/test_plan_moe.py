@@ -82,7 +82,7 @@ def test_plan_files_carry_ep_and_simulate_honours_it(
     out = tmp_path / "plan.json"
     moe = ["--model", "moe-gpt", "--experts", "4", "--top-k", "2", "--layers", "2",
            "--hidden", "64", "--heads", "4", "--seq-len", "32"]  # fmt: skip
-    assert main(["plan", "--cluster", "dgx-h100", "--global-batch", "16", *moe,
+    assert main(["plan", "--cluster", "dgx-h100", "--batch-size", "16", *moe,
                  "--out", str(out), "--json"]) == 0  # fmt: skip
     capsys.readouterr()
     data = json.loads(out.read_text())

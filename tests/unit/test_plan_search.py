@@ -252,7 +252,7 @@ def test_plan_cli_json_and_plan_file(tmp_path: Path, capsys: pytest.CaptureFixtu
             "dgx-a100-80gb",
             "--devices",
             "4",
-            "--global-batch",
+            "--batch-size",
             "16",
             "--top",
             "3",
@@ -274,7 +274,7 @@ def test_plan_cli_json_and_plan_file(tmp_path: Path, capsys: pytest.CaptureFixtu
     replayed = json.loads(capsys.readouterr().out)
     assert replayed["step_time_s"] == pytest.approx(best["predicted"]["step_time_s"], rel=1e-6)
     assert replayed["fits"] is True
-    assert main(["plan", "--cluster", "dgx-a100-80gb", "--global-batch", "0"]) == 2
+    assert main(["plan", "--cluster", "dgx-a100-80gb", "--batch-size", "0"]) == 2
 
 
 def test_memory_shortfall_carries_the_excess() -> None:

@@ -103,7 +103,7 @@ def test_a_bad_rate_is_refused(rate: float) -> None:
 def test_plan_cli_takes_a_loader_rate(capsys: pytest.CaptureFixture[str]) -> None:
     from plait.cli.main import main
 
-    argv = ["plan", "--cluster", "local-cpu", "--global-batch", "8", "--layers", "2",
+    argv = ["plan", "--cluster", "local-cpu", "--batch-size", "8", "--layers", "2",
             "--hidden", "64", "--heads", "2", "--seq-len", "16", "--vocab", "100",
             "--json"]  # fmt: skip
     assert main([*argv, "--loader-rate", "2"]) == 0

@@ -71,7 +71,7 @@ def test_plait_plan_chooses_d_within_the_allowance_into_the_plan_file(
     cluster = tmp_path / "c.toml"
     cluster.write_text(HetPipeBenchConfig().cluster_toml())  # 2 workers 2× slower
     out = tmp_path / "plan.json"
-    argv = ["plan", "--cluster", str(cluster), "--global-batch", "24", "--layers", "2",
+    argv = ["plan", "--cluster", str(cluster), "--batch-size", "24", "--layers", "2",
             "--hidden", "64", "--heads", "2", "--seq-len", "32", "--dtype", "fp32",
             "--wsp-staleness", "2", "--out", str(out)]  # fmt: skip
     assert main(argv) == 0

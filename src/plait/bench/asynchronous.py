@@ -1,6 +1,6 @@
 """Asynchronous pipelines timed against 1F1B (PipeDream-Flush) on the same model and data.
 
-Each of `--stages` workers builds one engine per schedule (same GPT, same seed, the same
+Each of `--pp` workers builds one engine per schedule (same GPT, same seed, the same
 AdamW; each engine on its own process groups, so that one stream's messages in flight
 never meet another's) and feeds each the same batches. The schedules take turns in
 rounds; a turn runs `--steps` windows back to back, without a barrier between windows,
@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from plait.bench import _common as common
+from plait.flags import deprecated_flag
 
 if TYPE_CHECKING:
     import torch
@@ -215,7 +216,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = AsyncBenchConfig()
     a = parser.add_argument
     a("--schedules", default=",".join(d.schedules), help="comma-separated kinds (with 1f1b)")
-    a("--stages", type=int, default=d.num_stages, help="pipeline ranks (local workers)")
+    a("--pp", type=int, default=d.num_stages, dest="stages", help="pipeline ranks (local workers)")
+    deprecated_flag(parser, "--stages", "--pp", "stages", type=int)
     a("--microbatches", type=int, default=d.num_microbatches, help="micro-batches per window")
     a("--steps", type=int, default=d.num_steps, help="timed windows per turn")
     a("--warmup", type=int, default=d.num_warmup, help="untimed windows of each schedule first")

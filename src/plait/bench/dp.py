@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from plait.bench import _common as common
+from plait.flags import deprecated_flag
 
 if TYPE_CHECKING:
     import torch
@@ -327,7 +328,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--heads", type=int, default=d.num_heads, help="attention heads")
     a("--seq-len", type=int, default=d.seq_len, help="tokens per sequence")
     a("--batch-size", type=int, default=d.batch_size, help="sequences per step (all ranks)")
-    a("--vocab-size", type=int, default=d.vocab_size, help="GPT vocabulary size")
+    a("--vocab", type=int, default=d.vocab_size, dest="vocab_size", help="GPT vocabulary size")
+    deprecated_flag(parser, "--vocab-size", "--vocab", "vocab_size", type=int)
     a("--optimizer", choices=OPTIMIZERS, default=d.optimizer, help="optimizer of all three")
     a("--seed", type=int, default=d.seed, help="seed of the model and the data")
     a("--json", action="store_true", help="print one JSON object instead of a table")

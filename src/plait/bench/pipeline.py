@@ -1,6 +1,6 @@
 """Plait's pipeline executor timed against torch.distributed.pipelining on one model and data.
 
-Each of `--stages` workers builds two copies of one GPT (same seed), cut into the same
+Each of `--pp` workers builds two copies of one GPT (same seed), cut into the same
 stages by plait's `local_stages`: one runs under plait's `PipelineExecutor`, the other
 under torch's `PipelineStage` and the schedule of the same name (`ScheduleGPipe`,
 `Schedule1F1B`, `ScheduleInterleaved1F1B`, `ScheduleZBVZeroBubble` for ZB-V). Chimera has
@@ -33,6 +33,7 @@ from plait.bench.pipeline_config import (
     PipelineBenchResult,
 )
 from plait.device import synchronize
+from plait.flags import deprecated_flag
 
 if TYPE_CHECKING:
     import torch
@@ -213,7 +214,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = PipelineBenchConfig()
     a = parser.add_argument
     a("--schedule", choices=SCHEDULES, default=d.schedule, help="pipeline schedule of both")
-    a("--stages", type=int, default=d.num_stages, help="pipeline ranks (local worker processes)")
+    a(
+        "--pp",
+        type=int,
+        default=d.num_stages,
+        dest="stages",
+        help="pipeline ranks (local worker processes)",
+    )
+    deprecated_flag(parser, "--stages", "--pp", "stages", type=int)
     a("--microbatches", type=int, default=d.num_microbatches, help="micro-batches per step")
     a("--chunks", type=int, help="virtual stages per rank (default: 2 if interleaved or zb-v)")
     a("--steps", type=int, default=d.num_steps, help="timed steps of each runtime")
@@ -223,7 +231,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--heads", type=int, default=d.num_heads, help="attention heads")
     a("--seq-len", type=int, default=d.seq_len, help="tokens per sequence")
     a("--batch-size", type=int, default=d.batch_size, help="sequences per step (all micro-batches)")
-    a("--vocab-size", type=int, default=d.vocab_size, help="GPT vocabulary size")
+    a("--vocab", type=int, default=d.vocab_size, dest="vocab_size", help="GPT vocabulary size")
+    deprecated_flag(parser, "--vocab-size", "--vocab", "vocab_size", type=int)
     a("--seed", type=int, default=d.seed, help="seed of the model and the data")
     a("--json", action="store_true", help="print one JSON object instead of a table")
 

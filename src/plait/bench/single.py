@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING, Any
 from plait.bench import _common as common
 from plait.bench import _single_runners as runners
 from plait.device import synchronize
+from plait.flags import deprecated_flag
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -310,7 +311,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--heads", type=int, default=d.num_heads, help="attention heads")
     a("--seq-len", type=int, default=d.seq_len, help="tokens per sequence")
     a("--batch-size", type=int, default=d.batch_size, help="sequences per step")
-    a("--vocab-size", type=int, default=d.vocab_size, help="GPT vocabulary size")
+    a("--vocab", type=int, default=d.vocab_size, dest="vocab_size", help="GPT vocabulary size")
+    deprecated_flag(parser, "--vocab-size", "--vocab", "vocab_size", type=int)
     a("--dtype", choices=DTYPES, default=d.dtype, help="training dtype (autocast for 16 bits)")
     a("--steps", type=int, default=d.num_steps, help="timed steps per variant and repeat")
     a("--warmup", type=int, default=d.num_warmup, help="untimed steps before them")

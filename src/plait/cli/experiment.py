@@ -3,7 +3,7 @@
 `plait experiment staleness` trains every schedule kind at every pipeline depth and says
 how many epochs each needs to a target validation loss (seed 003 §4: 16 GPUs needed 52
 epochs where 1 needed 30). Limits: those of `plait.experiment.staleness` (a character-level
-GPT, a budget of a few epochs); `--stages ... --json` prints exactly one JSON line.
+GPT, a budget of a few epochs); `--pp ... --json` prints exactly one JSON line.
 `plait experiment convergence --out DIR` measures the seeds' convergence claims (stale
 pipelines in two regimes, gradient compression, WSP) and writes `DIR/convergence.md` with
 its plots (`plait.experiment.convergence`). `dp-vs-gpipe`, `data-movement` and `all` live in
@@ -16,7 +16,7 @@ import argparse
 from typing import Any
 
 from plait.cli.lazy import lazy_subparsers
-from plait.cli.options import number
+from plait.cli.options import deprecated_flag, number
 
 __all__ = ["add_parser"]
 
@@ -67,7 +67,13 @@ def _staleness_arguments(p: argparse.ArgumentParser) -> None:
     sgd = StalenessConfig(optimizer="sgd").learning_rate
     a = p.add_argument
     # lists and numbers are parsed in _run_staleness: a bad value is a one-line error, exit 2
-    a("--stages", default=",".join(map(str, d.stages)), help="pipeline depths, comma-separated")
+    a(
+        "--pp",
+        default=",".join(map(str, d.stages)),
+        dest="stages",
+        help="pipeline depths, comma-separated",
+    )
+    deprecated_flag(p, "--stages", "--pp", "stages")
     a("--schedules", default=",".join(d.schedules), help="schedule kinds, comma-separated")
     a("--microbatches", help=f"micro-batches per window ({d.num_microbatches})")
     a("--budget", help=f"micro-batches per run, a multiple of --microbatches ({d.budget})")
@@ -94,9 +100,7 @@ def _staleness_arguments(p: argparse.ArgumentParser) -> None:
 def _config_fields(args: argparse.Namespace) -> dict[str, Any]:
     fields: dict[str, Any] = {
         # any order on the command line; the config wants them increasing
-        "stages": tuple(
-            sorted(number("stages", s, int) for s in args.stages.split(",") if s.strip())
-        ),
+        "stages": tuple(sorted(number("pp", s, int) for s in args.stages.split(",") if s.strip())),
         "schedules": tuple(s.strip() for s in args.schedules.split(",") if s.strip()),
         "regime": args.regime,
         "equal_updates": args.equal_updates,

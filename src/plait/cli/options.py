@@ -20,11 +20,14 @@ import typing
 from collections.abc import Sequence
 from typing import Any
 
+from plait.flags import deprecated_flag
+
 __all__ = [
     "GROUPS",
     "add_config_flags",
     "add_groups",
     "config_flags",
+    "deprecated_flag",
     "int_list",
     "number",
     "word_list",
@@ -76,17 +79,20 @@ def add_config_flags(
     skip: tuple[str, ...] = (),
     groups: dict[str, argparse._ArgumentGroup] | None = None,
     section: str | None = None,
+    defaults: dict[str, Any] | None = None,
 ) -> None:
     """Add one flag per field of `cls` (sections recursively) to `parser`; `skip` lists
     dotted paths that the command declares itself. With `groups` (`add_groups`), each flag
-    goes to the group its field names, else to its section's (`section`)."""
+    goes to the group its field names, else to its section's (`section`). `defaults` gives
+    a command's own default of a path (set, and shown in the help; a pair (value, text)
+    shows the text); other flags default to None, leaving the dataclass in charge."""
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         path, hint = prefix + f.name, hints[f.name]
         group = f.metadata.get("group", section)
         if dataclasses.is_dataclass(hint):
             add_config_flags(parser, typing.cast(type, hint), prefix=f"{path}.", skip=skip,
-                             groups=groups, section=group)  # fmt: skip
+                             groups=groups, section=group, defaults=defaults)  # fmt: skip
             continue
         flag = f.metadata.get("flag", "--" + f.name.replace("_", "-"))
         if flag is None or path in skip:
@@ -96,7 +102,13 @@ def add_config_flags(
             if group not in groups:
                 raise KeyError(f"{path}: metadata group={group!r} is not one of {list(groups)}")
             target = groups[group]
-        target.add_argument(flag, dest=path, default=None, **_kind(f, hint))
+        own = (defaults or {}).get(path, _UNSET)
+        value, text = own if isinstance(own, tuple) else (own, own)
+        kind = _kind(f, hint, _UNSET if own is _UNSET else text)
+        target.add_argument(flag, dest=path, default=None if own is _UNSET else value, **kind)
+
+
+_UNSET = object()
 
 
 def _default(f: dataclasses.Field[Any]) -> Any:
@@ -107,10 +119,11 @@ def _default(f: dataclasses.Field[Any]) -> Any:
     return None
 
 
-def _kind(f: dataclasses.Field[Any], hint: Any) -> dict[str, Any]:
-    """argparse keywords for a field of type `hint`."""
+def _kind(f: dataclasses.Field[Any], hint: Any, shown: Any = _UNSET) -> dict[str, Any]:
+    """argparse keywords for a field of type `hint` (its help shows `shown` as the default
+    when given, else the field's)."""
     help_text = f.metadata.get("help", "")
-    default = _default(f)
+    default = _default(f) if shown is _UNSET else shown
     if default is not None:
         text = str(default).lower() if isinstance(default, bool) else str(default)
         help_text = f"{help_text} (default: {text})" if help_text else f"default: {text}"

@@ -18,6 +18,7 @@ _GIB = float(1 << 30)
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     from plait.cli.models import add_model_arguments, default_dtype
+    from plait.cli.options import deprecated_flag
 
     p = sub.add_parser(
         "plan", help="search the best parallel layout and explain it", description=__doc__
@@ -27,7 +28,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     a("--cluster", required=True, help="preset (local-cpu, dgx-a100-80gb, dgx-h100) or TOML file")
     a("--nodes", type=int, help="nodes of the preset (default: the preset's, or 1)")
     a("--devices", type=int, help="plan for this many devices (default: all of the cluster)")
-    a("--global-batch", type=int, required=True, dest="global_batch", help="samples per step")
+    a(
+        "--batch-size",
+        type=int,
+        dest="global_batch",
+        metavar="N",
+        help="samples per step over all replicas (the global batch; as `plait train --batch-size`)",
+    )
+    deprecated_flag(p, "--global-batch", "--batch-size", "global_batch", type=int)  # fmt: skip
     a("--top", type=int, default=5, help="plans to show (default 5)")
     a("--dtype", default=default_dtype(), help=f"training dtype (default {default_dtype()})")
     a(
@@ -73,8 +81,13 @@ def run(args: argparse.Namespace) -> int:
     from plait.presets import load_cluster
     from plait.profile import MoESpec
 
+    if args.global_batch is None:
+        raise ValueError(
+            "--batch-size is required: the samples of one step over all replicas (e.g. "
+            "--batch-size 32)"
+        )
     if args.global_batch < 1 or args.top < 1:
-        raise ValueError("--global-batch and --top must be >= 1")
+        raise ValueError(f"--batch-size {args.global_batch} and --top {args.top} must both be >= 1")
     if args.devices is not None and args.devices < 1:
         raise ValueError(f"--devices {args.devices} must be at least 1 (or unset: all)")
     if args.wsp_allowance is not None and args.wsp_allowance < 0:

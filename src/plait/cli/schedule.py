@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from plait.cli.options import deprecated_flag
 from plait.schedule import (
     KINDS,
     build,
@@ -33,7 +34,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         help="; ".join(f"{k.name}: {k.summary}" for k in KINDS.values()),
         metavar="KIND",
     )
-    p.add_argument("--stages", type=int, required=True, help="pipeline ranks P")
+    p.add_argument("--pp", type=int, dest="stages", metavar="P", help="pipeline ranks P (required)")
+    deprecated_flag(p, "--stages", "--pp", "stages", type=int)
     p.add_argument("--microbatches", type=int, required=True, help="micro-batches M per window")
     p.add_argument("--chunks", type=int, default=None, help="virtual stages per rank (interleaved)")
     p.add_argument(
@@ -57,7 +59,9 @@ _LARGEST = 512
 
 
 def run(args: argparse.Namespace) -> int:
-    for flag, value in (("--stages", args.stages), ("--microbatches", args.microbatches)):
+    if args.stages is None:
+        raise ValueError("--pp is required: the pipeline ranks of the schedule (e.g. --pp 4)")
+    for flag, value in (("--pp", args.stages), ("--microbatches", args.microbatches)):
         if value < 1:
             raise ValueError(f"{flag} {value}: use a positive count")
         if value > _LARGEST:

@@ -19,8 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import fields
-from functools import partial
 from typing import TYPE_CHECKING
 
 from plait.cli.models import (
@@ -30,15 +28,14 @@ from plait.cli.models import (
     model_value,
     spec_from_args,
 )
-from plait.cli.options import add_config_flags, int_list, word_list
+from plait.cli.options import add_config_flags
 from plait.cli.plan import check_out
 from plait.cli.simulate_wsp import check_wsp, print_wsp, wsp_summary
 from plait.cluster import normalize_dtype
 from plait.config import ParallelPlan
-from plait.cost import RECOMPUTE_MODES
 from plait.layout import resolve_dp
 from plait.presets import load_cluster
-from plait.schedule import KINDS, schedule_kind
+from plait.schedule import schedule_kind
 from plait.sim import SimPlan
 
 if TYPE_CHECKING:
@@ -61,49 +58,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         help="a plan file (`plait plan --out`): its layout, batch, model and cluster "
         "replace the flags",
     )
-    a("--dp", type=int, default=1, help="data-parallel degree")
-    # the data-parallel axes and cp, generated from the plan's fields as `plait train`'s are
-    add_config_flags(p, ParallelPlan, skip=_NOT_GENERATED)
-    a("--tp", type=int, default=1, help="tensor-parallel degree")
-    a("--ep", type=int, default=1,
-      help="expert-parallel degree (moe-gpt): experts over ep of the dp × tp ranks")  # fmt: skip
-    a("--pp", type=int, default=1, help="pipeline-parallel degree")
-    a("--schedule", choices=list(KINDS), default="1f1b", help="pipeline schedule")
-    a("--microbatches", type=int, default=1, help="micro-batches per step and replica")
-    a("--chunks", type=int, default=None, help="virtual stages per rank (interleaved: 2)")
-    a("--recompute", choices=RECOMPUTE_MODES, default="none", help="activation recomputation")
-    a("--partition", type=int_list, default=None, metavar="N,N,...",
-      help="blocks per (virtual) stage (default: the fastest cut that fits)")  # fmt: skip
-    a("--recompute-stages", type=partial(word_list, RECOMPUTE_MODES), default=None,
-      metavar="full,none,...", help="recomputation of each (virtual) stage, first to last; "
-      "instead of --recompute")  # fmt: skip
-    a("--sequence-parallel", action="store_true", dest="sequence_parallel")
-    a("--zero", type=int, default=0, help="ZeRO stage 0..3 over the data-parallel ranks")
+    # the layout flags are generated from the plan's fields, as `plait train`'s are, with
+    # this command's defaults: the smallest layout (one rank, one micro-batch)
+    add_config_flags(p, ParallelPlan, skip=_NOT_GENERATED, defaults=_DEFAULTS)
     a("--dtype", default=default_dtype(), help=f"training dtype (default {default_dtype()})")
-    a("--optimizer", choices=("adam", "sgd"), default="adam")
-    a("--compress", default="none", metavar="METHOD",
-      help="gradient compression of the dp reduction: none, fp16, bf16, powersgd:RANK, "
-      "threshold:TAU, topk:RATIO, sign or dgc:RATIO")  # fmt: skip
-    a(
-        "--offload-activations",
-        default="none",
-        metavar="BLOCKS",
-        dest="offload_activations",
-        help="blocks whose saved activations go to host memory: none, all or indices 1,2",
-    )
-    a("--offload-optimizer", action="store_true", dest="offload_optimizer",
-      help="optimizer state in host memory outside the step")  # fmt: skip
+    a("--optimizer", choices=("adamw", "sgd", "adam"), default="adamw",
+      help="whose state the memory counts: adamw (as `plait train`; adam keeps the same "
+      "state) or sgd (default: adamw)")  # fmt: skip
     a("--profile", help="a profile `plait profile --json` wrote: its measured encode/decode "
       "times of --compress replace the estimate from memory bandwidth")  # fmt: skip
-    a(
-        "--wsp-staleness",
-        type=int,
-        default=None,
-        metavar="D",
-        help="Wave Synchronous "
-        "Parallel: replay the dp virtual workers' waves under staleness D (plait.cli.simulate_wsp)",
-    )
-    a("--wsp-wave", type=int, default=1, metavar="N", help="steps per WSP wave")
     a("--json", action="store_true", help="print one JSON object")
     a("--trace", help="write the predicted timeline as a Chrome/Perfetto trace (JSON)")
     a("--plot", help="draw the predicted timeline as a PNG (needs matplotlib)")
@@ -196,17 +159,25 @@ def _plan(args: argparse.Namespace, spec: GPTSpec, dtype: str) -> SimPlan:
         zero=args.zero,
         dtype=dtype,
         sequence_parallel=args.sequence_parallel,
-        optimizer=args.optimizer,
+        optimizer="adam" if args.optimizer == "adamw" else args.optimizer,
         seq_len=spec.seq_len,
+        rank_order=args.rank_order,
         compress=args.compress,
         offload_activations=args.offload_activations,
         offload_optimizer=args.offload_optimizer,
     )
 
 
-_NOT_GENERATED = tuple(
-    f.name for f in fields(ParallelPlan) if f.name not in ("dp_replicate", "dp_shard", "cp")
-)
+# the simulator prices dtypes training does not run (tf32, fp8): `--dtype` is its own;
+# WSP's bound and pipelines of their own are not simulated from flags
+_NOT_GENERATED = ("dtype", "wsp_at_most", "pipelines")
+_DEFAULTS: dict[str, object] = {
+    "dp": 1, "tp": 1, "cp": 1, "pp": 1, "ep": 1, "schedule": "1f1b", "microbatches": 1,
+    "chunks": (None, "the schedule's: 2 for interleaved and zb-v, else 1"),
+    "zero": 0, "recompute": "none", "sequence_parallel": False, "rank_order": "tp-dp-pp",
+    "compress": "none", "offload_activations": "none", "offload_optimizer": False,
+    "wsp_staleness": (None, "unset: no WSP"), "wsp_wave": 1,
+}  # fmt: skip
 _FROM_PLAN = {
     "dp": "dp", "dp_replicate": "dp_replicate", "dp_shard": "dp_shard", "tp": "tp", "cp": "cp",
     "pp": "pp", "ep": "ep", "schedule": "schedule",
@@ -216,6 +187,7 @@ _FROM_PLAN = {
     "zero": "zero", "dtype": "dtype",
     "sequence_parallel": "sequence_parallel", "micro_batch_size": "micro_batch_size",
     "compress": "compress", "offload_activations": "offload_activations",
+    "rank_order": "rank_order",
     "offload_optimizer": "offload_optimizer",
     "wsp_staleness": "wsp_staleness", "wsp_wave": "wsp_wave", "pipelines": "pipelines",
 }  # fmt: skip
