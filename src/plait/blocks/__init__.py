@@ -8,7 +8,7 @@ block takes the micro-batch input; the last returns what the loss function consu
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from torch import nn
 
@@ -17,6 +17,7 @@ __all__ = [
     "StageModule",
     "as_blocks",
     "block_names",
+    "block_params",
     "equal_split",
     "stage_modules",
 ]
@@ -98,4 +99,16 @@ def stage_modules(blocks: Sequence[nn.Module], sizes: Sequence[int]) -> list[Sta
     for n in sizes:
         out.append(StageModule(blocks[start : start + n], first_block=start))
         start += n
+    return out
+
+
+def block_params(stages: Mapping[int, nn.Module]) -> list[tuple[int, list[nn.Parameter]]] | None:
+    """(global block index, its trainable parameters) of every block in `stages`, from each
+    `StageModule`'s `first_block`; None when a stage is not one (a wrapped or custom stage)."""
+    out = []
+    for stage in stages.values():
+        if not isinstance(stage, StageModule):
+            return None
+        for i, block in enumerate(stage.blocks):
+            out.append((stage.first_block + i, [p for p in block.parameters() if p.requires_grad]))
     return out

@@ -14,11 +14,18 @@ that reduce differently, each normed apart with one foreach call:
 
 The squared norms then add up over the pipeline with one all-reduce (after one over the
 ep group when experts are sharded).
+
+Given the model's blocks (`blocks`, plain tensors only), the squared norm is kept per block
+in a vector of the model's block count, summed over the pipeline (each block has one
+holder, so the sum adds zeros: exact) and then over the blocks in their order. The total is
+then the same float whichever rank holds which block: a run that moves blocks between
+ranks (`--repartition auto`), or resumes on another split, clips exactly as one that did
+not. torch's `get_total_norm` groups by device, not by block, so this one is written here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 import torch
@@ -38,6 +45,8 @@ def clip_grad_norm(
     ep_group: dist.ProcessGroup | None = None,
     ep_params: list[nn.Parameter] | None = None,
     uncounted: list[nn.Parameter] | None = None,
+    blocks: Sequence[tuple[int, Sequence[nn.Parameter]]] | None = None,
+    num_blocks: int = 0,
 ) -> torch.Tensor:
     """Clip the gradients of the whole model to `max_norm`; returns the total norm (a
     0-dim float32 tensor on the gradients' device, the same on every rank of the groups).
@@ -46,6 +55,10 @@ def clip_grad_norm(
     `pp_group`. Expert parameters sharded over `ep_group` (`ep_params`, from
     `plait.parallel.experts.expert_params`) differ between its ranks: their squared norms
     are summed over it. Every rank of those groups must call this together.
+
+    `blocks` ((global block index, its parameters) for each block this rank holds, of
+    `num_blocks` in the model) makes the norm independent of the split, where every
+    gradient is a plain tensor and no experts are sharded (the module docstring).
     """
     sharded = {id(p) for p in ep_params or []} if ep_group is not None else set()
     skip = {id(p) for p in uncounted or []}
@@ -54,6 +67,11 @@ def clip_grad_norm(
         if p.grad is not None:
             grouped.setdefault((id(p) in sharded, _kind(p.grad)), []).append(p)
     device = params[0].device if params else torch.device("cpu")
+    if blocks is not None and num_blocks > 0 and not sharded and set(grouped) <= {(False, None)}:
+        total = _by_block(blocks, num_blocks, skip, device, pp_group)
+        for _, members in grouped.items():
+            clip_grads_with_norm_(members, max_norm, total)
+        return total
     local = torch.zeros((), device=device, dtype=torch.float32)
     experts = torch.zeros((), device=device, dtype=torch.float32)
     for (expert, kind), members in grouped.items():
@@ -88,3 +106,26 @@ def _square(grads: list[Any], distributed: bool) -> torch.Tensor:
     if distributed:  # a partial norm: full_tensor reduces it over the DTensors' mesh
         norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
     return norm.float() ** 2
+
+
+def _by_block(
+    blocks: Sequence[tuple[int, Sequence[nn.Parameter]]],
+    num_blocks: int,
+    skip: set[int],
+    device: torch.device,
+    pp_group: dist.ProcessGroup | None,
+) -> torch.Tensor:
+    """The total norm from each block's squared norm, summed in block order."""
+    squares = torch.zeros(num_blocks, device=device, dtype=torch.float32)
+    seen: set[int] = set()
+    for index, members in blocks:
+        grads = []
+        for p in members:
+            if p.grad is not None and id(p) not in skip and id(p) not in seen:
+                seen.add(id(p))
+                grads.append(p.grad)
+        if grads:
+            squares[index] = _square(grads, False)
+    if pp_group is not None and dist.get_world_size(pp_group) > 1:
+        dist.all_reduce(squares, group=pp_group)  # one holder a block: adds zeros, exact
+    return squares.sum().sqrt()

@@ -40,6 +40,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from plait.blocks import block_params
 from plait.config import ParallelPlan
 from plait.device import autocast_context
 from plait.keyed import StepDraws, has_keyed_dropout
@@ -135,6 +136,7 @@ class Engine:
         self.grad_sync, self.device, self.grad_clip = grad_sync, device, grad_clip
         self.params = [p for s in stages.values() for p in s.parameters() if p.requires_grad]
         self.uncounted = uncounted_params(schedule, stages)  # replicas: a part counts once
+        self._clip_blocks = block_params(stages)  # clipping independent of the split
         self.scaler = LossScaler() if plan.dtype == "fp16" else None
         # which of dp equal slices of a global batch this rank trains on (and evaluates)
         self.dp_index = plan.layout.batch_shard(dist.get_rank())[0] if plan.dp > 1 else 0
@@ -345,7 +347,9 @@ class Engine:
                 self._norm = clip_grad_norm(self.params, self.grad_clip,
                                             pp_group=self._pp_group, ep_group=self.ep_group,
                                             ep_params=self.ep_params,
-                                            uncounted=self.uncounted)  # fmt: skip
+                                            uncounted=self.uncounted,
+                                            blocks=self._clip_blocks,
+                                            num_blocks=len(self.block_names))  # fmt: skip
 
     def _explain_check(self) -> str:
         return timeout_message(
