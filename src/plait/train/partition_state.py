@@ -7,8 +7,10 @@ when it saved (its `plan.partition` the moved split, its `config` the run's own)
 folder's `plan.json` is rewritten at each move, and a run that resumes from the checkpoint
 with `--repartition auto` and the same layout otherwise builds its engine on the saved
 split: a restart does not fall back to the split the run began with. The weights do not
-depend on the split (a move computes what the run would have computed without it), so the
-resumed run goes on bit for bit; only the work per rank is the saved run's.
+depend on the split (a move computes what the run would have computed without it, and the
+clipped norm is summed per block in block order, `plait.parallel.clip`), so a resumed run
+goes on bit for bit even where it moves at another step than the run it continues; only
+the work per rank is the saved run's.
 """
 
 from __future__ import annotations
