@@ -25,7 +25,6 @@ import argparse
 import json
 import multiprocessing
 import os
-import socket
 import statistics
 import tempfile
 import time
@@ -135,7 +134,7 @@ def _step(model: Any, opt: Any, cfg: CpBenchConfig, cp: int, rank: int, group: A
     return saved
 
 
-def _worker(rank: int, world: int, port: int, cfg: CpBenchConfig, out: str) -> None:
+def _worker(rank: int, world: int, store: str, cfg: CpBenchConfig, out: str) -> None:
     import torch
     import torch.distributed as dist
 
@@ -148,7 +147,7 @@ def _worker(rank: int, world: int, port: int, cfg: CpBenchConfig, out: str) -> N
     if cuda:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world,
-                            init_method=f"tcp://127.0.0.1:{port}")  # fmt: skip
+                            init_method=f"file://{store}")  # fmt: skip
     groups = {cp: dist.new_group(list(range(cp))) for cp in cfg.cps if cp > 1}
     gpt = GPTConfig(vocab_size=cfg.vocab_size, seq_len=cfg.seq_len, num_layers=cfg.layers,
                     hidden=cfg.hidden, num_heads=cfg.heads)  # fmt: skip
@@ -180,21 +179,17 @@ def _worker(rank: int, world: int, port: int, cfg: CpBenchConfig, out: str) -> N
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def measure(cfg: CpBenchConfig) -> dict[str, Any]:
     """Run the workers (spawned processes, one per rank of the largest ring); rank 0's
     step times and activation bytes per cp."""
     context = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rank0.json")
-        port = _free_port()
+        # a file in the run's own folder meets the workers: a free TCP port found first may
+        # be taken by another process before they bind it, and then they wait forever
+        store = os.path.join(tmp, "store")
         workers = [
-            context.Process(target=_worker, args=(r, cfg.cp_max, port, cfg, out))
+            context.Process(target=_worker, args=(r, cfg.cp_max, store, cfg, out))
             for r in range(cfg.cp_max)
         ]
         for w in workers:
