@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import fields
 from typing import TYPE_CHECKING
 
 from plait.cli.models import (
@@ -171,12 +172,12 @@ def _plan(args: argparse.Namespace, spec: GPTSpec, dtype: str) -> SimPlan:
 # the simulator prices dtypes training does not run (tf32, fp8): `--dtype` is its own;
 # WSP's bound and pipelines of their own are not simulated from flags
 _NOT_GENERATED = ("dtype", "wsp_at_most", "pipelines")
+# the plan's own defaults where it has one, but the smallest layout: one pipeline rank,
+# one micro-batch, and the schedule's own chunk count
 _DEFAULTS: dict[str, object] = {
-    "dp": 1, "tp": 1, "cp": 1, "pp": 1, "ep": 1, "schedule": "1f1b", "microbatches": 1,
+    **{f.name: f.default for f in fields(ParallelPlan) if f.default is not None},
+    "pp": 1, "microbatches": 1,
     "chunks": (None, "the schedule's: 2 for interleaved and zb-v, else 1"),
-    "zero": 0, "recompute": "none", "sequence_parallel": False, "rank_order": "tp-dp-pp",
-    "compress": "none", "offload_activations": "none", "offload_optimizer": False,
-    "wsp_staleness": (None, "unset: no WSP"), "wsp_wave": 1,
 }  # fmt: skip
 _FROM_PLAN = {
     "dp": "dp", "dp_replicate": "dp_replicate", "dp_shard": "dp_shard", "tp": "tp", "cp": "cp",
