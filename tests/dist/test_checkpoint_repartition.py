@@ -56,12 +56,12 @@ def test_a_resumed_run_keeps_the_split_it_moved_to(tmp_path: Path) -> None:
     launch(_moved_after_step_2, 2, _config(4), str(stopped))  # stopped after step 4
     saved = {p.name: _plan(p)["partition"] for p in published(stopped / "checkpoints")}
     assert saved == {"step-00000004": list(MOVED), "step-00000002": None}
-    assert json.loads((stopped / "plan.json").read_text())["partition"] == list(MOVED)
+    assert json.loads((stopped / "plan.json").read_text())["pipeline"]["partition"] == list(MOVED)
     # resumed at step 4: no move is forced there, so the split is the checkpoint's or none
     launch(_moved_after_step_2, 2, _config(8, resume="auto"), str(stopped))
     newest = published(stopped / "checkpoints")[0]
     assert newest.name == "step-00000008" and _plan(newest)["partition"] == list(MOVED)
-    assert json.loads((stopped / "plan.json").read_text())["partition"] == list(MOVED)
+    assert json.loads((stopped / "plan.json").read_text())["pipeline"]["partition"] == list(MOVED)
     theirs, ours = final_weights(whole), final_weights(stopped)
     assert theirs.keys() == ours.keys()
     for name, tensor in theirs.items():

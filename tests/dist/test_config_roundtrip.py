@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from plait.config.sections import from_file
 from plait.cli.main import main
 
 pytestmark = pytest.mark.dist
@@ -29,7 +30,9 @@ def test_config_json_reproduces_an_auto_planned_run(tmp_path: Path) -> None:
     assert summary["plan_source"] == "auto"
     # the layout that ran, not the one before planning; no plan left to redo
     assert saved["plan"] is None
-    assert {k: saved["parallel"][k] for k in summary["plan"]} == summary["plan"]
+    layout, _ = from_file(saved)  # the plan's fields, from their sections
+    assert "parallel" not in saved and saved["layout"]["pp"] == layout["pp"]
+    assert {k: layout[k] for k in summary["plan"]} == summary["plan"]
     code = main(["train", "--config", str(first / "config.json"), "--run-dir", str(again)])
     assert code == 0
     assert len(_steps(first)) == 3

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from plait.config.sections import flat_plan_file
 from plait.cli.main import main
 
 pytestmark = pytest.mark.dist
@@ -31,7 +32,7 @@ def _previewed(capsys: pytest.CaptureFixture[str], *extra: str) -> tuple[dict[st
 
 def _trained(run_dir: Path) -> dict[str, str]:
     assert main(["train", *_FLAGS, "--max-steps", "1", "--run-dir", str(run_dir)]) == 0
-    plan = json.loads((run_dir / "plan.json").read_text())
+    plan = flat_plan_file(json.loads((run_dir / "plan.json").read_text()))
     return {k: str(plan[k]) for k in _KEYS} | {"source": plan["decision"]["source"]}
 
 

@@ -43,7 +43,8 @@ def test_old_checkpoint_resumes_with_old_config_and_plan(
     steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     trained = [s["step"] for s in steps if "step" in s and "loss" in s]
     assert trained == [2], trained  # steps count from 0: the third step only
-    assert json.loads((run / "plan.json").read_text())  # written in today's format
+    written = json.loads((run / "plan.json").read_text())  # in today's format: sections
+    assert written["layout"]["pp"] == 2 and "dp" not in written
     # the plan file of the old run still drives a run
     plan = tmp_path / "plan.json"
     shutil.copy(OLD / "plan.json", plan)

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from plait.config import load_config
+from plait.config.sections import flat_plan_file
 from plait.bench._fault_modes import SLOW_CLUSTER
 from plait.cli.main import main
 from plait.cost import transformer_block_costs
@@ -42,7 +44,6 @@ def _work(plan: dict, vocab: int) -> tuple[list[float], list[float]]:
 def test_plan_auto_gives_the_slow_device_less_work_and_trains(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from plait.train.loop import config_from_dict
     from plait.train.task import task_from_config
 
     monkeypatch.chdir(tmp_path)
@@ -53,9 +54,9 @@ def test_plan_auto_gives_the_slow_device_less_work_and_trains(
             "--max-steps", "2", "--sample-chars", "0", "--eval-batches", "0", "--run-dir",
             str(run), "-q"]  # fmt: skip
     assert main(argv) == 0
-    plan = json.loads((run / "plan.json").read_text())
+    plan = flat_plan_file(json.loads((run / "plan.json").read_text()))
     assert plan.get("pipelines"), plan  # a heterogeneous plan: per-pipeline splits
-    config = config_from_dict(json.loads((run / "config.json").read_text()))
+    config = load_config(run / "config.json")
     vocab = task_from_config(config).model().cfg.vocab_size
     fast, slow = _work(plan, vocab)
     assert len(fast) == 2 and len(slow) == 1, plan

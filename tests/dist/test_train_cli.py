@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from plait.config.sections import flat_plan_file
 from plait.cli.main import main
 
 pytestmark = pytest.mark.dist
@@ -42,7 +43,7 @@ def test_train_writes_the_run_folder_and_learns(tmp_path: Path) -> None:
 def test_auto_plan_profiles_plans_and_trains(tmp_path: Path) -> None:
     run_dir = tmp_path / "auto"
     assert main(["train", "--max-steps", "12", "--run-dir", str(run_dir), *SMALL]) == 0
-    plan = json.loads((run_dir / "plan.json").read_text())
+    plan = flat_plan_file(json.loads((run_dir / "plan.json").read_text()))
     assert plan["dp"] * plan["tp"] * plan["pp"] == 2
     assert plan["global_batch"] == 16 and plan["predicted"]["step_time_s"] > 0
     summary = json.loads((run_dir / "summary.json").read_text())

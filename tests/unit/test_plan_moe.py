@@ -12,6 +12,7 @@ import pytest
 
 from plait.cli.main import main
 from plait.cluster import Cluster, Device, Link, NodeGroup
+from plait.config.sections import flat_plan_file
 from plait.cost import MoEShape
 from plait.plan import SearchSpace, candidates, describe, moe_spec, search
 from plait.plan.explain import explain
@@ -87,7 +88,8 @@ def test_plan_files_carry_ep_and_simulate_honours_it(
     capsys.readouterr()
     data = json.loads(out.read_text())
     assert data["model"]["name"] == "moe-gpt" and data["model"]["experts"] == 4
-    assert "ep" in data
+    assert "ep" in data["layout"]
+    data = flat_plan_file(data)
     assert main(["simulate", "--plan", str(out), "--json"]) == 0
     again = json.loads(capsys.readouterr().out)
     assert again["plan"]["ep"] == data["ep"]

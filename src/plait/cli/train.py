@@ -37,8 +37,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument(
         "--config",
         metavar="FILE",
-        help="TOML file ([model], [parallel] sections, the rest top level) or a run's "
-        "config.json (reproduces that run); flags override it",
+        help="TOML file ([model], [layout], [pipeline], [memory], [numerics], "
+        "[communication], the rest top level) or a run's config.json (reproduces that "
+        "run); flags override it",
     )
     p.add_argument(
         "--dry-run",
@@ -120,7 +121,9 @@ def _run(args: argparse.Namespace, started: dict[str, Any]) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg["run_dir"] = str(run_dir)
     if env is None or env.rank == 0:
-        (run_dir / "config.json").write_text(json.dumps(cfg, indent=2))
+        from plait.config.sections import to_file
+
+        (run_dir / "config.json").write_text(json.dumps(to_file(cfg), indent=2))
         started["cfg"] = cfg
     if env is None:  # tokenize text once, here; torchrun's workers each find or make the cache
         _prepare_data(cfg)
@@ -270,11 +273,12 @@ def _write_resolved(cfg: dict[str, Any], summary: dict[str, Any], run_dir: Path)
     """Rewrite config.json as the configuration that ran: the layout the workers trained
     under (after auto-planning or a plan file), so `--config RUN/config.json` repeats it."""
     from plait.config import ParallelPlan
+    from plait.config.sections import to_file
 
     resolved = dict(cfg)
     resolved["parallel"] = {**vars(ParallelPlan()), **summary["plan"]}
     resolved["plan"] = None
-    (run_dir / "config.json").write_text(json.dumps(resolved, indent=2))
+    (run_dir / "config.json").write_text(json.dumps(to_file(resolved), indent=2))
 
 
 def _check_torchrun_restarts(cfg: dict[str, Any]) -> None:

@@ -171,6 +171,7 @@ def from_plan_file(
 ) -> dict[str, Any]:
     """Config overrides that train under a plan file: its layout, its global batch and the
     model it was planned for; a model size set otherwise that differs is an error."""
+    from plait.config.sections import flat_plan_file
     from plait.plan.io import parallel_plan_of, read_plan
 
     if not Path(path).is_file():
@@ -182,6 +183,7 @@ def from_plan_file(
     if not isinstance(data, dict) or not isinstance(data.get("model", {}), dict):
         raise ValueError(f"plan file {path}: its model must be an object of sizes (layers, ...)")
     try:  # type-checked as the config is: a string where a count belongs is an error
+        data = flat_plan_file(data, f"plan file {path}")
         layout = parallel_plan_of(data)
     except ValueError as err:
         raise ValueError(f"plan file {path}: {err}") from None

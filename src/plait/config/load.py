@@ -10,6 +10,7 @@ from typing import Any
 
 from plait.config.model import ModelConfig
 from plait.config.plan import ParallelPlan
+from plait.config.sections import OLD_TABLE, from_file
 from plait.config.train import TrainConfig
 
 __all__ = ["load_config", "read_config_file"]
@@ -36,7 +37,9 @@ def _build(cls: type[Any], values: Any, where: str) -> Any:
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
-    """The settings in a TOML file, or in a JSON one (a run's `config.json`), by suffix."""
+    """The settings in a TOML file, or in a JSON one (a run's `config.json`), by suffix,
+    with the plan's sections ([layout], [pipeline], [memory], [numerics],
+    [communication]; or the flat [parallel] of older files) as one flat `parallel` table."""
     if not str(path).strip():  # Path("") would be the working directory
         raise ValueError("config file '' is an empty path: give a TOML file or a run's config.json")
     path = Path(path)
@@ -52,6 +55,9 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
         raise ValueError(f"config file {path} is not valid {kind}: {err}") from None
     if not isinstance(data, dict):
         raise ValueError(f"config file {path} must hold an object of settings")
+    plan, data = from_file(data, f"config file {path}")
+    if plan:  # the sections' settings, as the flat table the config's `parallel` takes
+        data[OLD_TABLE] = plan
     for key, value in data.items():  # `plan = ""` would read as no plan given at all
         if value == "":
             raise ValueError(f"config file {path}: {key}='' is empty: give a value or drop it")
@@ -59,9 +65,10 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
 
 
 def load_config(path: str | Path | None = None, **overrides: Any) -> TrainConfig:
-    """A `TrainConfig` from a TOML file (sections [model] and [parallel], the rest top level)
-    or a run's `config.json`, with `overrides` applied on top; keys named `model.x` /
-    `parallel.x` go to sections. A setting that would have no effect in the run warns."""
+    """A `TrainConfig` from a TOML file ([model], the plan's sections of
+    `plait.config.sections`, the rest top level) or a run's `config.json`, with
+    `overrides` applied on top; keys named `model.x` / `parallel.x` go to the model and
+    the plan. A setting that would have no effect in the run warns."""
     data: dict[str, Any] = read_config_file(path) if path is not None else {}
     sections: dict[str, Any] = {k: data.pop(k, {}) for k in _SECTIONS}
     for key, value in overrides.items():

@@ -1,214 +1,53 @@
-"""The parallel plan: how one model is spread over its workers (layout, pipeline, memory,
-numerics and communication options), checked before any worker starts."""
+"""The parallel plan: how one model is spread over its workers, the union of the sections
+of `plait.config.sections` (layout, pipeline, memory, numerics, communication), checked
+before any worker starts."""
 
 from __future__ import annotations
 
 import dataclasses
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from plait.compression import check_zero, parse_compression
-from plait.config.fields import check_types, positive
-from plait.config.specs import (
-    DP_AXES,
-    DTYPES,
-    RECOMPUTE,
-    PipelineSpec,
-    Recompute,
-    layout_of,
-    pipeline_specs,
+from plait.compression import check_zero
+from plait.config.fields import check_types
+from plait.config.sections import (
+    SECTIONS,
+    CommunicationSection,
+    LayoutSection,
+    MemorySection,
+    NumericsSection,
+    PipelineSection,
 )
-from plait.layout import RANK_ORDERS, Layout, check_rank_order, resolve_dp
-from plait.offload import normalize_offload
+from plait.config.specs import DP_AXES, DTYPES, Recompute, layout_of, pipeline_specs
+from plait.layout import Layout, resolve_dp
 from plait.pipelines import check_hetero_plan
-from plait.schedule.registry import KINDS, schedule_kind
+from plait.schedule.registry import schedule_kind
 
 __all__ = ["ParallelPlan"]
 
 
 @dataclass(frozen=True, kw_only=True)
-class ParallelPlan:
-    """How one model is spread over dp × tp × pp workers, and with which memory options.
+class ParallelPlan(
+    CommunicationSection, NumericsSection, MemorySection, PipelineSection, LayoutSection
+):
+    """How one model is spread over its workers: the union of the five sections of
+    `plait.config.sections` (layout, pipeline, memory, numerics, communication), whose
+    fields it inherits, checked each by its section and then across sections here.
 
     `partition` gives the blocks per (virtual) stage; None splits them equally (or lets
     the engine balance them by the profile).
     """
 
-    dp: int = field(
-        default=1,
-        metadata={"help": "data-parallel degree (dp_replicate × dp_shard when those are given)"},
-    )
-    dp_replicate: int | None = field(
-        default=None,
-        metadata={
-            "help": "data-parallel replicas that all-reduce gradients (with dp_shard > 1: "
-            "HSDP, sharding inside a replica group)",
-            "default_text": "dp, or 1 under zero=3",
-        },
-    )
-    dp_shard: int | None = field(
-        default=None,
-        metadata={
-            "help": "data-parallel ranks that shard parameters with FSDP2 (> 1 implies zero=3 "
-            "unless zero=2)",
-            "default_text": "1, or dp under zero=3",
-        },
-    )
-    tp: int = field(default=1, metadata={"help": "tensor-parallel degree"})
-    cp: int = field(
-        default=1,
-        metadata={
-            "help": "context-parallel degree: the sequence is split over cp ranks (zigzag "
-            "chunks) and attention runs as a ring (plait.parallel.context)"
-        },
-    )
-    pp: int = field(
-        default=2,
-        metadata={"help": "pipeline degree (with --nproc and no --pp: nproc / (dp × cp × tp))"},
-    )
-    schedule: str = field(
-        default="1f1b",
-        metadata={
-            "group": "pipeline",
-            "help": "pipeline schedule: "
-            + "; ".join(f"{k.name} ({k.summary})" for k in KINDS.values()),
-            "choices": tuple(KINDS),
-        },
-    )
-    microbatches: int = field(
-        default=4,
-        metadata={"group": "pipeline", "help": "micro-batches per step and data-parallel replica"},
-    )
-    chunks: int = field(
-        default=1,
-        metadata={"group": "pipeline", "help": "virtual stages per rank (interleaved: 2 or more)"},
-    )
-    zero: int = field(
-        default=0,
-        metadata={
-            "group": "memory",
-            "help": "ZeRO stage of data parallelism (2 and 3 through FSDP2)",
-            "choices": (0, 1, 2, 3),
-        },
-    )
-    recompute: Recompute = field(
-        default="none",
-        metadata={
-            "group": "memory",
-            "help": "activation recomputation",
-            "choices": ("none", "selective", "full"),
-        },
-    )
-    recompute_stages: tuple[Recompute, ...] | None = field(
-        default=None,
-        metadata={
-            "group": "memory",
-            "help": "recomputation of each (virtual) stage, first to last, e.g. full,none: "
-            "1F1B's first stages hold the most micro-batches; instead of recompute",
-            "default_text": "recompute on every stage",
-        },
-    )
-    sequence_parallel: bool = field(
-        default=False,
-        metadata={"group": "memory", "help": "shard activations along the sequence (needs tp > 1)"},
-    )
-    dtype: str = field(
-        default="fp32",
-        metadata={
-            "group": "numerics",
-            "help": "training dtype",
-            "choices": ("fp32", "bf16", "fp16"),
-        },
-    )
-    partition: tuple[int, ...] | None = field(
-        default=None,
-        metadata={
-            "group": "pipeline",
-            "help": "blocks per (virtual) stage, e.g. 2,2,2",
-            "default_text": "balanced",
-        },
-    )
-    ep: int = field(
-        default=1,
-        metadata={
-            "help": "expert-parallel degree: experts spread over ep of the dp × tp ranks "
-            "(must divide dp × tp; not sharded by tp; needs a model with experts)"
-        },
-    )
-    rank_order: str = field(
-        default="tp-dp-pp",
-        metadata={
-            "help": "how global ranks are laid out over the axes, innermost first",
-            "choices": RANK_ORDERS,
-        },
-    )
-    compress: str = field(
-        default="none",
-        metadata={
-            "group": "communication",
-            "help": "gradient compression of the data-parallel reduction: none, fp16, bf16, "
-            "powersgd:RANK, threshold:TAU, topk:RATIO, sign or dgc:RATIO (Deep Gradient "
-            "Compression, e.g. dgc:0.001 or dgc:1000x; ZeRO-2/3: fp16, bf16 only)",
-            "metavar": "METHOD",
-        },
-    )
-    # a heterogeneous plan (`plait plan` on a mixed cluster writes it): see plait.train.hetero
-    pipelines: tuple[PipelineSpec, ...] | None = field(
-        default=None,
-        metadata={"help": "per-pipeline partitions and micro-batches (plan files)", "flag": None},
-    )
-    wsp_staleness: int | None = field(
-        default=None,
-        metadata={
-            "group": "pipeline",
-            "help": "Wave Synchronous Parallel: replicas push their updates once per wave and "
-            "run exactly this many waves ahead of the others' (0: every wave); unset: "
-            "synchronous gradient averaging",
-            "metavar": "D",
-        },
-    )
-    wsp_wave: int = field(
-        default=1,
-        metadata={
-            "group": "pipeline",
-            "help": "WSP: optimizer steps per wave (pushes every N steps)",
-        },
-    )
-    wsp_at_most: bool = field(
-        default=False,
-        metadata={
-            "group": "pipeline",
-            "help": "WSP: take in others' waves once reduced, waiting only beyond D "
-            "(staleness at most D; nondeterministic)",
-        },
-    )
-
-    offload_activations: str = field(
-        default="none",
-        metadata={
-            "group": "memory",
-            "help": "swap the activations blocks save for backward to host memory during "
-            "forward, back in backward (vDNN): none, all, or block indices e.g. 1,2",
-            "metavar": "BLOCKS",
-        },
-    )
-    offload_optimizer: bool = field(
-        default=False,
-        metadata={
-            "group": "memory",
-            "help": "keep optimizer state in host memory outside the optimizer step",
-        },
-    )
-
     def __post_init__(self) -> None:
         object.__setattr__(self, "pipelines", pipeline_specs(self.pipelines))
         check_types(self)
-        positive(self, "dp")
+        for section in SECTIONS.values():
+            section._check_section(self)
         dp, _, _, zero = resolve_dp(self.dp, self.dp_replicate, self.dp_shard, self.zero)
         object.__setattr__(self, "dp", dp)
         object.__setattr__(self, "zero", zero)
-        self._check_layout()
+        self._check_across()
         layout = self.layout  # checks ep against the layout's axes
         if layout.dp_replicate > 1 and layout.dp_shard > 1 and self.ep > 1:
             raise ValueError(
@@ -218,38 +57,32 @@ class ParallelPlan:
             )
         self._check_trainable()
 
-    def _check_layout(self) -> None:
-        """What makes any layout well formed, trained or only simulated."""
-        positive(self, "dp", "cp", "tp", "pp", "microbatches", "chunks", "wsp_wave")
-        object.__setattr__(self, "offload_activations", normalize_offload(self.offload_activations))
-        if self.wsp_staleness is not None and self.wsp_staleness < 0:
-            raise ValueError(
-                f"wsp_staleness={self.wsp_staleness} must be >= 0 waves (0: push every wave)"
-            )
-        if self.wsp_at_most and self.wsp_staleness is None:
-            raise ValueError(
-                "wsp_at_most bounds WSP's staleness: set wsp_staleness too, or drop it"
-            )
-        if self.schedule not in KINDS:
-            raise ValueError(f"schedule={self.schedule!r} is unknown; choose one of {list(KINDS)}")
-        schedule_kind(self.schedule).chunks(self.chunks)
-        if self.zero not in (0, 1, 2, 3):
-            raise ValueError(f"zero={self.zero!r} must be 0, 1, 2 or 3 (ZeRO stage)")
-        if self.recompute not in RECOMPUTE:
-            raise ValueError(f"recompute={self.recompute!r} must be one of {RECOMPUTE}")
+    def section(self, name: str) -> Any:
+        """The section `name` of this plan (`plait.config.sections.SECTIONS`) as a value,
+        e.g. `plan.section("memory").zero`."""
+        if name not in SECTIONS:
+            raise ValueError(f"section {name!r} is unknown; choose one of {list(SECTIONS)}")
+        cls = SECTIONS[name]
+        return cls(**{f.name: getattr(self, f.name) for f in dataclasses.fields(cls)})
+
+    def sections(self) -> dict[str, Any]:
+        """Every section of this plan, by name, in the order files list them."""
+        return {name: self.section(name) for name in SECTIONS}
+
+    def _check_across(self) -> None:
+        """What makes any plan well formed, trained or only simulated, that one section
+        cannot tell alone."""
         self._check_recompute_stages()
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("sequence_parallel needs tp > 1: set tp or drop sequence_parallel")
-        object.__setattr__(self, "compress", str(parse_compression(self.compress)))
         check_zero(self.compress, self.zero)
-        check_rank_order(self.rank_order)
-        if self.partition is not None:
-            object.__setattr__(self, "partition", tuple(self.partition))
-            if len(self.partition) != self.num_stages or min(self.partition) < 1:
-                raise ValueError(
-                    f"partition={list(self.partition)} must give >= 1 block to each of the "
-                    f"{self.num_stages} stages (pp × chunks)"
-                )
+        if self.partition is not None and (
+            len(self.partition) != self.num_stages or min(self.partition) < 1
+        ):
+            raise ValueError(
+                f"partition={list(self.partition)} must give >= 1 block to each of the "
+                f"{self.num_stages} stages (pp × chunks)"
+            )
 
     def _check_trainable(self) -> None:
         """What the runtime cannot apply (or what does nothing when trained): refused here,

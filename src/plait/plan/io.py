@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from plait.config import ParallelPlan
+from plait.config.sections import flat_plan_file, to_file
 from plait.plan.search import RankedPlan
 from plait.sim import SimPlan
 
@@ -116,7 +117,9 @@ def parallel_plan_of(data: dict[str, Any]) -> ParallelPlan:
 
 
 def write_plan(path: str | Path, data: dict[str, Any]) -> None:
-    Path(path).write_text(json.dumps(data, indent=2) + "\n")
+    """`data` (a plan's keys, flat) as a plan file: the plan's fields in their sections
+    (`plait.config.sections`), the batch, the prediction and the model beside them."""
+    Path(path).write_text(json.dumps(to_file(data), indent=2) + "\n")
 
 
 def read_plan(path: str | Path) -> dict[str, Any]:
@@ -133,6 +136,7 @@ def read_plan(path: str | Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ValueError(f"plan file {path} must hold a JSON object")
     try:
+        data = flat_plan_file(data, f"plan file {path}")
         _check_batch_and_partition(plan_from_dict(data), data)
     except (TypeError, ValueError) as err:  # int("two") says neither the file nor the key
         raise ValueError(f"plan file {path}: {err}") from None

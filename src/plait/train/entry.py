@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from plait.config import TrainConfig, load_config
+from plait.config.sections import to_file
 from plait.train.launch import launch
 from plait.train.slowdown import check_config
 from plait.train.task import CustomTask, MetricFn
@@ -59,7 +60,7 @@ def run(
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg = dataclasses.replace(cfg, run_dir=str(run_dir))
     data = cfg.to_dict()
-    (run_dir / "config.json").write_text(json.dumps(data, indent=2))
+    (run_dir / "config.json").write_text(json.dumps(to_file(data), indent=2))
     custom = CustomTask(model, dataset, loss, metrics, validation)
     from plait.train.loop import train_worker
 

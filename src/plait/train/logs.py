@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from plait.config import TrainConfig
+from plait.config.sections import to_file
 from plait.train.sinks import open_sinks
 
 __all__ = ["LOGGER", "RecentSteps", "RunLogger", "describe_layout", "is_terminal", "setup"]
@@ -336,7 +337,8 @@ class RunLogger:
         (self.run_dir / "timeline.json").write_text(json.dumps(records))
         (self.run_dir / "schedule.json").write_text(schedule.to_json())
         if self.cfg.plan != "auto":  # auto-planning wrote plan.json with its prediction
-            (self.run_dir / "plan.json").write_text(json.dumps(self.cfg.to_dict()["parallel"]))
+            plan = to_file(self.cfg.to_dict()["parallel"])
+            (self.run_dir / "plan.json").write_text(json.dumps(plan, indent=2))
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         for sink in self.sinks:
             sink.close(summary)

@@ -15,6 +15,7 @@ from torch import nn
 from plait import heartbeat
 from plait.checkpoint import Checkpoint, CheckpointStore
 from plait.config import ModelConfig, ParallelPlan, TrainConfig
+from plait.config.sections import flat_plan_file, to_file
 from plait.device import deterministic, peak_memory_bytes, tf32
 from plait.mesh import agreed_restart_count, init_worker
 from plait.runtime import StepResult
@@ -162,7 +163,7 @@ def _layout(
     if restarts > 0 and chosen.is_file():
         from plait.train.autoplan import parallel_plan_from
 
-        layout = parallel_plan_from(json.loads(chosen.read_text()))
+        layout = parallel_plan_from(flat_plan_file(json.loads(chosen.read_text()), str(chosen)))
         return dataclasses.replace(cfg, parallel=layout)
     return _planned(cfg, model, task, run_dir, rank, device)
 
@@ -239,7 +240,7 @@ def _planned(
 
     chosen = _decided(cfg, model, task, device)
     if rank == 0:
-        (run_dir / "plan.json").write_text(json.dumps(chosen, indent=2))
+        (run_dir / "plan.json").write_text(json.dumps(to_file(chosen), indent=2))
     return dataclasses.replace(cfg, parallel=parallel_plan_from(chosen), plan="auto")
 
 

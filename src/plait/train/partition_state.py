@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from plait.checkpoint import Checkpoint, find
 from plait.config import ParallelPlan, TrainConfig
+from plait.config.sections import flat_plan_file, to_file
 from plait.train.logs import LOGGER
 
 __all__ = ["current_plan", "find_checkpoint", "resumed_layout", "write_partition"]
@@ -81,5 +82,6 @@ def write_partition(run_dir: Path, cfg: TrainConfig, plan: ParallelPlan) -> None
     path = run_dir / "plan.json"
     data = current_plan(cfg, plan)
     if cfg.plan == "auto" and path.is_file():
-        data = {**json.loads(path.read_text()), "partition": data["partition"]}
-    path.write_text(json.dumps(data, indent=2) + "\n")
+        data = {**flat_plan_file(json.loads(path.read_text()), str(path)),
+                "partition": data["partition"]}  # fmt: skip
+    path.write_text(json.dumps(to_file(data), indent=2) + "\n")
