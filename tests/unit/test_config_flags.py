@@ -141,7 +141,7 @@ def _dry(argv: list[str], capsys: pytest.CaptureFixture[str]) -> dict[str, objec
 
 def test_nproc_without_pp_sets_the_pipeline_degree(capsys: pytest.CaptureFixture[str]) -> None:
     cfg = _dry(["--nproc", "4", "--dp", "2", "--tp", "2", "--zero", "3"], capsys)
-    assert cfg["parallel"]["pp"] == 1 and cfg["nproc"] == 4  # type: ignore[index]
+    assert cfg["layout"]["pp"] == 1 and cfg["nproc"] == 4  # type: ignore[index]
 
 
 def test_an_error_names_the_value_that_was_defaulted(

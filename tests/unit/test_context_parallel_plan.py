@@ -35,7 +35,7 @@ def test_cp_is_an_axis_of_the_layout_and_the_world() -> None:
 
 def test_cp_flag_and_nproc_make_the_world(capsys: pytest.CaptureFixture[str]) -> None:
     cfg = _dry(["--nproc", "2", "--cp", "2", "--seq-len", "32"], capsys)
-    assert cfg["parallel"]["cp"] == 2 and cfg["parallel"]["pp"] == 1  # type: ignore[index]
+    assert cfg["layout"]["cp"] == 2 and cfg["layout"]["pp"] == 1  # type: ignore[index]
 
 
 def test_cp_refuses_what_is_not_built_before_workers_start(

@@ -240,7 +240,9 @@ def _dry_run(cfg: dict[str, Any], run_dir: Path) -> int:
         layout = ", ".join(f"{k}={v}" for k, v in par.items() if v is not None)
         how = f"layout {layout}"
     print(f"plait train --dry-run: valid; {cfg['nproc']} workers, {how}; run folder {run_dir}")
-    print(json.dumps(cfg, indent=2))
+    from plait.config.sections import to_file
+
+    print(json.dumps(to_file(cfg), indent=2))  # as config.json holds it
     return 0
 
 
