@@ -110,6 +110,7 @@ def test_toml_sections_and_the_old_flat_table_load_the_same_plan(tmp_path: Path)
         ("[memory]\nzeroo = 1\n", r"unknown key 'zeroo' in \[memory\]"),
         ("[layout]\ndp = 2\n[parallel]\ndp = 2\n", r"dp is set twice .* and in \[parallel\]"),
         ("layout = 3\n", r"\[layout\] must be a table"),
+        ("dp = 2\n", r"dp is a layout setting: put it under \[layout\]"),
         ("[memory]\nzero = 9\n", r"zero=9 must be 0, 1, 2 or 3"),
     ],
 )  # fmt: skip

@@ -10,7 +10,7 @@ from typing import Any
 
 from plait.config.model import ModelConfig
 from plait.config.plan import ParallelPlan
-from plait.config.sections import OLD_TABLE, from_file
+from plait.config.sections import OLD_TABLE, from_file, section_of
 from plait.config.train import TrainConfig
 
 __all__ = ["load_config", "read_config_file"]
@@ -56,6 +56,12 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ValueError(f"config file {path} must hold an object of settings")
     plan, data = from_file(data, f"config file {path}")
+    stray = [k for k in data if section_of(k) is not None]
+    if stray:  # a plan file's top-level keys: in a run's settings they belong to a section
+        raise ValueError(
+            f"config file {path}: {stray[0]} is a {section_of(stray[0])} setting: put it "
+            f"under [{section_of(stray[0])}]"
+        )
     if plan:  # the sections' settings, as the flat table the config's `parallel` takes
         data[OLD_TABLE] = plan
     for key, value in data.items():  # `plan = ""` would read as no plan given at all
