@@ -50,7 +50,7 @@ SHORTEST = {
     "bench async": ["--steps", "1", "--warmup", "0", "--rounds", "1", *_TINY, "--heads", "2",
                     "--batch-size", "8"],
     "bench planner": ["--workers", "2", *_TINY, "--heads", "2", "--batch-size", "8",
-                      "--steps", "1", "--warmup", "0"],
+                      "--steps", "1", "--warmup", "0", "--schedules", "1f1b,zb-v"],
     "bench compress": ["--workers", "2", "--methods", "none,fp16", "--steps", "5", "--warmup",
                        "0", *_TINY, "--batch-size", "8"],
     "bench sim-accuracy": ["--worlds", "2", "--schedules", "1f1b", "--microbatches", "2",

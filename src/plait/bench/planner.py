@@ -37,10 +37,21 @@ class PlannerBenchConfig:
     batch_size: int = 16
     steps: int = 4
     warmup: int = 1
-    schedules: tuple[str, ...] = ("1f1b", "gpipe", "zb-h1")
+    # every synchronous kind the planner searches (empty: the registry's, as `plait plan`)
+    schedules: tuple[str, ...] = ()
     microbatch_counts: tuple[int, ...] = (2, 4)
 
     def __post_init__(self) -> None:
+        from plait.schedule import KINDS, kind_names
+
+        if not self.schedules:
+            object.__setattr__(self, "schedules", kind_names(synchronous=True, searched=True))
+        bad = [k for k in self.schedules if k not in KINDS or not KINDS[k].synchronous]
+        if bad:
+            raise ValueError(
+                f"--schedules {','.join(bad)}: the sweep takes synchronous kinds, of "
+                f"{', '.join(kind_names(synchronous=True, searched=True))}"
+            )
         if self.workers < 2 or self.steps < 1 or self.warmup < 0:
             raise ValueError("--workers must be >= 2, --steps >= 1 and --warmup >= 0")
         for name in ("layers", "hidden", "heads", "seq_len", "batch_size"):
@@ -57,7 +68,7 @@ def _grid(cfg: PlannerBenchConfig, spec: Any, cluster: Any) -> list[Any]:
     found = []
     for m in cfg.microbatch_counts:
         space = SearchSpace(
-            schedules=cfg.schedules, recompute=("none",), zero_stages=(0,), chunks=(),
+            schedules=cfg.schedules, recompute=("none",), zero_stages=(0,), chunks=(2,),
             micro_batch_sizes=tuple(b for b in (1, 2, 4, 8, 16) if b * m <= cfg.batch_size),
             sequence_parallel=(False,), dtype="fp32",
         )  # fmt: skip
@@ -214,12 +225,17 @@ def run_bench(cfg: PlannerBenchConfig) -> dict[str, Any]:
     best = min(range(len(plans)), key=measured.__getitem__)
     rows = [
         {"plan": describe(plan_from_dict(p)), "predicted_step_s": predicted[i],
-         "measured_step_s": measured[i]}
+         "measured_step_s": measured[i], "error": (predicted[i] - measured[i]) / measured[i]}
         for i, p in enumerate(plans)
     ]  # fmt: skip
+    errors = [abs(p - m) / m for p, m in zip(predicted, measured, strict=True)]
     return {
         "config": asdict(cfg),
         "plans": rows,
+        # |predicted - measured| / measured over every plan of the sweep
+        "median_abs_error": statistics.median(errors),
+        "max_abs_error": max(errors),
+        "kinds": sorted({plan_from_dict(p).schedule for p in plans}),
         "pick": rows[pick]["plan"],
         "measured_best": rows[best]["plan"],
         "pick_fraction_of_best": measured[best] / measured[pick],
@@ -228,6 +244,10 @@ def run_bench(cfg: PlannerBenchConfig) -> dict[str, Any]:
         "sharing_efficiency": out["sharing_efficiency"],
         "reference_step_s": out["reference_step_s"],
     }
+
+
+def _kinds(text: str) -> tuple[str, ...]:
+    return tuple(word.strip() for word in text.split(",") if word.strip())
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -241,6 +261,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--batch-size", type=int, default=16, dest="batch_size")
     a("--steps", type=int, default=4)
     a("--warmup", type=int, default=1)
+    a("--schedules", type=_kinds, default=(), metavar="KINDS",
+      help="schedule kinds of the grid, comma-separated (every synchronous kind the "
+      "planner searches)")  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
@@ -249,7 +272,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = PlannerBenchConfig(
         workers=args.workers, layers=args.layers, hidden=args.hidden, heads=args.heads,
         seq_len=args.seq_len, batch_size=args.batch_size, steps=args.steps,
-        warmup=args.warmup,
+        warmup=args.warmup, schedules=tuple(args.schedules),
     )  # fmt: skip
     result = run_bench(cfg)
     if args.json:
@@ -263,6 +286,7 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"\npick: {result['pick']}\nmeasured best: {result['measured_best']}\n"
         f"pick reaches {result['pick_fraction_of_best']:.1%} of the best; rank correlation "
-        f"{result['rank_correlation']:.2f}"
+        f"{result['rank_correlation']:.2f}; prediction error median "
+        f"{result['median_abs_error']:.1%}, max {result['max_abs_error']:.1%}"
     )
     return 0
