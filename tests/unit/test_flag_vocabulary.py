@@ -57,15 +57,79 @@ def test_the_layout_flags_of_simulate_are_trains() -> None:
     assert shared >= 20  # every layout field but what simulate cannot take from flags
 
 
+# the model flags of plan, simulate and profile that set no ModelConfig field, so are
+# declared by hand: `plait train` takes the vocabulary from its data and sizes micro-batches
+# from --batch-size and --microbatches; the load imbalance is an assumption of the cost model
+PRICED_ONLY = {"--vocab", "--micro-batch-size", "--imbalance"}
+
+
+def _model_flags() -> dict[str, argparse.Action]:
+    """The flags `add_model_arguments` gives a command: every model flag it takes."""
+    from plait.cli.models import add_model_arguments
+
+    parser = argparse.ArgumentParser()
+    add_model_arguments(parser)
+    return {flag: action for flag, action in _flags(parser).items() if flag not in ("-h", "--help")}
+
+
 @pytest.mark.parametrize("command", ["plan", "simulate", "profile"])
-def test_the_model_flags_are_spelled_as_trains(command: str) -> None:
+def test_the_model_flags_are_trains(command: str) -> None:
+    """Generated from ModelConfig's fields, as `plait train`'s are: the same spelling, help,
+    choices, metavar and type; only the flags of PRICED_ONLY are declared by hand."""
+    from plait.cli.models import MODELS
+
     commands = _commands()
-    train = _by_dest(commands["train"])
-    theirs = {f.name: train[f"model.{f.name}"].option_strings
-              for f in dataclasses.fields(ModelConfig) if f"model.{f.name}" in train}  # fmt: skip
+    train = {flag: a for flag, a in _flags(commands["train"]).items()
+             if a.dest.startswith("model.")}  # fmt: skip
     flags = _flags(commands[command])
-    found = [name for name, options in theirs.items() if options[0] in flags]
-    assert {"name", "layers", "hidden", "heads", "seq_len", "ffn_hidden", "experts"} <= set(found)
+    model = _model_flags()
+    assert model.keys() - train.keys() == PRICED_ONLY
+    shape = {"--model", "--layers", "--hidden", "--heads", "--seq-len", "--ffn-hidden"}
+    assert shape | {"--experts", "--top-k", "--shared-expert"} <= model.keys()
+    for flag in model.keys() - PRICED_ONLY:
+        mine, theirs = flags[flag], train[flag]
+        assert mine.option_strings == theirs.option_strings, flag
+        assert (type(mine), mine.type) == (type(theirs), theirs.type), flag
+        if flag == "--model":  # a cost model prices plait's own GPTs only: train's words
+            assert mine.choices == list(MODELS) and mine.metavar is None  # for those
+            entries = _without_default(theirs.help).removeprefix("model: ").split("; ")
+            ours = _without_default(mine.help).removeprefix("model: ").split("; ")
+            assert [e.split(" ")[0] for e in ours] == list(MODELS) and set(ours) < set(entries)
+            continue
+        assert _without_default(mine.help) == _without_default(theirs.help), flag
+        assert (mine.choices, mine.metavar) == (theirs.choices, theirs.metavar), flag
+    for action in model.values():  # the command's own default, where it has one
+        if action.default is not None:
+            assert re.search(r" \(default: [^)]*\)$", action.help or ""), action.option_strings
+
+
+@pytest.mark.parametrize("command", ["plan", "simulate", "profile"])
+def test_the_model_flags_keep_their_destinations(command: str) -> None:
+    """The commands read `args.model`, `args.top_k`, ...; the expert flags are None when
+    not given, so that a dense GPT refuses them by name."""
+    argv = {"plan": ["--cluster", "local-cpu", "--batch-size", "8"]}.get(command, [])
+    args = build_parser().parse_args([command, *argv])
+    model = ModelConfig()
+    assert (args.model, args.layers, args.hidden, args.heads, args.seq_len) == (
+        model.name, model.layers, model.hidden, model.heads, model.seq_len)  # fmt: skip
+    assert (args.ffn_hidden, args.vocab, args.micro_batch_size) == (0, 96, 1)
+    moe = ("experts", "top_k", "capacity_factor", "moe_every", "shared_expert", "imbalance")
+    assert all(getattr(args, name) is None for name in moe)
+    args = build_parser().parse_args(
+        [command, *argv, "--model", "moe-gpt", "--top-k", "1", "--capacity-factor", "0",
+         "--shared-expert", "--seq-len", "32"])  # fmt: skip
+    assert (args.model, args.top_k, args.capacity_factor, args.shared_expert) == (
+        "moe-gpt", 1, 0.0, True)  # fmt: skip
+    assert args.seq_len == 32
+
+
+def test_a_dense_gpt_refuses_an_expert_flag_as_typed(capsys: pytest.CaptureFixture[str]) -> None:
+    from plait.cli.main import main
+
+    for flag in ("--shared-expert", "--no-shared-expert"):
+        assert main(["simulate", "--cluster", "local-cpu", flag]) == 2
+        err = capsys.readouterr().err
+        assert f"error: {flag} applies to --model moe-gpt only: add it, or drop {flag}" in err
 
 
 def test_one_idea_has_one_name() -> None:

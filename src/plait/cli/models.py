@@ -24,49 +24,35 @@ __all__ = [
 
 MODELS = ("gpt", "moe-gpt")
 
-# moe-gpt's flags (ModelConfig's fields; `--imbalance` is the cost model's alone): None
-# when not given, so that a dense GPT can refuse them by name
-_MOE_FLAGS = {
-    "experts": "--experts", "top_k": "--top-k", "capacity_factor": "--capacity-factor",
-    "moe_every": "--moe-every", "shared_expert": "--shared-expert", "imbalance": "--imbalance",
-}  # fmt: skip
+# the ModelConfig fields a priced model reads (dropout, resnet18's width and the weights of
+# the routers' losses change no cost): their flags are generated, as `plait train`'s are
+_SHAPE = ("name", "layers", "hidden", "heads", "seq_len", "ffn_hidden")
+_EXPERTS = ("experts", "top_k", "capacity_factor", "moe_every", "shared_expert")
 
 
 def add_expert_arguments(p: argparse.ArgumentParser) -> None:
-    """moe-gpt's model flags; their defaults are `plait train`'s (`ModelConfig`)."""
+    """moe-gpt's model flags, generated from `ModelConfig` as `plait train`'s are: None when
+    not given (a dense GPT refuses them by name; moe-gpt takes the field's default)."""
+    from plait.cli.options import add_config_flags
     from plait.config import ModelConfig
 
-    m = ModelConfig()
-    a = p.add_argument
-    a("--experts", type=int, help=f"moe-gpt: experts per MoE layer ({m.experts})")
-    a("--top-k", type=int, dest="top_k", help=f"moe-gpt: experts per token ({m.top_k})")
-    a(
-        "--capacity-factor",
-        type=float,
-        dest="capacity_factor",
-        help=f"moe-gpt: expert capacity over the mean load; 0: dropless ({m.capacity_factor})",
-    )
-    a(
-        "--moe-every",
-        type=int,
-        dest="moe_every",
-        help=f"moe-gpt: every k-th layer is a MoE layer ({m.moe_every})",
-    )
-    a(
-        "--shared-expert",
-        action="store_true",
-        default=None,
-        dest="shared_expert",
-        help="moe-gpt: a dense FFN every token also passes through",
-    )
-    a("--imbalance", type=float,
-      help="moe-gpt: the busiest expert's load over the mean that the cost model assumes "
-      "(1.0: balanced routing, the default)")  # fmt: skip
+    add_config_flags(p, ModelConfig, only=_EXPERTS)
+    # the cost model's assumption about routing, not a setting of a model that trains
+    p.add_argument("--imbalance", type=float, metavar="X",
+                   help="moe-gpt: the busiest expert's load over the mean that the cost model "
+                   "assumes (1.0: balanced routing, the default)")  # fmt: skip
 
 
 def check_expert_flags(args: argparse.Namespace) -> None:
     """A model without experts refuses the expert flags by name."""
-    given = [f for k, f in _MOE_FLAGS.items() if getattr(args, k, None) is not None]
+    from plait.cli.options import config_flags
+    from plait.config import ModelConfig
+
+    flags = {k: f for k, f in config_flags(ModelConfig).items() if k in _EXPERTS}
+    flags["imbalance"] = "--imbalance"
+    values = {f: getattr(args, k, None) for k, f in flags.items()}
+    # a switch turned off was typed as --no-NAME: name it as typed
+    given = [f"--no-{f[2:]}" if v is False else f for f, v in values.items() if v is not None]
     if getattr(args, "model", "gpt") != "moe-gpt" and given:
         raise ValueError(f"{given[0]} applies to --model moe-gpt only: add it, or drop {given[0]}")
 
@@ -136,25 +122,23 @@ def model_value(key: str, value: Any) -> Any:
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
-    """The model flags `profile`, `plan` and `simulate` share; their defaults are those of
-    `plait train` (`ModelConfig`), so every command describes the same default model."""
+    """The model flags `profile`, `plan` and `simulate` share, generated from `ModelConfig`
+    as `plait train`'s are; their defaults are its fields', so every command describes the
+    same default model."""
+    from plait.cli.options import add_config_flags
     from plait.config import ModelConfig
 
     m = ModelConfig()
-    p.add_argument("--model", choices=MODELS, default=m.name, help=f"model family ({m.name})")
-    p.add_argument("--layers", type=int, default=m.layers, help=f"layers (default {m.layers})")
-    p.add_argument("--hidden", type=int, default=m.hidden, help=f"hidden size ({m.hidden})")
-    p.add_argument("--heads", type=int, default=m.heads, help=f"attention heads ({m.heads})")
-    p.add_argument(
-        "--seq-len", type=int, default=m.seq_len, dest="seq_len", help=f"tokens ({m.seq_len})"
-    )
-    p.add_argument("--vocab", type=int, default=96, help="vocabulary size (default 96)")
-    p.add_argument(
-        "--ffn-hidden", type=int, default=0, dest="ffn_hidden", help="MLP width (0: 4 × hidden)"
-    )
-    p.add_argument(
-        "--micro-batch-size", type=int, default=1, dest="micro_batch_size", help="samples each"
-    )
+    defaults: dict[str, Any] = {k: getattr(m, k) for k in _SHAPE}
+    defaults["ffn_hidden"] = (0, "4 × hidden")  # GPTSpec's way to say what None says
+    add_config_flags(p, ModelConfig, only=_SHAPE, defaults=defaults, dests={"name": "model"},
+                     choices={"name": MODELS})  # fmt: skip
+    # no ModelConfig fields: `plait train` takes the vocabulary from its data and sizes its
+    # micro-batches from --batch-size and --microbatches, but a priced model needs both
+    p.add_argument("--vocab", type=int, default=96, metavar="N",
+                   help="vocabulary size (default: 96)")  # fmt: skip
+    p.add_argument("--micro-batch-size", type=int, default=1, metavar="N",
+                   help="samples per micro-batch (default: 1)")  # fmt: skip
     add_expert_arguments(p)
 
 

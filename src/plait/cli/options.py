@@ -5,8 +5,11 @@ A field `eval_every: int = field(default=10, metadata={"help": ...})` becomes
 namespace under the field's dotted path (`parallel.pp`), None when not given, so a TOML
 file and the dataclass default stay in charge of what the user did not type. Metadata
 may name the flag (`"flag": "--timeout"`), skip it (`"flag": None`), give `"choices"`,
-a `"metavar"` or a `"default_text"` for the help, and the section of `--help` it is listed
-in (`"group"`, one of `GROUPS`; a section dataclass's fields take its own field's group).
+a `"metavar"` or a `"default_text"` for the help, describe its values (`"values"`: value ->
+what it is, listed after the help), and the section of `--help` it is listed in
+(`"group"`, one of `GROUPS`; a section dataclass's fields take its own field's group).
+Other commands (`plan`, `simulate`, `profile`) generate their flags of the same fields
+here too, so that a setting has one spelling and one description everywhere.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import functools
 import math
 import types
 import typing
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from plait.flags import deprecated_flag
@@ -53,16 +56,11 @@ GROUPS: dict[str, str] = {
 def config_flags(cls: type[Any], prefix: str = "") -> dict[str, str]:
     """Dotted field path -> flag, for every field of `cls` (and its section dataclasses)
     that has one."""
-    hints = typing.get_type_hints(cls)
     out: dict[str, str] = {}
-    for f in dataclasses.fields(cls):
-        hint = hints[f.name]
-        if dataclasses.is_dataclass(hint):
-            out.update(config_flags(typing.cast(type, hint), f"{prefix}{f.name}."))
-            continue
-        flag = f.metadata.get("flag", "--" + f.name.replace("_", "-"))
+    for path, f, _, _ in _leaves(cls, prefix):
+        flag = _flag(f)
         if flag is not None:
-            out[prefix + f.name] = flag
+            out[path] = flag
     return out
 
 
@@ -76,26 +74,26 @@ def add_config_flags(
     cls: type[Any],
     *,
     prefix: str = "",
+    only: tuple[str, ...] | None = None,
     skip: tuple[str, ...] = (),
     groups: dict[str, argparse._ArgumentGroup] | None = None,
     section: str | None = None,
     defaults: dict[str, Any] | None = None,
+    dests: dict[str, str] | None = None,
+    choices: dict[str, Sequence[Any]] | None = None,
 ) -> None:
-    """Add one flag per field of `cls` (sections recursively) to `parser`; `skip` lists
-    dotted paths that the command declares itself. With `groups` (`add_groups`), each flag
-    goes to the group its field names, else to its section's (`section`). `defaults` gives
-    a command's own default of a path (set, and shown in the help; a pair (value, text)
-    shows the text); other flags default to None, leaving the dataclass in charge."""
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        path, hint = prefix + f.name, hints[f.name]
-        group = f.metadata.get("group", section)
-        if dataclasses.is_dataclass(hint):
-            add_config_flags(parser, typing.cast(type, hint), prefix=f"{path}.", skip=skip,
-                             groups=groups, section=group, defaults=defaults)  # fmt: skip
-            continue
-        flag = f.metadata.get("flag", "--" + f.name.replace("_", "-"))
-        if flag is None or path in skip:
+    """Add one flag per field of `cls` (sections recursively) to `parser`: those whose
+    dotted paths `only` lists, when given, and never those of `skip` (which the command
+    declares itself). With `groups` (`add_groups`), each flag goes to the group its field
+    names, else to its section's (`section`). `defaults` gives a command's own default of a
+    path (set, and shown in the help; a pair (value, text) shows the text); other flags
+    default to None, leaving the dataclass in charge. A value lands under its path unless
+    `dests` names another attribute (for a command whose code reads that name); `choices`
+    narrows a path to the values a command can take (the help then describes only those,
+    of a field whose metadata describes its `"values"`)."""
+    for path, f, hint, group in _leaves(cls, prefix, section):
+        flag = _flag(f)
+        if flag is None or path in skip or (only is not None and path not in only):
             continue
         target = parser
         if groups is not None:
@@ -104,8 +102,28 @@ def add_config_flags(
             target = groups[group]
         own = (defaults or {}).get(path, _UNSET)
         value, text = own if isinstance(own, tuple) else (own, own)
-        kind = _kind(f, hint, _UNSET if own is _UNSET else text)
-        target.add_argument(flag, dest=path, default=None if own is _UNSET else value, **kind)
+        kind = _kind(f, hint, _UNSET if own is _UNSET else text, (choices or {}).get(path))
+        dest = (dests or {}).get(path, path)
+        target.add_argument(flag, dest=dest, default=None if own is _UNSET else value, **kind)
+
+
+def _leaves(
+    cls: type[Any], prefix: str = "", section: str | None = None
+) -> Iterator[tuple[str, dataclasses.Field[Any], Any, str | None]]:
+    """(dotted path, field, type hint, group) of every field of `cls` that is no section
+    dataclass, sections' fields in place of theirs (they take their section's group)."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        path, hint = prefix + f.name, hints[f.name]
+        group = f.metadata.get("group", section)
+        if dataclasses.is_dataclass(hint):
+            yield from _leaves(typing.cast(type, hint), f"{path}.", group)
+        else:
+            yield path, f, hint, group
+
+
+def _flag(f: dataclasses.Field[Any]) -> str | None:
+    return typing.cast("str | None", f.metadata.get("flag", "--" + f.name.replace("_", "-")))
 
 
 _UNSET = object()
@@ -119,10 +137,12 @@ def _default(f: dataclasses.Field[Any]) -> Any:
     return None
 
 
-def _kind(f: dataclasses.Field[Any], hint: Any, shown: Any = _UNSET) -> dict[str, Any]:
+def _kind(
+    f: dataclasses.Field[Any], hint: Any, shown: Any = _UNSET, narrowed: Sequence[Any] | None = None
+) -> dict[str, Any]:
     """argparse keywords for a field of type `hint` (its help shows `shown` as the default
-    when given, else the field's)."""
-    help_text = f.metadata.get("help", "")
+    when given, else the field's; `narrowed`: the only values a command takes)."""
+    help_text = _help(f, narrowed)
     default = _default(f) if shown is _UNSET else shown
     if default is not None:
         text = str(default).lower() if isinstance(default, bool) else str(default)
@@ -151,11 +171,24 @@ def _kind(f: dataclasses.Field[Any], hint: Any, shown: Any = _UNSET) -> dict[str
         out["choices"] = list(f.metadata["choices"])
         if "type" not in out and out["choices"] and isinstance(out["choices"][0], int):
             out["type"] = int
-    if "metavar" in f.metadata:
+    if narrowed is not None:  # the field's own metavar names values the command refuses
+        out["choices"] = list(narrowed)
+        out.pop("metavar", None)
+    elif "metavar" in f.metadata:
         out["metavar"] = f.metadata["metavar"]
     elif "choices" not in out and "metavar" not in out:
         out["metavar"] = _METAVARS.get(base, "TEXT")
     return out
+
+
+def _help(f: dataclasses.Field[Any], narrowed: Sequence[Any] | None) -> str:
+    """The field's help, followed by what each of its `"values"` is (those of `narrowed`)."""
+    text: str = f.metadata.get("help", "")
+    values: dict[str, str] = f.metadata.get("values", {})
+    listed = [v for v in values if narrowed is None or v in narrowed]
+    if listed:
+        text = f"{text}: " + "; ".join(f"{v} ({values[v]})" for v in listed)
+    return text
 
 
 _METAVARS: dict[Any, str] = {int: "N", float: "X"}

@@ -30,7 +30,8 @@ class ModelConfig:
     name: str = field(
         default="gpt",
         metadata={
-            "help": "model: " + "; ".join(f"{k} ({v})" for k, v in MODELS.items()),
+            "help": "model",
+            "values": MODELS,
             "flag": "--model",
             "metavar": "NAME|MODULE:FACTORY",
         },
