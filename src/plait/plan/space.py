@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
 from itertools import product
 
 from plait.compression import parse_compression
 from plait.layout import Layout as RankLayout
+from plait.plan.axes import Rule, divisors, factorisations
 from plait.plan.specs import ModelSpec, gpt_spec, moe_spec, scaled_spec
 from plait.schedule import KINDS, kind_names
 from plait.sim import SimPlan
 
 __all__ = [
+    "DP_AXES",
+    "PLANNED_AXES",
     "ModelSpec",
     "SearchSpace",
+    "axis_rules",
     "candidates",
     "context_degrees",
     "degrees",
@@ -83,12 +87,72 @@ class SearchSpace:
             )
         if 1 not in self.cp or min(self.cp) < 1:
             raise ValueError(f"cp={self.cp} must hold 1 and only degrees >= 1")
+        # ascending, as the factorisations try them (`context_degrees` keeps this order)
+        object.__setattr__(self, "cp", tuple(sorted(set(self.cp))))
         if not self.micro_batch_sizes or min(self.micro_batch_sizes) < 1:
             raise ValueError(f"micro_batch_sizes={self.micro_batch_sizes} must be >= 1")
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+# the axes the planner factorises the devices over, in the order the candidates come in
+# (the first outermost; the search breaks ties by it): `dp` stands for the data-parallel
+# view until hybrid sharding splits it over `DP_AXES`; `ep` is no factor (it borrows ranks)
+PLANNED_AXES: tuple[str, ...] = ("cp", "tp", "pp", "dp")
+DP_AXES: tuple[str, ...] = ("dp_replicate", "dp_shard")
+
+
+def axis_rules(model: ModelSpec, space: SearchSpace, devices_per_node: int) -> dict[str, Rule]:
+    """The degrees each axis of `PLANNED_AXES` admits (one without a rule takes what the
+    others leave): where a new axis says what it needs."""
+    return {
+        "cp": _cp_rule(model, space),
+        "tp": _tp_rule(devices_per_node, model.num_heads),
+        "pp": _pp_rule(model.num_blocks),
+    }
+
+
+def _cp_rule(model: ModelSpec, space: SearchSpace) -> Rule:
+    """The degrees of `space.cp` whose 2·cp zigzag chunks divide the sequence, for a model
+    that supports context parallelism (no experts) and a sequence of at least
+    `space.cp_min_seq_len` tokens; else 1."""
+    if not model.context_parallel or model.num_experts or model.seq_len < space.cp_min_seq_len:
+        return lambda cp, _: cp == 1
+    return lambda cp, _: cp in space.cp and model.seq_len % (2 * cp) == 0
+
+
+def _tp_rule(devices_per_node: int, num_heads: int) -> Rule:
+    """Tensor parallelism inside a node (its all-reduces need the fast links), splitting
+    the heads evenly."""
+    return lambda tp, _: devices_per_node % tp == 0 and num_heads % tp == 0
+
+
+def _pp_rule(num_blocks: int) -> Rule:
+    """A block a stage at least."""
+    return lambda pp, _: pp <= num_blocks
+
+
+def _shard_rule(dp: int, tp: int, pp: int, rank_order: str, devices_per_node: int) -> Rule:
+    """HSDP keeps each shard group inside a node: dp_shard is the data-parallel ranks a
+    node holds (`plait.layout.Layout`), where the data-parallel group spans nodes and a
+    node holds more than one of its ranks (plain FSDP is else as local, or there is
+    nothing to keep inside a node)."""
+    group = RankLayout(pp=pp, dp_replicate=dp, tp=tp, rank_order=rank_order).ranks("dp", 0)
+    share = sum(1 for r in group if r < devices_per_node)
+    return lambda shard, _: 1 < shard < dp and shard == share
+
+
+def _takes_uneven(model: ModelSpec, space: SearchSpace, factors: Mapping[str, int]) -> bool:
+    """Replicas with shares of their own run as pipelines of their own (`plait.pipelines`):
+    whole, unsharded replicas, so no tp, no cp (plait.train.context) and no experts."""
+    if not space.uneven_shares or model.num_experts:
+        return False
+    return factors["dp"] >= 2 and factors["tp"] == 1 and factors["cp"] == 1
+
+
+def _takes_hybrid(model: ModelSpec, space: SearchSpace, factors: Mapping[str, int]) -> bool:
+    """HSDP runs ZeRO-2/3 without experts (it refuses ep > 1) nor cp (plait.train.context)."""
+    if not space.hybrid or model.num_experts or all(z < 2 for z in space.zero_stages):
+        return False
+    return factors["cp"] == 1
 
 
 def expert_degrees(dp: int, num_experts: int, tp: int = 1) -> list[int]:
@@ -97,7 +161,7 @@ def expert_degrees(dp: int, num_experts: int, tp: int = 1) -> list[int]:
     experts (each rank holds E/ep); [1] for a model without experts."""
     if num_experts < 1:
         return [1]
-    return [ep for ep in _divisors(dp * tp) if num_experts % ep == 0]
+    return [ep for ep in divisors(dp * tp) if num_experts % ep == 0]
 
 
 def degrees(
@@ -105,14 +169,10 @@ def degrees(
 ) -> list[tuple[int, int, int]]:
     """Every (dp, tp, pp) with dp·tp·pp = `num_devices`, tensor parallelism inside a node
     (tp divides the devices of a node) and dividing the head count, pp <= blocks."""
-    out = []
-    for tp in _divisors(num_devices):
-        if devices_per_node % tp or num_heads % tp:
-            continue
-        for pp in _divisors(num_devices // tp):
-            if pp <= num_blocks:
-                out.append((num_devices // (tp * pp), tp, pp))
-    return out
+    rules = {"tp": _tp_rule(devices_per_node, num_heads), "pp": _pp_rule(num_blocks)}
+    return [
+        (f["dp"], f["tp"], f["pp"]) for f in factorisations(num_devices, ("tp", "pp", "dp"), rules)
+    ]
 
 
 def candidates(
@@ -123,66 +183,54 @@ def candidates(
     devices_per_node: int,
     global_batch: int,
 ) -> Iterator[SimPlan]:
-    """Every plan of the space for `num_devices` devices and `global_batch` samples."""
-    for cp in context_degrees(model, space, num_devices):
-        for dp, tp, pp in degrees(
-            num_devices // cp,
-            devices_per_node=devices_per_node,
-            num_heads=model.num_heads,
-            num_blocks=model.num_blocks,
-        ):
-            yield from _layouts(model, space, dp, tp, pp, global_batch, cp)
-            if cp == 1:  # pipelines of their own shares take no cp (plait.train.context)
-                yield from _uneven(model, space, dp, tp, pp, global_batch)
-            if space.hybrid and cp == 1:  # HSDP with cp is refused (plait.train.context)
-                yield from _hybrid(model, space, dp, tp, pp, global_batch, devices_per_node)
+    """Every plan of the space for `num_devices` devices and `global_batch` samples: for
+    each factorisation of the devices over `PLANNED_AXES`, its plans of equal shares, then
+    of unequal shares, then hybrid-sharded, where the factorisation takes them."""
+    rules = axis_rules(model, space, devices_per_node)
+    for f in factorisations(num_devices, PLANNED_AXES, rules):
+        dp, tp, pp, cp = f["dp"], f["tp"], f["pp"], f["cp"]
+        yield from _layouts(model, space, dp, tp, pp, global_batch, cp)
+        if _takes_uneven(model, space, f):
+            yield from _uneven(model, space, dp, pp, global_batch)
+        if _takes_hybrid(model, space, f):
+            yield from _hybrid(model, space, f, global_batch, devices_per_node)
 
 
 def context_degrees(model: ModelSpec, space: SearchSpace, num_devices: int) -> list[int]:
-    """The cp degrees searched: those of `space` dividing the devices whose 2·cp zigzag
-    chunks divide the sequence, for a model that supports context parallelism and a
-    sequence of at least `space.cp_min_seq_len` tokens; else [1]."""
-    if not model.context_parallel or model.num_experts or model.seq_len < space.cp_min_seq_len:
-        return [1]
-    return [c for c in space.cp if num_devices % c == 0 and model.seq_len % (2 * c) == 0]
+    """The cp degrees searched on `num_devices` devices (`_cp_rule`), in the order of
+    `space.cp`."""
+    rule = _cp_rule(model, space)
+    return [c for c in space.cp if num_devices % c == 0 and rule(c, {})]
 
 
 def hybrid_axes(
     dp: int, tp: int, pp: int, rank_order: str, devices_per_node: int
 ) -> tuple[int, int] | None:
     """(dp_replicate, dp_shard) of the hybrid sharding that keeps each shard group inside
-    a node: dp_shard = the data-parallel ranks a node holds (`plait.layout.Layout`), when
-    the data-parallel group spans nodes and a node holds more than one of its ranks; else
-    None (plain FSDP is then as local, or there is nothing to keep inside a node)."""
-    group = RankLayout(pp=pp, dp_replicate=dp, tp=tp, rank_order=rank_order).ranks("dp", 0)
-    shard = sum(1 for r in group if r < devices_per_node)
-    if 1 < shard < dp and dp % shard == 0:
-        return dp // shard, shard
-    return None
+    a node (`_shard_rule`), or None where there is none."""
+    rules = {"dp_shard": _shard_rule(dp, tp, pp, rank_order, devices_per_node)}
+    split = next(factorisations(dp, DP_AXES, rules), None)
+    return None if split is None else (split["dp_replicate"], split["dp_shard"])
 
 
 def _hybrid(
     model: ModelSpec,
     space: SearchSpace,
-    dp: int,
-    tp: int,
-    pp: int,
+    factors: Mapping[str, int],
     global_batch: int,
     devices_per_node: int,
 ) -> Iterator[SimPlan]:
-    """The hybrid-sharded plans of one (dp, tp, pp): ZeRO-2/3 on (dp_replicate, dp_shard)
-    for each rank order, with plain experts-free layouts (HSDP refuses ep > 1)."""
+    """The hybrid-sharded plans of one factorisation: ZeRO-2/3 on each split of dp over
+    `DP_AXES` that a rank order admits, for each rank order."""
+    dp, tp, pp = factors["dp"], factors["tp"], factors["pp"]
     zeros = tuple(z for z in space.zero_stages if z >= 2)
-    if not zeros or model.num_experts:
-        return
     orders = space.rank_orders if pp > 1 else space.rank_orders[:1]
     for order in orders:
-        axes = hybrid_axes(dp, tp, pp, order, devices_per_node)
-        if axes is None:
-            continue
-        narrowed = replace(space, zero_stages=zeros, rank_orders=(order,))
-        for plan in _layouts(model, narrowed, dp, tp, pp, global_batch):
-            yield replace(plan, dp_replicate=axes[0], dp_shard=axes[1])
+        rules = {"dp_shard": _shard_rule(dp, tp, pp, order, devices_per_node)}
+        for split in factorisations(dp, DP_AXES, rules):
+            narrowed = replace(space, zero_stages=zeros, rank_orders=(order,))
+            for plan in _layouts(model, narrowed, dp, tp, pp, global_batch):
+                yield replace(plan, dp_replicate=split["dp_replicate"], dp_shard=split["dp_shard"])
 
 
 def _layouts(
@@ -235,14 +283,13 @@ def _layouts(
 
 
 def _uneven(
-    model: ModelSpec, space: SearchSpace, dp: int, tp: int, pp: int, global_batch: int
+    model: ModelSpec, space: SearchSpace, dp: int, pp: int, global_batch: int
 ) -> Iterator[SimPlan]:
     """The plans of one (dp, tp, pp) whose replicas take unequal shares of the batch, where
     the micro-batches do not divide equally among them: shares differing by one, as
     pipelines of their own (`plait.pipelines`), whose runtime takes whole, unsharded
-    replicas of one stage a rank (tp=1, zero=0, no compression, no experts)."""
-    if dp < 2 or tp > 1 or model.num_experts or not space.uneven_shares:
-        return
+    replicas of one stage a rank (zero=0, no compression; which degrees take them:
+    `_takes_uneven`)."""
     sizes = [
         b for b in space.micro_batch_sizes
         if global_batch % b == 0 and global_batch % (dp * b) and global_batch // b >= dp
