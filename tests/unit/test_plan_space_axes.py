@@ -103,7 +103,7 @@ def _reference(
         if n % (cp * tp * pp):
             continue
         dp = n // (cp * tp * pp)
-        if (cp not in space.cp or model.seq_len % (2 * cp)) if long else cp != 1:
+        if cp != 1 and (not long or cp not in space.cp or model.seq_len % (2 * cp)):
             continue
         if per_node % tp or model.num_heads % tp or pp > model.num_blocks:
             continue
@@ -142,6 +142,8 @@ CASES = {
     "long sequence, cp > 1": (LONG, LEAN, 32, 8, 32),
     "batch that does not divide": (GPT, LEAN, 24, 8, 50),
     "odd devices, no hybrid": (SMALL, replace(LEAN, hybrid=False), 6, 3, 7),
+    # no cp > 1 divides an odd sequence into 2·cp chunks; cp = 1 still plans it
+    "odd long sequence": (replace(LONG, seq_len=16383), LEAN, 8, 8, 8),
 }
 
 
@@ -163,6 +165,7 @@ def test_the_cases_reach_every_kind_of_plan() -> None:
                                global_batch=batch))  # fmt: skip
 
     assert {p.cp for p in plans("long sequence, cp > 1")} == {1, 2, 4, 8, 16, 32}
+    assert {p.cp for p in plans("odd long sequence")} == {1}
     assert {p.ep for p in plans("experts")} == {1, 2, 4, 8}
     assert any(p.total_microbatches for p in plans("batch that does not divide"))
     assert any(p.dp_replicate for p in plans("8 devices a node, 4 nodes"))

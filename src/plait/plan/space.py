@@ -116,7 +116,8 @@ def _cp_rule(model: ModelSpec, space: SearchSpace) -> Rule:
     `space.cp_min_seq_len` tokens; else 1."""
     if not model.context_parallel or model.num_experts or model.seq_len < space.cp_min_seq_len:
         return lambda cp, _: cp == 1
-    return lambda cp, _: cp in space.cp and model.seq_len % (2 * cp) == 0
+    # cp = 1 splits nothing, so it needs no even sequence (an odd one still trains)
+    return lambda cp, _: cp == 1 or (cp in space.cp and model.seq_len % (2 * cp) == 0)
 
 
 def _tp_rule(devices_per_node: int, num_heads: int) -> Rule:
