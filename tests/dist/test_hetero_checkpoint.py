@@ -17,7 +17,6 @@ import torch.distributed as dist
 from plait.checkpoint import CheckpointStore
 from plait.config import ParallelPlan
 from plait.train.checkpointing import resume, save
-from plait.train.hetero import parallelize_hetero
 from plait.train.parallelize import parallelize
 
 from .harness import run_world
@@ -39,7 +38,7 @@ def _weights(engine: object) -> dict[str, torch.Tensor]:
 def _run(plan: ParallelPlan, root: Path | None, start: int = 0) -> dict[str, torch.Tensor]:
     """Train to STEPS, saving every 2 steps into `root` (None: no saves), or resume from
     the checkpoint of step `start` in `root`; the weights after the last step."""
-    engine = parallelize_hetero(_model(), plan, _sgd, _model().loss, device="cpu", grad_clip=0.5)
+    engine = parallelize(_model(), plan, _sgd, _model().loss, device="cpu", grad_clip=0.5)
     store = CheckpointStore(root) if root is not None else None
     if start:
         found = resume(engine, store, str(root / f"step-{start:08d}"))  # type: ignore[arg-type, operator]
@@ -71,7 +70,7 @@ def _exact(rank: int, world: int, tmp: str) -> None:
     model = _model()
     flat = parallelize(model, ParallelPlan(dp=4, pp=1), _sgd, model.loss, device="cpu")
     assert resume(flat, CheckpointStore(Path(tmp) / "sync"), "auto") is not None
-    hetero = parallelize_hetero(_model(), SYNC, _sgd, _model().loss, device="cpu")
+    hetero = parallelize(_model(), SYNC, _sgd, _model().loss, device="cpu")
     resume(hetero, CheckpointStore(Path(tmp) / "sync"), "auto")
     theirs = {n: p for stage in flat.stages.values() for n, p in stage.named_parameters()}
     for stage in hetero.stages.values():

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from plait.blocks import as_blocks
 from plait.config import ParallelPlan, PipelineSpec
 from plait.models import GPT, GPTConfig
-from plait.train.hetero import parallelize_hetero
+from plait.train.parallelize import parallelize
 
 from .harness import run_world
 
@@ -58,7 +58,7 @@ def _assert_blocks(engine: object, ref: torch.nn.Module, where: str) -> None:
 def _synchronous(plan: ParallelPlan) -> None:
     model = _model()
     ref = copy.deepcopy(model)
-    engine = parallelize_hetero(model, plan, _sgd, GPT.loss, device="cpu", grad_clip=0.5)
+    engine = parallelize(model, plan, _sgd, GPT.loss, device="cpu", grad_clip=0.5)
     ref_opt = _sgd(ref.parameters())
     for step in range(3):
         x, y = _batch(step)
@@ -119,7 +119,7 @@ def _emulate(
 
 def _wsp(plan: ParallelPlan, shares: list[tuple[int, int]], steps: int) -> None:
     assert plan.wsp_staleness is not None
-    engine = parallelize_hetero(_model(), plan, _sgd, GPT.loss, device="cpu")
+    engine = parallelize(_model(), plan, _sgd, GPT.loss, device="cpu")
     models, final = _emulate(len(shares), shares, plan.wsp_staleness, plan.wsp_wave, steps)
     for step in range(steps):
         engine.step(_batch(step))
@@ -148,7 +148,7 @@ def _all(rank: int, world: int) -> None:
 def _at_most(plan: ParallelPlan, steps: int) -> None:
     """ "At most D" depends on timing: what is checked is that it trains, that no wave
     starts more than D waves behind, and that every worker ends on the same global weights."""
-    engine = parallelize_hetero(_model(), plan, _sgd, GPT.loss, device="cpu")
+    engine = parallelize(_model(), plan, _sgd, GPT.loss, device="cpu")
     for step in range(steps):
         engine.step(_batch(step))
     lags = engine.waves.lags

@@ -210,8 +210,8 @@ def _trainer(config: HetPipeBenchConfig, plan: dict[str, Any], name: str, device
 
     from plait.emulate.slowdown import EmulatedCompute
     from plait.models import GPT, GPTConfig
-    from plait.train.hetero import layout_of
     from plait.train.parallelize import parallelize
+    from plait.train.placement import layout_of
 
     layout = _layouts(config, plan, name)
     rank = dist.get_rank()

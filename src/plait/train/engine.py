@@ -120,6 +120,7 @@ class Engine:
         meshes: Meshes | None = None,
         channels: Channels | None = None,
         seed: int = 0,
+        first_microbatch: int | None = None,  # of the global batch's (None: dp_index × m)
     ) -> None:
         self.plan, self.mesh, self.schedule = plan, mesh, schedule
         # with the expert view (ep > 1): the ep group exchanges tokens, and its ranks hold
@@ -165,10 +166,9 @@ class Engine:
         self._deferred: list[int] = []  # stages whose lr schedule waits for the flag
         self._losses = LossExchange(plan, schedule, device, timeout_s)
         # dropout keyed by (seed, step, sample, site), the same under any layout
-        self.draws = StepDraws(seed, plan.microbatches, self.dp_index * plan.microbatches)
-        self.executor.backend.draw = (
-            self.draws if has_keyed_dropout(list(stages.values())) else None
-        )
+        first = self.dp_index * plan.microbatches if first_microbatch is None else first_microbatch
+        self.draws = StepDraws(seed, plan.microbatches, first)
+        self.executor.backend.draw = self.draws if has_keyed_dropout([*stages.values()]) else None
 
     # ------------------------------------------------------------------ steps
     def step(self, batch: tuple[Any, Any], *, index: int | None = None) -> StepReport:

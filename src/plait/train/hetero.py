@@ -1,10 +1,11 @@
-"""`parallelize_hetero`: training a plan whose data-parallel replicas are pipelines of their
-own depth, partition and micro-batch count (HetPipe's virtual workers, Park et al., ATC
-2020), synchronously or under Wave Synchronous Parallel.
+"""`HeteroEngine`: the engine of one pipeline of a plan whose data-parallel replicas are
+pipelines of their own depth, partition and micro-batch count (HetPipe's virtual workers,
+Park et al., ATC 2020), synchronously or under Wave Synchronous Parallel.
 
-Each pipeline runs the ordinary engine (`plait.train.engine.Engine`) over its own ranks,
-its own schedule and its own stage cut; what differs from a homogeneous plan is only how
-the pipelines meet:
+`plait.train.parallelize` builds it as it builds every engine: this rank's pipeline is
+placed as a plan of its own (`plait.train.placement`) and the same passes apply, with
+three of their own that join the pipelines (`plait.train.passes`). What differs from a
+homogeneous plan's engine is only how the pipelines meet:
 
 - the batch: pipeline i takes its share B_i = m_i · b of the global batch of B samples
   (b = B / Σ m_j samples per micro-batch), rows in pipeline order;
@@ -25,66 +26,33 @@ the pipeline's own (pipelines train on different weights).
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
-from plait.blocks import block_names
-from plait.config import ParallelPlan
-from plait.device import current as current_device
-from plait.keyed import StepDraws, agreed_seed
-from plait.mesh import pipeline_mesh
-from plait.parallel.hetero import BlockBuckets, PipelineGroups, ShareReducer, pipeline_groups
-from plait.pipelines import PipelineLayout, pipeline_layout
-from plait.runtime import StepResult, local_stages
-from plait.runtime.channels import build_channels
-from plait.schedule import build
+from plait.parallel.hetero import PipelineGroups
+from plait.runtime import StepResult
 from plait.train.batches import batch_size as _batch_size
 from plait.train.batches import rows as _rows
-from plait.train.compile import apply_compile
-from plait.train.engine import (
-    Engine,
-    LossFn,
-    OptimizerFactory,
-    SchedulerFactory,
-    StepReport,
-)
-from plait.train.recompute import apply_recompute
+from plait.train.engine import Engine, StepReport
 from plait.train.wsp import WaveExchange
-from plait.wait import DEFAULT_TIMEOUT_S
 
-__all__ = ["HeteroEngine", "layout_of", "parallelize_hetero"]
-
-
-def layout_of(plan: ParallelPlan, num_blocks: int | None = None) -> PipelineLayout:
-    """The pipelines of `plan`: its `pipelines`, or dp alike ones (`partition`, or an equal
-    split of `num_blocks`)."""
-    if plan.pipelines is not None:
-        sizes = [p.partition for p in plan.pipelines]
-        counts = [p.microbatches for p in plan.pipelines]
-        return pipeline_layout(sizes, counts, chunks=plan.chunks, rank_order=plan.rank_order)
-    if plan.partition is not None:
-        part: tuple[int, ...] = plan.partition
-    else:
-        if num_blocks is None:
-            raise ValueError("an equal split needs the number of blocks")
-        stages = plan.num_stages
-        part = tuple(num_blocks // stages + (s < num_blocks % stages) for s in range(stages))
-    return pipeline_layout(
-        [part] * plan.dp, [plan.microbatches] * plan.dp, chunks=plan.chunks,
-        rank_order=plan.rank_order,
-    )  # fmt: skip
+__all__ = ["HeteroEngine"]
 
 
 class HeteroEngine(Engine):
-    """The engine of one pipeline of a heterogeneous (or WSP) plan; build it with
-    `parallelize_hetero`. `step` takes the global batch, like `Engine.step`."""
+    """The engine of one pipeline of a heterogeneous (or WSP) plan; `parallelize` builds
+    it. `step` takes the global batch, like `Engine.step`. `groups`: where the pipelines
+    meet; `waves`: WSP's exchange (None: synchronous)."""
 
-    groups: PipelineGroups
-    waves: WaveExchange | None
+    def __init__(
+        self, *, groups: PipelineGroups, waves: WaveExchange | None, **engine: Any
+    ) -> None:
+        self.groups, self.waves = groups, waves
+        # dropout draws by global micro-batch: the pipelines before this one take the first
+        first = sum(groups.layout.microbatches[: groups.pipeline])
+        super().__init__(first_microbatch=first, **engine)
 
     def step(self, batch: tuple[Any, Any], *, index: int | None = None) -> StepReport:
         if self.waves is not None:
@@ -149,83 +117,3 @@ class HeteroEngine(Engine):
             dist.broadcast(value, src=src, group=self.groups.pp_group)
         flags = [t.reshape(1).to(value.device, torch.float32) for t in self._flags()]
         return torch.cat([value, *flags]).tolist()
-
-
-def parallelize_hetero(
-    model: nn.Module,
-    plan: ParallelPlan,
-    optimizer_factory: OptimizerFactory,
-    loss_fn: LossFn,
-    *,
-    device: torch.device | str | None = None,
-    grad_clip: float | None = None,
-    timeout_s: float | None = DEFAULT_TIMEOUT_S,
-    scheduler_factory: SchedulerFactory | None = None,
-    compile: bool = False,
-) -> HeteroEngine:
-    """A `HeteroEngine` for this rank's pipeline of `plan` (see the module docstring).
-    Every rank passes the same model, initialised identically."""
-    device = torch.device(device) if device is not None else current_device()
-    names = block_names(model)
-    layout = layout_of(plan, len(names))
-    groups = pipeline_groups(layout)
-    i = groups.pipeline
-    pp = len(layout.ranks[i])
-    mine = dataclasses.replace(
-        plan, dp=1, dp_replicate=None, dp_shard=None, pp=pp, partition=layout.sizes[i],
-        microbatches=layout.microbatches[i],
-        pipelines=None, wsp_staleness=None, wsp_at_most=False,
-    )  # fmt: skip
-    schedule = build(plan.schedule, pp, mine.microbatches, plan.chunks)
-    channels = build_channels([
-        (build(plan.schedule, len(ranks), count, plan.chunks), ranks)
-        for ranks, count in zip(layout.ranks, layout.microbatches, strict=True)
-    ])  # fmt: skip
-    stages: dict[int, nn.Module] = dict(
-        local_stages(model, schedule, groups.pp_rank, sizes=layout.sizes[i], device=device)
-    )
-    for index, stage in stages.items():
-        apply_recompute(stage, plan.recompute_of(index))
-        if compile:
-            apply_compile(stage)
-    buckets = BlockBuckets(groups, stages)
-    _same_start(buckets)
-    synchronous = plan.wsp_staleness is None
-    share = layout.batch_shares()[i]
-    optimizers = {
-        s: optimizer_factory([p for p in m.parameters() if p.requires_grad])
-        for s, m in stages.items()
-    }
-    schedulers = (
-        {s: scheduler_factory(o, 1) for s, o in optimizers.items()}
-        if scheduler_factory is not None
-        else None
-    )
-    engine = HeteroEngine(
-        plan=mine, schedule=schedule,
-        mesh=pipeline_mesh(mine.layout, layout.ranks[i], groups.pp_group, device.type),
-        stages=stages, optimizers=optimizers,
-        grad_sync=ShareReducer(buckets, share) if synchronous else None, loss_fn=loss_fn,
-        device=device, grad_clip=grad_clip, block_names=names, timeout_s=timeout_s,
-        schedulers=schedulers, channels=channels,
-    )  # fmt: skip
-    engine.groups = groups
-    if engine.executor.backend.draw is not None:  # keyed dropout: this pipeline's rows
-        engine.draws = StepDraws(agreed_seed(device), layout.microbatches[i],
-                                 sum(layout.microbatches[:i]))  # fmt: skip
-        engine.executor.backend.draw = engine.draws
-    staleness, at_most = int(plan.wsp_staleness or 0), plan.wsp_at_most
-    engine.waves = (
-        None
-        if synchronous
-        else WaveExchange(buckets, staleness=staleness, wave=plan.wsp_wave, at_most=at_most)
-    )
-    return engine
-
-
-def _same_start(buckets: BlockBuckets) -> None:
-    """Every pipeline starts from pipeline 0's weights (the lowest rank of each group)."""
-    for index, (group, holders, _) in enumerate(buckets.buckets):
-        flat = buckets.flat(index)
-        dist.broadcast(flat, src=min(holders), group=group)
-        buckets.copy_in(index, flat)

@@ -1,13 +1,17 @@
 """`parallelize`: one model and one plan become this rank's `Engine`.
 
-It checks every pass of `plait.train.passes` before touching the model, cuts the model
-into this rank's pipeline stages, applies the passes in order (they shard, wrap, compile
-and build the gradient sync and the optimizers) and hands the result to the engine. A plan
-whose data-parallel replicas are pipelines of their own (HetPipe, WSP) is built by
-`plait.train.hetero`.
+It checks every pass of `plait.train.passes` before touching the model, places this rank's
+pipeline (`plait.train.placement`: its mesh, schedule, channels and stage cut, for a plan
+of one grid of ranks or one whose data-parallel replicas are pipelines of their own, as
+HetPipe's and WSP's are), cuts the model into this rank's stages, applies the passes in
+order (they shard, wrap, compile, join the replicas and build the gradient sync and the
+optimizers) and hands the result to the engine (`plait.train.hetero.HeteroEngine` for
+pipelines of their own, which cuts their shares of the batch and reports their loss).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import nn
@@ -17,14 +21,13 @@ from plait.blocks import block_names
 from plait.config import ParallelPlan
 from plait.device import current as current_device
 from plait.keyed import agreed_seed, has_keyed_dropout
-from plait.mesh import Meshes, build_mesh
 from plait.parallel import expert_params
 from plait.runtime import local_stages
-from plait.runtime.channels import Channels, build_channels
-from plait.schedule import Schedule, build
 from plait.train.arguments import check_parallelize_arguments
 from plait.train.engine import Engine, LossFn, OptimizerFactory, SchedulerFactory
+from plait.train.hetero import HeteroEngine
 from plait.train.passes import Build, Request, apply_passes, refusals
+from plait.train.placement import rank_pipeline
 from plait.wait import DEFAULT_TIMEOUT_S
 
 __all__ = ["parallelize"]
@@ -57,44 +60,33 @@ def parallelize(
     `compile` torch.compiles each block after recomputation (`plait.train.compile`).
     """
     check_parallelize_arguments(model, plan, optimizer_factory, loss_fn)
-    if plan.pipelines is not None or plan.wsp_staleness is not None:  # pipelines of their own
-        from plait.train.hetero import parallelize_hetero
-
-        return parallelize_hetero(model, plan, optimizer_factory, loss_fn, device=device,
-                                  grad_clip=grad_clip, timeout_s=timeout_s,
-                                  scheduler_factory=scheduler_factory,
-                                  compile=compile)  # fmt: skip
     request = Request(plan, compile=compile, mesh_given=mesh is not None)
     refused = refusals(request)
     if refused:
         raise ValueError("; ".join(refused))
     device = torch.device(device) if device is not None else current_device()
-    meshes = (
-        Meshes(main=mesh)
-        if mesh is not None
-        else build_mesh(plan.layout, device.type, experts=bool(expert_params(model)))
-    )
     names = block_names(model)
-    schedule = build(plan.schedule, plan.pp, plan.microbatches, plan.chunks)
-    channels = _channels(schedule, meshes.main)
-    pp_rank = meshes.main.get_local_rank("pp")
+    mine = rank_pipeline(plan, num_blocks=len(names), device_type=device.type, mesh=mesh,
+                         experts=bool(expert_params(model)))  # fmt: skip
     stages: dict[int, nn.Module] = dict(
-        local_stages(model, schedule, pp_rank, sizes=plan.partition, device=device)
+        local_stages(model, mine.schedule, mine.pp_rank, sizes=mine.sizes, device=device)
     )
-    b = Build(request, meshes, schedule, stages, optimizer_factory, len(names), timeout_s,
-              grad_clip)  # fmt: skip
+    if mine.groups is not None:  # the passes see this rank's pipeline as a plan of its own
+        request = Request(mine.plan, compile=compile, whole=plan)
+    b = Build(request, mine.meshes, mine.schedule, stages, optimizer_factory, len(names),
+              timeout_s, grad_clip, groups=mine.groups)  # fmt: skip
     apply_passes(b)
     schedulers = (
-        {s: scheduler_factory(o, max(1, schedule.updates_per_window))
+        {s: scheduler_factory(o, max(1, mine.schedule.updates_per_window))
          for s, o in b.optimizers.items()}
         if scheduler_factory is not None
         else None
     )  # fmt: skip
-    return Engine(
+    common: dict[str, Any] = dict(
         schedulers=schedulers,
-        plan=plan,
-        mesh=meshes.main,
-        schedule=schedule,
+        plan=mine.plan,
+        mesh=mine.meshes.main,
+        schedule=mine.schedule,
         stages=stages,
         optimizers=b.optimizers,
         grad_sync=b.grad_sync,
@@ -103,18 +95,10 @@ def parallelize(
         grad_clip=b.grad_clip,
         block_names=names,
         timeout_s=timeout_s,
-        meshes=meshes,
-        channels=channels,
+        meshes=mine.meshes,
+        channels=mine.channels,
         seed=agreed_seed(device) if has_keyed_dropout([model]) else 0,
     )
-
-
-def _channels(schedule: Schedule, mesh: DeviceMesh) -> Channels | None:
-    """Every pipeline's message channels (`plait.runtime.channels`), made on every rank
-    in one order; this rank's. Each pipeline is the pp column of one (dp, tp) place."""
-    if schedule.num_ranks == 1:
-        return None
-    names = mesh.mesh_dim_names or ()
-    grid = mesh.mesh.movedim(names.index("pp"), 0).reshape(mesh["pp"].size(), -1)
-    pipelines = [(schedule, [int(r) for r in grid[:, j]]) for j in range(grid.shape[1])]
-    return build_channels(pipelines)
+    if mine.groups is not None:
+        return HeteroEngine(groups=mine.groups, waves=b.waves, **common)
+    return Engine(**common)

@@ -7,7 +7,11 @@ active ones in `PASSES` order, torchtitan's: experts and tensor parallelism shar
 blocks, context parallelism turns their attention into a ring, recomputation wraps them,
 compile compiles the wrapped blocks; the replicas start alike; FSDP (ZeRO-2/3) or the
 bucketed reducer (with its compression hook) becomes the gradient sync; the optimizers
-(ZeRO-1 partitions them) and offload come last. A new transform (FP8, another sharding) is
+(ZeRO-1 partitions them) and offload come last. A plan whose replicas are pipelines of
+their own (HetPipe, WSP) runs the same passes on this rank's pipeline as a plan of its own
+(`plait.train.placement`), and three passes of its own join the pipelines: they start
+alike, their gradients meet weighted by their shares (synchronous), or WSP's waves carry
+their updates. A new transform (FP8, another sharding) is
 one more pass in this list, with its refusals beside its apply step; `plait capabilities`
 prints the combinations they refuse (`plait.train.capabilities`).
 
@@ -37,6 +41,7 @@ from plait.parallel import (
     shard_experts,
 )
 from plait.parallel.compress import hook_for
+from plait.parallel.hetero import BlockBuckets, PipelineGroups, ShareReducer
 from plait.parallel.replicas import with_replicas
 from plait.runtime.sync import GradSync
 from plait.schedule import Schedule
@@ -44,6 +49,7 @@ from plait.train.compile import apply_compile, compile_refusal
 from plait.train.context import apply_context_parallel, cp_refusal
 from plait.train.offload import apply_offload
 from plait.train.recompute import apply_recompute
+from plait.train.wsp import WaveExchange
 
 __all__ = ["PASSES", "Build", "Pass", "Request", "apply_passes", "refusals"]
 
@@ -57,6 +63,9 @@ class Request:
     plan: ParallelPlan
     compile: bool = False
     mesh_given: bool = False  # the caller built the mesh (no expert view can be added)
+    # a plan whose replicas are pipelines of their own (HetPipe, WSP): `plan` is then this
+    # rank's pipeline as a plan of its own (dp = 1), and `whole` the plan of all of them
+    whole: ParallelPlan | None = None
 
 
 @dataclass
@@ -73,6 +82,10 @@ class Build:
     grad_clip: float | None
     grad_sync: GradSync | None = None
     optimizers: dict[int, torch.optim.Optimizer] = field(default_factory=dict)
+    # pipelines of their own: where they meet (`plait.parallel.hetero`), and WSP's waves
+    groups: PipelineGroups | None = None
+    buckets: BlockBuckets | None = None
+    waves: WaveExchange | None = None
 
     @property
     def plan(self) -> ParallelPlan:
@@ -152,6 +165,45 @@ def _same_start(b: Build) -> None:
             local = t.to_local() if hasattr(t, "to_local") else t
             g = experts if id(t) in own else group
             dist.broadcast(local.data, src=dist.get_global_rank(g, 0), group=g)
+
+
+def _pipelines_start_alike(b: Build) -> None:
+    """Pipelines of their own start from pipeline 0's weights: each block group (the ranks
+    holding that block, one per pipeline) broadcasts from its lowest rank."""
+    assert b.groups is not None  # `parallelize` places such a plan's pipelines
+    b.buckets = BlockBuckets(b.groups, b.stages)
+    for index, (group, holders, _) in enumerate(b.buckets.buckets):
+        flat = b.buckets.flat(index)
+        dist.broadcast(flat, src=min(holders), group=group)
+        b.buckets.copy_in(index, flat)
+
+
+def _share_reducer(b: Build) -> None:
+    """Synchronous pipelines of their own: gradients reduced per block group, weighted by
+    each pipeline's share of the batch, so a step equals one process on the whole batch."""
+    assert b.groups is not None and b.buckets is not None
+    b.grad_sync = ShareReducer(b.buckets, b.groups.layout.batch_shares()[b.groups.pipeline])
+
+
+def _waves(b: Build) -> None:
+    """WSP: no gradient reduction; each pipeline steps its own optimizer and the wave
+    exchange adds the others' updates D waves late (`plait.train.wsp`)."""
+    whole = b.request.whole
+    assert whole is not None and whole.wsp_staleness is not None and b.buckets is not None
+    b.waves = WaveExchange(b.buckets, staleness=int(whole.wsp_staleness),
+                           wave=whole.wsp_wave, at_most=whole.wsp_at_most)  # fmt: skip
+
+
+def _own_pipelines(r: Request) -> bool:
+    return r.whole is not None
+
+
+def _synchronous_pipelines(r: Request) -> bool:
+    return r.whole is not None and r.whole.wsp_staleness is None
+
+
+def _wsp(r: Request) -> bool:
+    return r.whole is not None and r.whole.wsp_staleness is not None
 
 
 def _fsdp(b: Build) -> None:
@@ -252,10 +304,13 @@ PASSES: tuple[Pass, ...] = (
     Pass("recompute", _recompute_active, _recompute),
     Pass("compile", lambda r: r.compile, _compile, lambda r: compile_refusal(ep=r.plan.ep)),
     Pass("same start", lambda r: True, _same_start),
+    Pass("pipelines start alike", _own_pipelines, _pipelines_start_alike),
     Pass("fsdp", lambda r: r.plan.zero >= 2, _fsdp),
     Pass("reducer", _reducer_active, _reduce),
+    Pass("share reducer", _synchronous_pipelines, _share_reducer),
     Pass("replicas", lambda r: True, _replicas),
     Pass("optimizer", lambda r: True, _optimizers, _zero1_refusal),
+    Pass("waves", _wsp, _waves),
     Pass(
         "offload",
         lambda r: r.plan.offload_activations != "none" or r.plan.offload_optimizer,
