@@ -130,10 +130,11 @@ def pipeline_layout(
 
 
 def check_hetero_plan(plan: Any) -> None:
-    """Raise ValueError for what the runtime of heterogeneous pipelines and WSP
-    (`plait.train.hetero`) cannot apply in `plan`, a `plait.config.ParallelPlan` (typed
-    Any: config imports this module). That runtime runs whole pipelines of one rank per
-    stage, each on its own synchronous schedule, and reduces plain (unsharded) tensors."""
+    """Raise ValueError for what the runtime of heterogeneous pipelines and WSP (the
+    passes of `plait.train.parallelize` that join pipelines) cannot apply in `plan`, a
+    `plait.config.ParallelPlan` (typed Any: config imports this module). That runtime runs
+    whole pipelines of one rank per stage, each on its own synchronous schedule, and
+    reduces plain (unsharded) tensors."""
     what = "pipelines (a heterogeneous plan)" if plan.pipelines is not None else "wsp_staleness"
     for name, value, default in (("tp", plan.tp, 1), ("ep", plan.ep, 1), ("zero", plan.zero, 0),
                                  ("compress", plan.compress, "none")):  # fmt: skip
@@ -146,6 +147,12 @@ def check_hetero_plan(plan: Any) -> None:
         raise ValueError(
             f"schedule={plan.schedule!r} (asynchronous) with {what}: each virtual worker runs "
             "a synchronous schedule (gpipe, 1f1b, interleaved, zb-h1...)"
+        )
+    if plan.offload_activations != "none" or plan.offload_optimizer:
+        # not yet tested against one process with the pipelines' own reductions
+        raise ValueError(
+            f"offloading with {what} is not supported yet: drop offload_activations and "
+            "offload_optimizer, or use one pipeline layout"
         )
     if plan.pipelines is not None:
         sizes = [p.partition for p in plan.pipelines]

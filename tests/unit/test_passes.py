@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
+
 import plait.train.hetero
 import plait.train.parallelize
 from plait.config import ParallelPlan, PipelineSpec
@@ -49,3 +51,12 @@ def test_the_joining_passes_come_in_the_order_the_pipelines_need() -> None:
 def test_there_is_one_builder() -> None:
     assert not hasattr(plait.train.hetero, "parallelize_hetero")
     assert not hasattr(plait.train.parallelize, "parallelize_hetero")
+
+
+def test_offloading_pipelines_of_their_own_is_refused_at_the_plan() -> None:
+    with pytest.raises(ValueError, match="offloading with wsp_staleness is not supported"):
+        ParallelPlan(dp=2, pp=1, wsp_staleness=1, offload_optimizer=True)
+    with pytest.raises(ValueError, match=r"offloading with pipelines \(a heterogeneous plan\)"):
+        ParallelPlan(dp=2, pp=1, offload_activations="all",
+                     pipelines=(PipelineSpec(partition=(4,), microbatches=2),
+                                PipelineSpec(partition=(4,), microbatches=1)))  # fmt: skip
