@@ -163,4 +163,4 @@ def test_simulate_and_plan_take_compress(
     out = Path(str(tmp_path)) / "plan.json"
     assert main(["plan", "--cluster", "local-cpu", "--batch-size", "32",
                  "--compress", "none,powersgd:4", "--out", str(out)]) == 0  # fmt: skip
-    assert json.loads(out.read_text())["compress"] in ("none", "powersgd:4")
+    assert json.loads(out.read_text())["communication"]["compress"] in ("none", "powersgd:4")
