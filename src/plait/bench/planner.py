@@ -36,6 +36,9 @@ class PlannerBenchConfig:
     seq_len: int = 64
     batch_size: int = 16
     steps: int = 4
+    # each plan measured once a round, the rounds one after another: a plan's figure is
+    # the median over rounds, so a slow spell of the host falls on every plan alike
+    rounds: int = 1
     warmup: int = 1
     # every synchronous kind the planner searches (empty: the registry's, as `plait plan`)
     schedules: tuple[str, ...] = ()
@@ -52,8 +55,10 @@ class PlannerBenchConfig:
                 f"--schedules {','.join(bad)}: the sweep takes synchronous kinds, of "
                 f"{', '.join(kind_names(synchronous=True, searched=True))}"
             )
-        if self.workers < 2 or self.steps < 1 or self.warmup < 0:
-            raise ValueError("--workers must be >= 2, --steps >= 1 and --warmup >= 0")
+        if self.workers < 2 or self.steps < 1 or self.warmup < 0 or self.rounds < 1:
+            raise ValueError(
+                "--workers must be >= 2, --steps >= 1, --warmup >= 0 and --rounds >= 1"
+            )
         for name in ("layers", "hidden", "heads", "seq_len", "batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)} must be >= 1")
@@ -188,10 +193,12 @@ def _worker(cfg: PlannerBenchConfig) -> dict[str, Any] | None:
         box[0] = (plans, spent + time.perf_counter() - t0, efficiency)
     dist.broadcast_object_list(box, src=0)
     plans, plan_seconds, efficiency = box[0]
-    measured = [_measure(cfg, plan, corpus) for plan in plans]
+    rounds = [[_measure(cfg, plan, corpus) for plan in plans] for _ in range(cfg.rounds)]
+    measured = [statistics.median(times) for times in zip(*rounds, strict=True)]
+    spread = [(min(times), max(times)) for times in zip(*rounds, strict=True)]
     if env.rank != 0:
         return None
-    return {"plans": plans, "measured": measured, "plan_seconds": plan_seconds,
+    return {"plans": plans, "measured": measured, "spread": spread, "plan_seconds": plan_seconds,
             "sharing_efficiency": efficiency, "reference_step_s": reference_s}  # fmt: skip
 
 
@@ -225,7 +232,8 @@ def run_bench(cfg: PlannerBenchConfig) -> dict[str, Any]:
     best = min(range(len(plans)), key=measured.__getitem__)
     rows = [
         {"plan": describe(plan_from_dict(p)), "predicted_step_s": predicted[i],
-         "measured_step_s": measured[i], "error": (predicted[i] - measured[i]) / measured[i]}
+         "measured_step_s": measured[i], "error": (predicted[i] - measured[i]) / measured[i],
+         "measured_spread_s": list(out["spread"][i])}
         for i, p in enumerate(plans)
     ]  # fmt: skip
     errors = [abs(p - m) / m for p, m in zip(predicted, measured, strict=True)]
@@ -261,6 +269,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--batch-size", type=int, default=16, dest="batch_size")
     a("--steps", type=int, default=4)
     a("--warmup", type=int, default=1)
+    a("--rounds", type=int, default=1,
+      help="measure every plan once a round, this many rounds; each plan's time is the "
+      "median over rounds (1)")  # fmt: skip
     a("--schedules", type=_kinds, default=(), metavar="KINDS",
       help="schedule kinds of the grid, comma-separated (every synchronous kind the "
       "planner searches)")  # fmt: skip
@@ -272,7 +283,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = PlannerBenchConfig(
         workers=args.workers, layers=args.layers, hidden=args.hidden, heads=args.heads,
         seq_len=args.seq_len, batch_size=args.batch_size, steps=args.steps,
-        warmup=args.warmup, schedules=tuple(args.schedules),
+        warmup=args.warmup, schedules=tuple(args.schedules), rounds=args.rounds,
     )  # fmt: skip
     result = run_bench(cfg)
     if args.json:
