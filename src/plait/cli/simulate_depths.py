@@ -45,7 +45,7 @@ def run_depths(args: argparse.Namespace, spec: Any, plan: SimPlan) -> int:
         )
     blocks = spec.block_costs(micro_batch_size=sim.micro_batch_size, dtype=sim.dtype, layout=sim)
     het = simulate_pipelines(sim, blocks, cluster)
-    pipelines = [
+    pipelines: list[dict[str, Any]] = [
         {"pipeline": r.dp_rank, "devices": list(r.devices), "partition": list(r.sizes),
          "microbatches": r.num_microbatches, "step_time_s": r.run.step_time_s,
          "peak_memory_bytes": [x.memory.total for x in r.run.ranks],

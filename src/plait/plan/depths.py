@@ -94,7 +94,9 @@ def _with_pipelines(template: SimPlan, specs: Sequence[PipelineSpec]) -> SimPlan
                        pipelines=tuple(specs))  # fmt: skip
 
 
-def _alone(plan: SimPlan, depth: int, microbatches: int, partition: tuple[int, ...] | None) -> SimPlan:
+def _alone(
+    plan: SimPlan, depth: int, microbatches: int, partition: tuple[int, ...] | None
+) -> SimPlan:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return replace(plan, dp=1, pp=depth, microbatches=microbatches, partition=partition,

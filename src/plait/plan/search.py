@@ -23,8 +23,10 @@ import dataclasses
 import math
 import time
 from dataclasses import dataclass
+from typing import cast
 
 from plait.cluster import Cluster
+from plait.cost import Optimizer, Recompute
 from plait.plan.depths import depth_plans, template_of
 from plait.plan.describe import describe
 from plait.plan.estimate import Estimate
@@ -193,7 +195,9 @@ def search(
                                                  global_batch)  # fmt: skip
     simulated += replayed_depths
     for outcome in found_depths:
-        outcome = _with_margin(outcome, memory_margin) if isinstance(outcome, RankedPlan) else outcome
+        outcome = (
+            _with_margin(outcome, memory_margin) if isinstance(outcome, RankedPlan) else outcome
+        )
         if isinstance(outcome, RankedPlan):
             ranked.append(with_loader(outcome, rate))
         else:
@@ -239,9 +243,12 @@ def _depth_plans(
         templates = [template_of(r.plan) for r in best[:3]]
     else:
         sizes = sorted(b for b in space.micro_batch_sizes if global_batch % b == 0)[:2]
-        templates = [SimPlan(schedule="1f1b", micro_batch_size=b, recompute=mode,
-                             dtype=space.dtype, optimizer=space.optimizer, seq_len=model.seq_len)
-                     for b in sizes for mode in space.recompute]  # fmt: skip
+        templates = [
+            SimPlan(schedule="1f1b", micro_batch_size=b, recompute=cast(Recompute, mode),
+                    dtype=space.dtype, optimizer=cast(Optimizer, space.optimizer),
+                    seq_len=model.seq_len)
+            for b in sizes for mode in space.recompute
+        ]  # fmt: skip
     unique = list(dict.fromkeys(templates))
     best_s = best[0].simulated_step_s if best else math.inf
     return depth_plans(model, cluster, unique, num_devices=devices, global_batch=global_batch,
