@@ -31,6 +31,7 @@ from plait.cli.models import (
 )
 from plait.cli.options import add_config_flags
 from plait.cli.plan import check_out
+from plait.cli.simulate_depths import differ_in_depth, run_depths
 from plait.cli.simulate_wsp import check_wsp, print_wsp, wsp_summary
 from plait.cluster import normalize_dtype
 from plait.config import ParallelPlan
@@ -228,6 +229,8 @@ def run(args: argparse.Namespace) -> int:
     _check(args, spec)
     dtype = normalize_dtype(args.dtype)
     plan = _plan(args, spec, dtype)
+    if args.wsp_staleness is None and differ_in_depth(args.pipelines, plan.chunks):
+        return run_depths(args, spec, plan)  # no (dp, pp) grid: each pipeline at its depth
     if args.wsp_staleness is not None:  # before simulating: what training would refuse
         check_wsp(plan, args.wsp_staleness, args.wsp_wave, args.pipelines)
     given = load_cluster(args.cluster)

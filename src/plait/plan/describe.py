@@ -21,8 +21,11 @@ def describe(plan: SimPlan) -> str:
         *(["activations"] if plan.offload_activations != "none" else []),
         *(["optimizer"] if plan.offload_optimizer else []),
     ]
+    pp = str(plan.pp)
+    if len(set(plan.depths)) > 1:  # pipelines of their own depths, their shares alike
+        pp = "+".join(map(str, plan.depths))
     return (
-        f"dp={plan.dp}{ep}{cp} tp={plan.tp}{sp} pp={plan.pp} {sched} m={_shares(plan)} "
+        f"dp={plan.dp}{ep}{cp} tp={plan.tp}{sp} pp={pp} {sched} m={_shares(plan)} "
         f"b={plan.micro_batch_size} recompute={recompute(plan)} zero={plan.zero}{order}"
         f"{compress}" + (f" offload={'+'.join(offload)}" if offload else "")
     )
@@ -30,6 +33,8 @@ def describe(plan: SimPlan) -> str:
 
 def _shares(plan: SimPlan) -> str:
     """Micro-batches per replica: one count, or the two of unequal shares and their sum."""
+    if len(set(plan.depths)) > 1:
+        return "+".join(map(str, plan.shares))
     first, last, total = plan.shares[0], plan.shares[-1], plan.total_microbatches
     return f"{first}/{last} ({total} in all)" if total else str(first)
 

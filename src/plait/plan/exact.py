@@ -17,7 +17,15 @@ from plait.plan.partition import MemoryShortfall
 from plait.plan.space import ModelSpec
 from plait.sim import SimPlan, SimResult, build_schedule, simulate
 
-__all__ = ["NoFeasiblePlan", "RankedPlan", "Rejection", "exact", "exact_hetero", "exact_of"]
+__all__ = [
+    "NoFeasiblePlan",
+    "RankedPlan",
+    "Rejection",
+    "exact",
+    "exact_hetero",
+    "exact_of",
+    "ranked_hetero",
+]
 
 _GIB = 2.0**30
 
@@ -107,6 +115,14 @@ def exact_hetero(plan: SimPlan, model: ModelSpec, cluster: Cluster) -> RankedPla
         het = plan_replicas(plan, model, cluster)
     except ValueError as err:
         return Rejection(plan, str(err), _excess(err))
+    return ranked_hetero(plan, het, model, cluster)
+
+
+def ranked_hetero(
+    plan: SimPlan, het: HeteroPlan, model: ModelSpec, cluster: Cluster
+) -> RankedPlan | Rejection:
+    """`plan` as its pipelines `het` price it: rejected when one is over memory, else
+    ranked by the slowest (its memory the worst pipeline's)."""
     worst = max(
         het.replicas, key=lambda r: max(x.memory.total - x.capacity_bytes for x in r.run.ranks)
     )
@@ -120,7 +136,9 @@ def exact_hetero(plan: SimPlan, model: ModelSpec, cluster: Cluster) -> RankedPla
     )
     total_flops = flops * plan.tp * sum(plan.shares)
     peak = sum(cluster.device(g).peak(plan.dtype) for g in range(plan.world_size))
-    bubble = max(1.0 - r.run.busy_s / (plan.pp * r.run.pipeline_time_s) for r in het.replicas)
+    bubble = max(
+        1.0 - r.run.busy_s / (len(r.run.ranks) * r.run.pipeline_time_s) for r in het.replicas
+    )
     batch = plan.global_batch_size
     return RankedPlan(
         plan,

@@ -45,7 +45,8 @@ def plan_to_dict(
     values = p.to_dict()
     out: dict[str, Any] = {key: values[key] for key in LAYOUT_KEYS if key in values}
     out.pop("pipelines", None)
-    out["partition"] = list(ranked.sizes)
+    # pipelines of different depths: the top-level cut is the first pipeline's, as pp is
+    out["partition"] = list(p.partition if p.pipelines and p.partition else ranked.sizes)
     out["micro_batch_size"] = p.micro_batch_size
     out["global_batch"] = p.global_batch_size
     out["predicted"] = {

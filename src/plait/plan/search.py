@@ -23,8 +23,11 @@ import dataclasses
 import math
 import time
 from dataclasses import dataclass
+from typing import cast
 
 from plait.cluster import Cluster
+from plait.cost import Optimizer, Recompute
+from plait.plan.depths import depth_plans, template_of
 from plait.plan.describe import describe
 from plait.plan.estimate import Estimate
 from plait.plan.exact import NoFeasiblePlan, RankedPlan, Rejection, exact_of
@@ -188,6 +191,17 @@ def search(
             ranked.append(with_loader(outcome, rate))
         else:
             rejected.append(outcome)
+    found_depths, replayed_depths = _depth_plans(ranked, model, cluster, space, devices,
+                                                 global_batch)  # fmt: skip
+    simulated += replayed_depths
+    for outcome in found_depths:
+        outcome = (
+            _with_margin(outcome, memory_margin) if isinstance(outcome, RankedPlan) else outcome
+        )
+        if isinstance(outcome, RankedPlan):
+            ranked.append(with_loader(outcome, rate))
+        else:
+            rejected.append(outcome)
     reason = ""
     if not ranked:  # the memory savers that cost host-link time, tried last
         reason, found = _offloaded(rejected, model, cluster, max_simulated)
@@ -216,6 +230,31 @@ def search(
     )
 
 
+def _depth_plans(
+    ranked: list[RankedPlan], model: ModelSpec, cluster: Cluster, space: SearchSpace,
+    devices: int, global_batch: int,
+) -> tuple[list[RankedPlan | Rejection], int]:  # fmt: skip
+    """Pipelines of different depths (`plait.plan.depths`), with the options of the best
+    plans of one depth, or (when none fits) of the space's smallest micro-batches."""
+    if cluster.is_homogeneous:
+        return [], 0
+    best = sorted(ranked, key=_preference)
+    if best:
+        templates = [template_of(r.plan) for r in best[:3]]
+    else:
+        sizes = sorted(b for b in space.micro_batch_sizes if global_batch % b == 0)[:2]
+        templates = [
+            SimPlan(schedule="1f1b", micro_batch_size=b, recompute=cast(Recompute, mode),
+                    dtype=space.dtype, optimizer=cast(Optimizer, space.optimizer),
+                    seq_len=model.seq_len)
+            for b in sizes for mode in space.recompute
+        ]  # fmt: skip
+    unique = list(dict.fromkeys(templates))
+    best_s = best[0].simulated_step_s if best else math.inf
+    return depth_plans(model, cluster, unique, num_devices=devices, global_batch=global_batch,
+                       best_s=best_s)  # fmt: skip
+
+
 def _lighter(
     top: list[RankedPlan], model: ModelSpec, cluster: Cluster, margin: float
 ) -> RankedPlan | None:
@@ -235,7 +274,9 @@ def _offloaded(
 ) -> tuple[str, list[RankedPlan | Rejection]]:
     """When no plan fits, the `limit` plans closest to fitting again with activations,
     optimizer state or both in host memory (`plait.train.offload`): (why, outcomes)."""
-    short = sorted((r for r in rejected if r.excess_bytes > 0), key=lambda r: r.excess_bytes)
+    # pipelines of their own are not offloaded (`plait.pipelines.check_hetero_plan`)
+    short = sorted((r for r in rejected if r.excess_bytes > 0 and r.plan.pipelines is None),
+                   key=lambda r: r.excess_bytes)  # fmt: skip
     if not short:
         return "", []
     closest = short[0]

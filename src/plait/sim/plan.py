@@ -77,7 +77,10 @@ class SimPlan(ParallelPlan):
 
     @property
     def shares(self) -> tuple[int, ...]:
-        """Micro-batches of each data-parallel replica per step."""
+        """Micro-batches of each data-parallel replica per step (each pipeline's own when
+        the plan has `pipelines`)."""
+        if self.pipelines is not None:
+            return tuple(p.microbatches for p in self.pipelines)
         if not self.total_microbatches:
             return (self.microbatches,) * self.dp
         low, extra = divmod(self.total_microbatches, self.dp)
@@ -88,6 +91,27 @@ class SimPlan(ParallelPlan):
         """`layout` with every one of its fields, and the batch shape `shape` (keywords
         `micro_batch_size`, `seq_len`, `optimizer`)."""
         return cls(**{f.name: getattr(layout, f.name) for f in fields(ParallelPlan)}, **shape)
+
+    @property
+    def depths(self) -> tuple[int, ...]:
+        """Ranks of each pipeline: its own with `pipelines`, else pp for every replica."""
+        if self.pipelines is None:
+            return (self.pp,) * self.dp
+        return tuple(len(p.partition) // self.chunks for p in self.pipelines)
+
+    def global_rank(self, pp_rank: int, dp_rank: int = 0, tp_rank: int = 0) -> int:
+        """As `ParallelPlan.global_rank`, except that pipelines of different depths take
+        consecutive ranks (`plait.pipelines.pipeline_layout`): pipeline d's stage rank s
+        is rank sum(depths[:d]) + s."""
+        depths = self.depths if self.pipelines is not None else ()
+        if len(set(depths)) <= 1:
+            return super().global_rank(pp_rank, dp_rank, tp_rank)
+        if not (0 <= pp_rank < depths[dp_rank] and tp_rank == 0):
+            raise ValueError(
+                f"pipeline {dp_rank} has ranks 0..{depths[dp_rank] - 1} (tp=1), not "
+                f"pp_rank={pp_rank} tp_rank={tp_rank}"
+            )
+        return sum(depths[:dp_rank]) + pp_rank
 
     def parallel_plan(self) -> ParallelPlan:
         """The layout alone, as training takes it (checked as training checks it)."""
