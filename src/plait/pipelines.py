@@ -148,6 +148,13 @@ def check_hetero_plan(plan: Any) -> None:
             f"schedule={plan.schedule!r} (asynchronous) with {what}: each virtual worker runs "
             "a synchronous schedule (gpipe, 1f1b, interleaved, zb-h1...)"
         )
+    if schedule_kind(plan.schedule).replicated:
+        # each block group keeps one copy of a block in step; Chimera's second copy would
+        # drift from it unsummed
+        raise ValueError(
+            f"schedule={plan.schedule!r} (replicated stages) with {what}: the pipelines "
+            "join one copy of each block; use a schedule of one copy (1f1b, gpipe, zb-h1...)"
+        )
     if plan.offload_activations != "none" or plan.offload_optimizer:
         # not yet tested against one process with the pipelines' own reductions
         raise ValueError(

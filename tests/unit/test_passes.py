@@ -60,3 +60,8 @@ def test_offloading_pipelines_of_their_own_is_refused_at_the_plan() -> None:
         ParallelPlan(dp=2, pp=1, offload_activations="all",
                      pipelines=(PipelineSpec(partition=(4,), microbatches=2),
                                 PipelineSpec(partition=(4,), microbatches=1)))  # fmt: skip
+
+
+def test_a_replicated_schedule_with_pipelines_of_their_own_is_refused_at_the_plan() -> None:
+    with pytest.raises(ValueError, match=r"schedule='chimera' \(replicated stages\) with wsp"):
+        ParallelPlan(dp=2, pp=2, schedule="chimera", wsp_staleness=0)
