@@ -73,8 +73,10 @@ def shares(total: int, throughputs: list[float]) -> list[int]:
     weight = sum(throughputs)
     exact = [total * t / weight for t in throughputs]
     counts = [max(1, int(x)) for x in exact]
-    while sum(counts) > total:
-        i = max(range(len(counts)), key=lambda j: counts[j] - exact[j])
+    while sum(counts) > total:  # rounding up to one each overshot: take from the others
+        i = max(
+            (j for j in range(len(counts)) if counts[j] > 1), key=lambda j: counts[j] - exact[j]
+        )
         counts[i] -= 1
     order = sorted(range(len(counts)), key=lambda j: exact[j] - counts[j], reverse=True)
     for i in order[: total - sum(counts)]:
