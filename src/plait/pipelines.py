@@ -24,7 +24,13 @@ from typing import Any
 from plait.layout import Layout
 from plait.schedule.registry import schedule_kind
 
-__all__ = ["PipelineLayout", "check_hetero_plan", "check_pipelines", "pipeline_layout"]
+__all__ = [
+    "PipelineLayout",
+    "check_hetero_plan",
+    "check_pipelines",
+    "hetero_refusal",
+    "pipeline_layout",
+]
 
 
 @dataclass(frozen=True)
@@ -129,38 +135,48 @@ def pipeline_layout(
     )
 
 
-def check_hetero_plan(plan: Any) -> None:
-    """Raise ValueError for what the runtime of heterogeneous pipelines and WSP (the
-    passes of `plait.train.parallelize` that join pipelines) cannot apply in `plan`, a
-    `plait.config.ParallelPlan` (typed Any: config imports this module). That runtime runs
-    whole pipelines of one rank per stage, each on its own synchronous schedule, and
-    reduces plain (unsharded) tensors."""
+def hetero_refusal(plan: Any) -> str | None:
+    """Why the runtime of pipelines of their own cannot take `plan`'s options (None: it
+    can); `check_hetero_plan` raises it. The planner asks before it proposes such a plan
+    (`plait.plan.exact.exact_of`), so that every plan it writes trains."""
     what = "pipelines (a heterogeneous plan)" if plan.pipelines is not None else "wsp_staleness"
     for name, value, default in (("tp", plan.tp, 1), ("ep", plan.ep, 1), ("zero", plan.zero, 0),
                                  ("compress", plan.compress, "none")):  # fmt: skip
         if value != default:
-            raise ValueError(
+            return (
                 f"{name}={value!r} with {what}: the runtime of virtual workers takes whole, "
                 f"unsharded pipelines; set {name}={default!r}"
             )
     if not schedule_kind(plan.schedule).synchronous:
-        raise ValueError(
+        return (
             f"schedule={plan.schedule!r} (asynchronous) with {what}: each virtual worker runs "
             "a synchronous schedule (gpipe, 1f1b, interleaved, zb-h1...)"
         )
     if schedule_kind(plan.schedule).replicated:
         # each block group keeps one copy of a block in step; Chimera's second copy would
         # drift from it unsummed
-        raise ValueError(
+        return (
             f"schedule={plan.schedule!r} (replicated stages) with {what}: the pipelines "
             "join one copy of each block; use a schedule of one copy (1f1b, gpipe, zb-h1...)"
         )
     if plan.offload_activations != "none" or plan.offload_optimizer:
         # not yet tested against one process with the pipelines' own reductions
-        raise ValueError(
+        return (
             f"offloading with {what} is not supported yet: drop offload_activations and "
             "offload_optimizer, or use one pipeline layout"
         )
+    return None
+
+
+def check_hetero_plan(plan: Any) -> None:
+    """Raise ValueError for what the runtime of heterogeneous pipelines and WSP (the
+    passes of `plait.train.parallelize` that join pipelines) cannot apply in `plan`, a
+    `plait.config.ParallelPlan` (typed Any: config imports this module). That runtime runs
+    whole pipelines, each on its own synchronous schedule, and reduces plain (unsharded)
+    tensors."""
+    why = hetero_refusal(plan)
+    if why is not None:
+        raise ValueError(why)
     if plan.pipelines is not None:
         sizes = [p.partition for p in plan.pipelines]
         check_pipelines(sizes, [p.microbatches for p in plan.pipelines], chunks=plan.chunks,

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from plait.cluster import Cluster
 from plait.cost import StageCost
+from plait.pipelines import hetero_refusal
 from plait.plan.hetero import HeteroPlan, plan_replicas, split_replica
 from plait.plan.partition import MemoryShortfall
 from plait.plan.space import ModelSpec
@@ -25,6 +26,7 @@ __all__ = [
     "exact_hetero",
     "exact_of",
     "ranked_hetero",
+    "runs_as_pipelines",
 ]
 
 _GIB = 2.0**30
@@ -155,8 +157,22 @@ def ranked_hetero(
 
 
 def exact_of(plan: SimPlan, cluster: Cluster) -> Callable[..., RankedPlan | Rejection]:
-    """Replicas alike: one replay. Unequal devices or unequal shares: one per replica."""
-    return exact if cluster.is_homogeneous and not plan.total_microbatches else exact_hetero
+    """Replicas alike: one replay. Unequal devices or unequal shares: one per replica,
+    each pipeline cut and fed by its own devices, as training runs pipelines of their own
+    (`plait.pipelines`). Options that runtime refuses (ZeRO, tp, compression, offload, two
+    stages a rank...) on unequal devices are priced as the runtime runs them instead: one
+    cut and equal shares for every replica, each replayed on its own devices."""
+    if plan.total_microbatches:  # `plait.plan.space` proposes them with options it takes
+        return exact_hetero
+    if cluster.is_homogeneous or not runs_as_pipelines(plan):
+        return exact
+    return exact_hetero
+
+
+def runs_as_pipelines(plan: SimPlan) -> bool:
+    """Whether training can run `plan`'s replicas as pipelines of their own: options the
+    runtime of pipelines takes (`plait.pipelines.hetero_refusal`), one stage a rank."""
+    return plan.chunks == 1 and hetero_refusal(plan) is None
 
 
 def _excess(err: ValueError) -> float:
