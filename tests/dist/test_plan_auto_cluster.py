@@ -36,7 +36,7 @@ def _work(plan: dict, vocab: int) -> tuple[list[float], list[float]]:
         start = 0
         for device, size in zip(pipeline["devices"], pipeline["partition"], strict=True):
             work = sum(flops[start : start + size]) * pipeline["microbatches"]
-            (slow if "×10" in device else fast).append(work)
+            (slow if device == "slow" else fast).append(work)
             start += size
     return fast, slow
 

@@ -171,13 +171,41 @@ def test_fit_efficiency_solves_a_falling_prediction() -> None:
     assert fit_efficiency(lambda e: 1.0 / e, 0.5) == pytest.approx(1.0, abs=1e-4)  # bound
 
 
-def test_cluster_slowdowns_make_a_node_of_each_speed() -> None:
+def _declared(slowdowns: tuple[float, ...], memory: tuple[int, ...]) -> Cluster:
+    """A cluster file's devices: one node per run of one kind."""
+    link = Link(latency_s=1e-5, bandwidth_Bps=1e9)
+    groups, first = [], 0
+    while first < len(slowdowns):
+        n = 1
+        while first + n < len(slowdowns) and (slowdowns[first + n], memory[first + n]) == (
+            slowdowns[first],
+            memory[first],
+        ):
+            n += 1
+        device = Device(name=f"kind{first}", peak_flops={"fp32": 1e12},
+                        memory_bytes=memory[first], slowdown=slowdowns[first])  # fmt: skip
+        groups.append(NodeGroup(device=device, devices_per_node=n, intra_node=link))
+        first += n
+    return Cluster(name="declared", groups=tuple(groups), inter_node=link)
+
+
+def test_a_declared_cluster_makes_a_node_of_each_kind_on_cores_of_their_own() -> None:
+    """`--cluster FILE`: the planner sees the file's devices (their slowdown, their memory
+    up to a worker's share, their nodes), each on a core of its own however few cores this
+    host has: the file states the hardware, so pipelines of different depths are planned."""
     from plait.train.autoplan import local_cluster
 
     link = Link(latency_s=1e-5, bandwidth_Bps=1e9)
-    cluster = local_cluster(3, link, cores=4, slowdowns=(1.0, 1.0, 3.0))
+    declared = _declared((1.0, 1.0, 3.0, 3.0), (2**40, 2**40, 2**20, 2**20))
+    cluster = local_cluster(3, link, cores=2, declared=declared)
     assert [g.devices_per_node for g in cluster.groups] == [2, 1]
     assert [g.device.slowdown for g in cluster.groups] == [1.0, 3.0]
+    assert [g.device.name for g in cluster.groups] == ["kind0", "kind2"]
     fast, slow = (g.device.achievable_flops("fp32") for g in cluster.groups)
     assert fast == pytest.approx(3 * slow)
-    assert len(local_cluster(3, link, cores=4, slowdowns=(2.0,) * 3).groups) == 1  # one speed
+    assert cluster.groups[1].device.memory_bytes == 2**20
+    assert cluster.groups[0].device.memory_bytes < 2**40  # at most a worker's share here
+    assert not cluster.shares_processors  # 3 workers on 2 cores: the file says otherwise
+    assert local_cluster(3, link, cores=2).shares_processors  # measured: they share
+    same = _declared((2.0,) * 3, (2**30,) * 3)
+    assert len(local_cluster(3, link, cores=4, declared=same).groups) == 1  # one kind

@@ -17,7 +17,10 @@ is no better than the best step found so far is not replayed (the bounds of
 
 Limits: what the runtime of pipelines takes (`plait.pipelines.check_hetero_plan`): tp = 1,
 no ZeRO, experts, compression or offload, synchronous schedules of one stage a rank; a
-pipeline never mixes device kinds; devices that time-share processors are not planned so.
+pipeline never mixes device kinds. Devices that time-share processors (`--plan auto`'s
+measured local workers when they outnumber the cores) are not planned so: each pipeline
+is replayed on devices of its own, while pipelines sharing cores take each other's time;
+a cluster file's devices are planned as it declares them (`plait.train.autoplan`).
 """
 
 from __future__ import annotations

@@ -5,7 +5,9 @@ others wait, then searches the layouts of the local workers with the planner; th
 is broadcast so every worker builds the same engine. Workers that outnumber the cores
 time-share them, pinned as `plait.mesh.init_worker` pins them; the simulator shares each
 core among the workers computing on it (with ideal efficiency unless one was measured:
-`fit_sharing_efficiency`).
+`fit_sharing_efficiency`). With `--cluster FILE` the workers are the file's devices as it
+declares them instead (`local_cluster`), so plans of pipelines of different depths, which
+the planner keeps from workers that share cores, are proposed for them.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from plait.schedule import KINDS
 
 __all__ = [
     "auto_plan",
-    "cluster_slowdowns",
+    "declared_cluster",
     "fit_sharing_efficiency",
     "local_cluster",
     "measure_collectives",
@@ -125,15 +127,13 @@ def local_cluster(
     cores: int | None = None,
     sharing_efficiency: float = 1.0,
     device: str = "cpu",
-    slowdowns: tuple[float, ...] | None = None,
+    declared: Cluster | None = None,
 ) -> Cluster:
     """The local workers on `device` (a device type) as the planner sees them: a GPU each,
     or one core each, or, when they outnumber the `cores` (default: those this process may
     use), pinned to core i mod cores as `plait.mesh.init_worker` pins them and
-    time-sharing it (`NodeGroup.processors`). `slowdowns` (one per rank, from `--cluster`)
-    make rank r's device that many times slower, as `plait.train.slowdown` runs it:
-    consecutive ranks of one speed form a node of their own, so the planner's
-    heterogeneous plans (`plait.plan.hetero`) can give the slow ones less work."""
+    time-sharing it (`NodeGroup.processors`). With `declared` (the `--cluster` file),
+    rank r is that file's device r instead (`_declared`)."""
     from plait.train.memcheck import worker_memory_bytes
 
     memory = int(worker_memory_bytes(world, device))
@@ -142,35 +142,40 @@ def local_cluster(
         name=f"local-workers ({device})", flops={dtype: _SPEED}, memory_bytes=memory,
         devices_per_node=world, intra_node=link,
     )  # fmt: skip
-    if slowdowns is not None and len(set(slowdowns[:world])) > 1:
-        sharing = (cores, sharing_efficiency) if world > cores else None
-        return _slowed(cluster, slowdowns[:world], sharing)
+    if declared is not None:
+        return _declared(cluster, declared, world)
     if world <= cores:
         return cluster
     group = replace(cluster.groups[0], processors=cores, sharing_efficiency=sharing_efficiency)
     return replace(cluster, groups=(group,))
 
 
-def _slowed(
-    cluster: Cluster, slowdowns: tuple[float, ...], sharing: tuple[int, float] | None
-) -> Cluster:
-    """`cluster`'s one node cut into runs of ranks of one speed, each a node group of
-    devices `slowdown` times slower; with `sharing` (cores, efficiency), the groups
-    time-share the cores in proportion to their ranks."""
-    from itertools import groupby
-
-    base = cluster.groups[0]
-    world = len(slowdowns)
-    groups = []
-    for k, run in groupby(slowdowns):
-        size = len(list(run))
-        group = replace(base, device=replace(base.device, name=f"{base.device.name} ×{k:g}",
-                                             slowdown=float(k)), devices_per_node=size)  # fmt: skip
-        if sharing is not None:
-            share = min(size, max(1, sharing[0] * size // world))
-            group = replace(group, processors=share, sharing_efficiency=sharing[1])
-        groups.append(group)
-    return replace(cluster, groups=tuple(groups), inter_node=base.intra_node)
+def _declared(measured: Cluster, declared: Cluster, world: int) -> Cluster:
+    """The `world` workers as `declared` says they are: rank r is its device r, with that
+    device's name, `slowdown` (which `plait.train.slowdown` runs), memory (at most a
+    worker's share here) and node, computing at the measured rate over the measured link.
+    A cluster file is the user's statement of the hardware: its devices compute on their
+    own unless its nodes say they share processors, however many cores this host has
+    (the time-sharing of cores that `local_cluster` models is this host's, measured)."""
+    base = measured.groups[0]
+    runs: list[tuple[tuple[int, object], int]] = []
+    for rank in range(world):
+        key = (declared.node_of(rank), declared.device(rank))
+        if runs and runs[-1][0] == key:
+            runs[-1] = (key, runs[-1][1] + 1)
+        else:
+            runs.append((key, 1))
+    groups, first = [], 0
+    for _, size in runs:
+        mine = declared.device(first)
+        device = replace(base.device, name=mine.name, slowdown=mine.slowdown,
+                         memory_bytes=min(base.device.memory_bytes, mine.memory_bytes))  # fmt: skip
+        shared = len({declared.processor(r) for r in range(first, first + size)})
+        groups.append(replace(base, device=device, devices_per_node=size,
+                              processors=shared if shared < size else None,
+                              sharing_efficiency=declared.sharing_efficiency(first)))  # fmt: skip
+        first += size
+    return replace(measured, name=declared.name, groups=tuple(groups), inter_node=base.intra_node)
 
 
 def fit_sharing_efficiency(
@@ -230,12 +235,12 @@ def _search(
     dtype: str,
     allow_staleness: bool,
     device: torch.device,
-    slowdowns: tuple[float, ...] | None = None,
+    declared: Cluster | None = None,
 ) -> dict[str, Any]:
     with fork_rng(device):
         spec = measured_spec(model, samples, loss_fn, num_heads=num_heads,
                              seq_len=seq_len, dtype=dtype, device=device)  # fmt: skip
-    cluster = local_cluster(world, link, dtype, device=device.type, slowdowns=slowdowns)
+    cluster = local_cluster(world, link, dtype, device=device.type, declared=declared)
     space = SearchSpace(dtype=dtype, allow_staleness=allow_staleness)
     found = search(spec, cluster, global_batch=global_batch, space=space)
     return plan_to_dict(found.best, cluster=cluster.name)
@@ -254,7 +259,7 @@ def auto_plan(
     device: torch.device | None = None,
     key: dict[str, Any] | None = None,
     replan: bool = False,
-    slowdowns: tuple[float, ...] | None = None,
+    declared: Cluster | None = None,
 ) -> dict[str, Any]:
     """The plan every worker trains under (call on every worker; a collective). `samples`
     are micro-batches of one or two sizes, to learn how block costs grow with the size;
@@ -262,7 +267,7 @@ def auto_plan(
     `dtype`; `allow_staleness` lets the planner choose an asynchronous schedule. With a
     `key` (`plait.train.decisions.decision_key`), a decision kept under it is taken as it
     is, and a new one is kept, unless `replan`; the plan's `decision` says which.
-    `slowdowns` (per rank, `--cluster`): plan for ranks that run that many times slower."""
+    `declared` (`--cluster`): plan for the devices that file describes (`local_cluster`)."""
     from plait.train import decisions
 
     world = dist.get_world_size()
@@ -278,7 +283,7 @@ def auto_plan(
         chosen = _search(model, samples, loss_fn, link, world, num_heads=num_heads,
                          seq_len=seq_len, global_batch=global_batch, dtype=dtype,
                          allow_staleness=allow_staleness, device=device,
-                         slowdowns=slowdowns)  # fmt: skip
+                         declared=declared)  # fmt: skip
         chosen["decision"] = _why("measured", world, link)
         box[0] = decisions.save(key, chosen) if key is not None else chosen
     dist.broadcast_object_list(box, src=0)
@@ -312,7 +317,7 @@ def preview_plan(cfg: Any, world: int) -> dict[str, Any]:
                          link, world, num_heads=task.num_heads, seq_len=task.seq_len,
                          global_batch=cfg.batch_size, dtype=cfg.parallel.dtype,
                          allow_staleness=cfg.allow_staleness, device=device,
-                         slowdowns=cluster_slowdowns(cfg, world))  # fmt: skip
+                         declared=declared_cluster(cfg, world))  # fmt: skip
     finally:
         torch.set_num_threads(threads)
     chosen["decision"] = _why("previewed", world, link)
@@ -327,8 +332,13 @@ def _why(source: str, world: int, link: Link) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def cluster_slowdowns(cfg: Any, world: int) -> tuple[float, ...] | None:
-    """Each rank's slowdown under `cfg.cluster` (`plait train --cluster`), else None."""
+def declared_cluster(cfg: Any, world: int) -> Cluster | None:
+    """The cluster `cfg.cluster` names (`plait train --cluster`), checked against `world`
+    workers, else None."""
+    from plait.presets import load_cluster
     from plait.train.slowdown import check_cluster
 
-    return check_cluster(cfg.cluster, world) if cfg.cluster else None
+    if not cfg.cluster:
+        return None
+    check_cluster(cfg.cluster, world)
+    return load_cluster(cfg.cluster)

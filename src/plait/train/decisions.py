@@ -26,7 +26,7 @@ from typing import Any
 
 __all__ = ["decision_key", "default_dir", "load", "save"]
 
-_VERSION = 1  # bump when what a decision means changes
+_VERSION = 2  # bump when what a decision means changes (2: --cluster files as declared)
 # the TrainConfig fields the planner reads (or that change what it measures)
 _PLANNED = ("model", "init_from", "parallel", "nproc", "device", "cluster", "plan",
             "allow_staleness", "compile", "tf32", "optimizer_impl", "optimizer",
@@ -56,6 +56,8 @@ def decision_key(cfg: dict[str, Any], world: int, device: str) -> dict[str, Any]
     return {
         "version": _VERSION,
         "config": {k: cfg.get(k) for k in _PLANNED},
+        # the planner reads the file's devices: a file edited in place is another decision
+        "cluster_file": _contents(cfg.get("cluster")),
         "world": world,
         "device": device,
         "host": platform.node(),
@@ -63,6 +65,14 @@ def decision_key(cfg: dict[str, Any], world: int, device: str) -> dict[str, Any]
         "torch": torch.__version__,
         "plait": plait_version,
     }
+
+
+def _contents(name: Any) -> str | None:
+    """The sha256 of the cluster file `name` (None for a preset or none)."""
+    path = Path(name) if isinstance(name, str) else None
+    if path is None or not path.is_file():
+        return None
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def _file(key: dict[str, Any], folder: Path | None) -> Path:

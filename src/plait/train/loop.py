@@ -248,7 +248,7 @@ def _decided(cfg: TrainConfig, model: nn.Module, task: Task, device: Any) -> dic
     """The plan `--plan auto` decides for `cfg` (a collective), or the one it kept for
     the same flags on this host (`plait.train.decisions`)."""
     from plait.device import device_name
-    from plait.train.autoplan import auto_plan, cluster_slowdowns, plan_samples
+    from plait.train.autoplan import auto_plan, declared_cluster, plan_samples
     from plait.train.decisions import decision_key
 
     world = dist.get_world_size()
@@ -265,7 +265,7 @@ def _decided(cfg: TrainConfig, model: nn.Module, task: Task, device: Any) -> dic
         device=device,
         key=key,
         replan=cfg.replan,
-        slowdowns=cluster_slowdowns(cfg, world),
+        declared=declared_cluster(cfg, world),
     )
 
 
