@@ -251,11 +251,12 @@ def _table(found: Any, describe: Any) -> None:
     for i, r in enumerate(found.top, 1):
         p = r.plan
         sched = p.schedule + (f"×{p.chunks}" if p.chunks > 1 else "")
+        pp = "+".join(map(str, p.depths)) if len(set(p.depths)) > 1 else str(p.pp)
         table.add_row(
             str(i), f"{p.dp}×" + (f"{p.cp}×" if cp else "")
-            + f"{p.tp}{'+sp' if p.sequence_parallel else ''}×{p.pp}"
+            + f"{p.tp}{'+sp' if p.sequence_parallel else ''}×{pp}"
             + (f"×{p.ep}" if any(r.plan.ep > 1 for r in found.top) else ""), sched,
-            f"{'/'.join(map(str, sorted(set(p.shares), reverse=True)))}×{p.micro_batch_size}",
+            f"{_shares(p)}×{p.micro_batch_size}",
             recompute(p), str(p.zero),
             f"{r.step_time_s:.3g}" + (" (input)" if r.input_bound else ""),
             f"{r.tokens_per_s:,.0f}", f"{r.mfu:.1%}",
@@ -264,3 +265,11 @@ def _table(found: Any, describe: Any) -> None:
             size(r.headroom_bytes) if math.isfinite(r.headroom_bytes) else "-",
         )  # fmt: skip
     console().print(table)
+
+
+def _shares(plan: Any) -> str:
+    """Micro-batches per pipeline: each pipeline's where they differ in depth, else the
+    distinct shares."""
+    if len(set(plan.depths)) > 1:
+        return "+".join(map(str, plan.shares))
+    return "/".join(map(str, sorted(set(plan.shares), reverse=True)))

@@ -256,6 +256,10 @@ def _preview(cfg: dict[str, Any]) -> str:
     chosen = preview_plan(config_from_dict(cfg), int(cfg["nproc"]))
     layout = ", ".join(f"{k}={chosen[k]}" for k in ("dp", "tp", "pp", "schedule", "microbatches",
                                                      "chunks", "zero", "recompute"))  # fmt: skip
+    if chosen.get("pipelines"):  # pipelines of their own: each one's depth and share
+        depths = "+".join(str(len(p["partition"])) for p in chosen["pipelines"])
+        shares = "+".join(str(p["microbatches"]) for p in chosen["pipelines"])
+        layout += f", pipelines of depths {depths} with {shares} micro-batches"
     step = chosen["predicted"]["step_time_s"]
     decision = chosen.get("decision", {})
     if decision.get("source") != "kept":
