@@ -33,6 +33,7 @@ from plait.plan.estimate import Estimate
 from plait.plan.exact import NoFeasiblePlan, RankedPlan, Rejection, exact_of
 from plait.plan.lighter import lighter_recompute
 from plait.plan.loader import check_rate, with_loader
+from plait.plan.offload import OPTIONS, best_key_of, offloaded, offloads
 from plait.plan.prune import fastest_of_each_kind, fastest_without_cp, order_key, pruned_estimates
 from plait.plan.space import ModelSpec, SearchSpace, candidates
 from plait.sim import SimPlan
@@ -79,9 +80,12 @@ def replay_work(plan: SimPlan) -> int:
     return plan.pp * plan.chunks * plan.microbatches
 
 
-def _preference(r: RankedPlan) -> tuple[int, bool, bool, int, int, bool, int, float, float]:
+def _preference(
+    r: RankedPlan,
+) -> tuple[int, bool, bool, bool, int, int, bool, int, float, float]:
     """Fastest first; among plans equally fast (to 0.1%), the simpler one: equal shares,
-    exact gradients (no compression), less sharding, less recomputation, the least context
+    exact gradients (no compression), nothing in host memory, less sharding, less
+    recomputation, the least context
     parallelism, then (when the input pipeline is modelled, and many plans wait for it
     alike) the least device time, then the most memory left."""
     p = r.plan
@@ -90,6 +94,7 @@ def _preference(r: RankedPlan) -> tuple[int, bool, bool, int, int, bool, int, fl
         step,
         p.total_microbatches > 0,
         p.compress != "none",
+        offloads(p),
         p.zero,
         ("none", "selective", "full").index(p.recompute),
         p.sequence_parallel,
@@ -177,6 +182,7 @@ def search(
         order = [without_cp, *(x for x in order if x[1] != without_cp[1])]
     ranked: list[RankedPlan] = []
     rejected = [Rejection(p, _short(e), e.excess_bytes) for e, p in misfits]
+    short: list[Rejection] = []  # replayed and over memory: offload may still fit them
     simulated = replayed = 0
     for _, plan in order:
         budget_gone = replayed >= replay_budget and len(ranked) >= top_k
@@ -191,6 +197,8 @@ def search(
             ranked.append(with_loader(outcome, rate))
         else:
             rejected.append(outcome)
+            if outcome.excess_bytes > 0:
+                short.append(outcome)
     found_depths, replayed_depths = _depth_plans(ranked, model, cluster, space, devices,
                                                  global_batch)  # fmt: skip
     simulated += replayed_depths
@@ -208,7 +216,17 @@ def search(
         margined = [_with_margin(x, memory_margin) for x in found if isinstance(x, RankedPlan)]
         ranked = [with_loader(r, rate) for r in margined if isinstance(r, RankedPlan)]
         simulated += len(found)
+    else:  # plans that fit only with offload, where they could beat those that fit
+        failed = [*((e.step_s, p) for e, p in misfits), *((None, r.plan) for r in short)]
+        found = offloaded(failed, best_key_of(ranked), model, cluster, margin=memory_margin,
+                          limit=max_simulated if exhaustive else top_k, rate=rate)  # fmt: skip
+        simulated += len(found)
+        fitting = [x for x in (_with_margin(o, memory_margin) for o in found
+                               if isinstance(o, RankedPlan)) if isinstance(x, RankedPlan)]  # fmt: skip
+        ranked += [with_loader(r, rate) for r in fitting]
     ranked.sort(key=_preference)
+    if ranked and not reason and offloads(ranked[0].plan):
+        reason = _offload_wins(ranked, rejected)
     lighter = _lighter(ranked[:top_k], model, cluster, memory_margin)
     if lighter is not None:
         ranked = sorted([*ranked, with_loader(lighter, rate)], key=_preference)
@@ -265,8 +283,19 @@ def _lighter(
     return RankedPlan.of(found[0], first.sizes, found[1]) if first and found else None
 
 
-_OFFLOADS = ({"offload_activations": "all"}, {"offload_optimizer": True},
-             {"offload_activations": "all", "offload_optimizer": True})  # fmt: skip
+def _offload_wins(ranked: list[RankedPlan], rejected: list[Rejection]) -> str:
+    """Why the best plan offloads although other plans fit without offload."""
+    best = ranked[0].plan
+    plain = dataclasses.replace(best, offload_activations="none", offload_optimizer=False)
+    over = next((r for r in rejected if r.plan == plain and r.excess_bytes > 0), None)
+    need = f" ({over.excess_bytes / _GIB:.2f} GiB over without it)" if over else ""
+    runner = next((r for r in ranked if not offloads(r.plan)), None)
+    beats = (
+        f", and beats the fastest plan without offload ({describe(runner.plan)}, "
+        f"{runner.step_time_s:.4g} s a step) by {runner.step_time_s - ranked[0].step_time_s:.3g} s"
+        if runner else ""
+    )  # fmt: skip
+    return f"its layout fits only with host memory{need}; it pays the host-link transfers{beats}"
 
 
 def _offloaded(
@@ -288,7 +317,7 @@ def _offloaded(
     found = [
         exact_of(r.plan, cluster)(dataclasses.replace(r.plan, **option), model, cluster)
         for r in short[:limit]
-        for option in _OFFLOADS
+        for option in OPTIONS
     ]
     return reason, found
 
