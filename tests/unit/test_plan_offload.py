@@ -52,8 +52,8 @@ def _brute_force(cluster: Cluster, space: SearchSpace, batch: int) -> RankedPlan
             r = exact_of(variant, cluster)(variant, MODEL, cluster)
             if not isinstance(r, RankedPlan):
                 continue
-            fits = all(p <= (1 - MARGIN) * c
-                       for p, c in zip(r.peak_memory_bytes, r.capacity_bytes, strict=True))  # fmt: skip
+            pairs = zip(r.peak_memory_bytes, r.capacity_bytes, strict=True)
+            fits = all(p <= (1 - MARGIN) * c for p, c in pairs)
             if fits and (best is None or r.step_time_s < best.step_time_s):
                 best = r
     assert best is not None
@@ -82,6 +82,9 @@ def test_offload_is_picked_where_it_beats_every_plan_that_fits(host: float) -> N
         assert offloads(found.best.plan) and found.best.plan.recompute == "none"
         assert "fits only with host memory" in explain(found)
         assert "beats the fastest plan without offload" in explain(found)
+        plain_space = dataclasses.replace(space, offload=False)
+        kept = search(MODEL, cluster, global_batch=4, space=plain_space, memory_margin=MARGIN)
+        assert not offloads(kept.best.plan)  # `plait plan --no-offload`
     else:
         assert not offloads(found.best.plan)
 

@@ -57,6 +57,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
       help="the input pipeline's samples per second per loading process: each data-parallel "
       "replica loads its batch while the devices compute, and a plan's step is the longer "
       "of the two (default: not modelled)")  # fmt: skip
+    a("--no-offload", action="store_false", dest="offload",
+      help="never keep activations or optimizer state in host memory (by default the "
+      "search offloads where a plan fits only so and is the faster for it, or where "
+      "nothing fits without)")  # fmt: skip
     a("--json", action="store_true", help="print one JSON object")
     a("--out", help="write the best plan as JSON (for `plait train --plan`)")
     p.set_defaults(func=run)
@@ -131,6 +135,7 @@ def run(args: argparse.Namespace) -> int:
         rank_orders=orders,
         allow_staleness=args.allow_staleness,
         compress=tuple(c for c in args.compress.split(",") if c),
+        offload=args.offload,
     )
     if args.wsp_allowance is not None:  # WSP exchanges whole weights, unsharded
         space = dataclasses.replace(space, zero_stages=(0,))

@@ -141,8 +141,10 @@ def offloaded(
     while tried < limit:
         # every pending plan's options are bounded below by its compute bound, so the
         # queue's head is the best left once it is not above the next pending plan's
-        while head < len(pending) and pending[head][0] < best and (
-            not queue or queue[0][0] > pending[head][0]
+        while (
+            head < len(pending)
+            and pending[head][0] < best
+            and (not queue or queue[0][0] > pending[head][0])
         ):
             _, i, plan = pending[head]
             head += 1

@@ -211,19 +211,18 @@ def search(
         else:
             rejected.append(outcome)
     reason = ""
-    if not ranked:  # the memory savers that cost host-link time, tried last
+    if not ranked and space.offload:  # the memory savers that cost host-link time, tried last
         reason, found = _offloaded(rejected, model, cluster, max_simulated)
         margined = [_with_margin(x, memory_margin) for x in found if isinstance(x, RankedPlan)]
         ranked = [with_loader(r, rate) for r in margined if isinstance(r, RankedPlan)]
         simulated += len(found)
-    else:  # plans that fit only with offload, where they could beat those that fit
+    elif ranked and space.offload:  # plans that fit only with offload, where they could win
         failed = [*((e.step_s, p) for e, p in misfits), *((None, r.plan) for r in short)]
         found = offloaded(failed, best_key_of(ranked), model, cluster, margin=memory_margin,
                           limit=max_simulated if exhaustive else top_k, rate=rate)  # fmt: skip
         simulated += len(found)
-        fitting = [x for x in (_with_margin(o, memory_margin) for o in found
-                               if isinstance(o, RankedPlan)) if isinstance(x, RankedPlan)]  # fmt: skip
-        ranked += [with_loader(r, rate) for r in fitting]
+        margined = [_with_margin(o, memory_margin) for o in found if isinstance(o, RankedPlan)]
+        ranked += [with_loader(r, rate) for r in margined if isinstance(r, RankedPlan)]
     ranked.sort(key=_preference)
     if ranked and not reason and offloads(ranked[0].plan):
         reason = _offload_wins(ranked, rejected)
