@@ -36,6 +36,7 @@ from plait.plan.loader import check_rate, with_loader
 from plait.plan.offload import OPTIONS, best_key_of, offloaded, offloads
 from plait.plan.prune import fastest_of_each_kind, fastest_without_cp, order_key, pruned_estimates
 from plait.plan.space import ModelSpec, SearchSpace, candidates
+from plait.plan.wsp import wsp_variants
 from plait.sim import SimPlan
 
 __all__ = ["NoFeasiblePlan", "PlanSearch", "RankedPlan", "Rejection", "describe", "search"]
@@ -82,9 +83,10 @@ def replay_work(plan: SimPlan) -> int:
 
 def _preference(
     r: RankedPlan,
-) -> tuple[int, bool, bool, bool, int, int, bool, int, float, float]:
+) -> tuple[int, bool, bool, bool, bool, int, int, bool, int, float, float]:
     """Fastest first; among plans equally fast (to 0.1%), the simpler one: equal shares,
-    exact gradients (no compression), nothing in host memory, less sharding, less
+    exact gradients (no compression), fresh weights (no WSP), nothing in host memory, less
+    sharding, less
     recomputation, the least context
     parallelism, then (when the input pipeline is modelled, and many plans wait for it
     alike) the least device time, then the most memory left."""
@@ -94,6 +96,7 @@ def _preference(
         step,
         p.total_microbatches > 0,
         p.compress != "none",
+        p.wsp_staleness is not None,
         offloads(p),
         p.zero,
         ("none", "selective", "full").index(p.recompute),
@@ -134,6 +137,7 @@ def search(
     replay_budget: int = REPLAY_BUDGET,
     memory_margin: float = 0.05,
     loader_samples_per_s: float | None = None,
+    wsp_allowance: int | None = None,
 ) -> PlanSearch:
     """The best plans for training `model` on `cluster` with `global_batch` samples a step.
 
@@ -150,9 +154,14 @@ def search(
     Past `exact_limit` candidates, plans are simulated in the order of their estimates
     until `max_simulated` are, or until `top_k` fit and the simulations have replayed
     `replay_budget` stage-micro-batches (`replay_work`). The stop is counted in work, not
-    in seconds, so a faster or idler machine decides the same plan."""
+    in seconds, so a faster or idler machine decides the same plan.
+
+    With `wsp_allowance` (waves of staleness, >= 0), every plan found that the runtime can
+    train under WSP is ranked again with its D chosen within it (`plait.plan.wsp`)."""
     t0 = time.perf_counter()
     rate = check_rate(loader_samples_per_s, "loader_samples_per_s")
+    if wsp_allowance is not None and wsp_allowance < 0:
+        raise ValueError(f"wsp_allowance={wsp_allowance}: give the most waves of staleness, >= 0")
     if space is None:
         orders = ("tp-dp-pp",) if cluster.is_homogeneous else ("tp-dp-pp", "tp-pp-dp")
         space = SearchSpace(rank_orders=orders)
@@ -223,6 +232,9 @@ def search(
         simulated += len(found)
         margined = [_with_margin(o, memory_margin) for o in found if isinstance(o, RankedPlan)]
         ranked += [with_loader(r, rate) for r in margined if isinstance(r, RankedPlan)]
+    if wsp_allowance is not None:
+        waves = wsp_variants(ranked, model, cluster, wsp_allowance)
+        ranked += [with_loader(v, rate) for v in waves]
     ranked.sort(key=_preference)
     if ranked and not reason and offloads(ranked[0].plan):
         reason = _offload_wins(ranked, rejected)
