@@ -148,7 +148,7 @@ def test_simulator_charges_host_transfers_and_the_swapped_optimizer() -> None:
     assert opt.ranks[0].memory.optimizer == max(0.0, mem.optimizer - working)
 
 
-def test_planner_offloads_only_when_nothing_fits_and_says_why() -> None:
+def test_planner_offloads_when_nothing_fits_and_says_why() -> None:
     model = gpt_spec(num_layers=2, hidden=256, num_heads=4, seq_len=128, vocab_size=1000)
     space = SearchSpace(micro_batch_sizes=(1,), recompute=("full",))
     need = {}

@@ -24,8 +24,9 @@ CLUSTER = Cluster(
     inter_node=_LINK,
 )
 MODEL = gpt_spec(num_layers=16, hidden=4096, num_heads=1, seq_len=2048, vocab_size=32000)
+# without offload: keeping the optimizer state on the host beats recomputing here
 SPACE = SearchSpace(schedules=("1f1b",), zero_stages=(0,), micro_batch_sizes=(2,),
-                    sequence_parallel=(False,))  # fmt: skip
+                    sequence_parallel=(False,), offload=False)  # fmt: skip
 
 
 def _peaks(plan: SimPlan, sizes: tuple[int, ...]) -> list[float]:

@@ -57,6 +57,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
       help="the input pipeline's samples per second per loading process: each data-parallel "
       "replica loads its batch while the devices compute, and a plan's step is the longer "
       "of the two (default: not modelled)")  # fmt: skip
+    a("--no-offload", action="store_false", dest="offload",
+      help="never keep activations or optimizer state in host memory (by default the "
+      "search offloads where a plan fits only so and is the faster for it, or where "
+      "nothing fits without)")  # fmt: skip
     a("--json", action="store_true", help="print one JSON object")
     a("--out", help="write the best plan as JSON (for `plait train --plan`)")
     p.set_defaults(func=run)
@@ -131,9 +135,8 @@ def run(args: argparse.Namespace) -> int:
         rank_orders=orders,
         allow_staleness=args.allow_staleness,
         compress=tuple(c for c in args.compress.split(",") if c),
+        offload=args.offload,
     )
-    if args.wsp_allowance is not None:  # WSP exchanges whole weights, unsharded
-        space = dataclasses.replace(space, zero_stages=(0,))
     found = search(
         model,
         cluster,
@@ -142,6 +145,7 @@ def run(args: argparse.Namespace) -> int:
         space=space,
         top_k=args.top,
         loader_samples_per_s=rate,
+        wsp_allowance=args.wsp_allowance,
     )
     seconds = time.perf_counter() - t0
     model_desc: dict[str, Any] = {
@@ -167,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
     if codec:
         why = f"{why} {codec}"
     if args.wsp_allowance is not None:
-        why = f"{why}\n{_wsp(found.best, model, cluster, args.wsp_allowance, plans[0])}"
+        why = f"{why}\n{_wsp(found, model, cluster, args.wsp_allowance)}"
     if args.out:
         write_plan(args.out, plans[0])
     if args.json:
@@ -199,19 +203,29 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _wsp(best: Any, model: Any, cluster: Any, allowance: int, data: dict[str, Any]) -> str:
-    """Choose WSP's D for the best plan (written into its plan-file dict) and say why."""
+def _wsp(found: Any, model: Any, cluster: Any, allowance: int) -> str:
+    """Why the best plan trains under WSP with its D, or why no plan under WSP won."""
+    from plait.plan.describe import describe
     from plait.plan.wsp import staleness_for
 
-    plan = best.plan
-    if plan.dp < 2 or plan.tp > 1 or plan.zero or plan.ep > 1:
+    best = found.best
+    if best.plan.wsp_staleness is not None:
+        plain = dataclasses.replace(best, wsp_step_s=0.0)
+        sync = next((r for r in found.ranked if r.plan == dataclasses.replace(
+            best.plan, wsp_staleness=None)), None)  # fmt: skip
+        gain = (f"\nIts synchronous plan takes {sync.step_time_s:.4g} s a step "
+                f"({sync.step_time_s / best.step_time_s:.2f}x WSP's)." if sync else "")  # fmt: skip
+        return f"WSP: {staleness_for(plain, model, cluster, allowance).explanation}{gain}"
+    wsp = next((r for r in found.ranked if r.plan.wsp_staleness is not None), None)
+    if wsp is None:
         return (
-            f"WSP: not applied (it joins whole unsharded pipelines: the best plan has "
-            f"dp={plan.dp}, tp={plan.tp}, zero={plan.zero}, ep={plan.ep})"
+            "WSP: no plan found can train under it (it joins two or more whole, unsharded "
+            "pipelines: tp = 1, ZeRO 0, no experts)"
         )
-    choice = staleness_for(best, model, cluster, allowance)
-    data["wsp_staleness"] = choice.staleness
-    return f"WSP: {choice.explanation}"
+    return (
+        f"WSP: not chosen: the fastest plan under it ({describe(wsp.plan)}, D="
+        f"{wsp.plan.wsp_staleness}, {wsp.step_time_s:.4g} s a step) is slower than the best"
+    )
 
 
 def _codec_line(compress: str, cluster: Any) -> str:

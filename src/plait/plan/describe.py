@@ -27,7 +27,9 @@ def describe(plan: SimPlan) -> str:
     return (
         f"dp={plan.dp}{ep}{cp} tp={plan.tp}{sp} pp={pp} {sched} m={_shares(plan)} "
         f"b={plan.micro_batch_size} recompute={recompute(plan)} zero={plan.zero}{order}"
-        f"{compress}" + (f" offload={'+'.join(offload)}" if offload else "")
+        f"{compress}"
+        + (f" offload={'+'.join(offload)}" if offload else "")
+        + (f" wsp={plan.wsp_staleness}" if plan.wsp_staleness is not None else "")
     )
 
 

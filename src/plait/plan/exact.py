@@ -55,10 +55,14 @@ class RankedPlan:
     # seconds one loading process takes to load a replica's batch (0: input not modelled);
     # prefetching overlaps it with compute, so `step_time_s` is the longer of the two
     loader_step_s: float = 0.0
+    # under WSP (`plan.wsp_staleness`): the replayed pace, seconds a step (0: synchronous)
+    wsp_step_s: float = 0.0
 
     @property
     def simulated_step_s(self) -> float:
         """The simulator's step, before any wait for input."""
+        if self.wsp_step_s:
+            return self.wsp_step_s
         if self.hetero is not None:
             return self.hetero.step_time_s
         return self.result.step_time_s if self.result is not None else self.step_time_s

@@ -33,8 +33,10 @@ from plait.plan.estimate import Estimate
 from plait.plan.exact import NoFeasiblePlan, RankedPlan, Rejection, exact_of
 from plait.plan.lighter import lighter_recompute
 from plait.plan.loader import check_rate, with_loader
+from plait.plan.offload import OPTIONS, best_key_of, offloaded, offloads
 from plait.plan.prune import fastest_of_each_kind, fastest_without_cp, order_key, pruned_estimates
 from plait.plan.space import ModelSpec, SearchSpace, candidates
+from plait.plan.wsp import wsp_variants
 from plait.sim import SimPlan
 
 __all__ = ["NoFeasiblePlan", "PlanSearch", "RankedPlan", "Rejection", "describe", "search"]
@@ -79,9 +81,13 @@ def replay_work(plan: SimPlan) -> int:
     return plan.pp * plan.chunks * plan.microbatches
 
 
-def _preference(r: RankedPlan) -> tuple[int, bool, bool, int, int, bool, int, float, float]:
+def _preference(
+    r: RankedPlan,
+) -> tuple[int, bool, bool, bool, bool, int, int, bool, int, float, float]:
     """Fastest first; among plans equally fast (to 0.1%), the simpler one: equal shares,
-    exact gradients (no compression), less sharding, less recomputation, the least context
+    exact gradients (no compression), fresh weights (no WSP), nothing in host memory, less
+    sharding, less
+    recomputation, the least context
     parallelism, then (when the input pipeline is modelled, and many plans wait for it
     alike) the least device time, then the most memory left."""
     p = r.plan
@@ -90,6 +96,8 @@ def _preference(r: RankedPlan) -> tuple[int, bool, bool, int, int, bool, int, fl
         step,
         p.total_microbatches > 0,
         p.compress != "none",
+        p.wsp_staleness is not None,
+        offloads(p),
         p.zero,
         ("none", "selective", "full").index(p.recompute),
         p.sequence_parallel,
@@ -129,6 +137,7 @@ def search(
     replay_budget: int = REPLAY_BUDGET,
     memory_margin: float = 0.05,
     loader_samples_per_s: float | None = None,
+    wsp_allowance: int | None = None,
 ) -> PlanSearch:
     """The best plans for training `model` on `cluster` with `global_batch` samples a step.
 
@@ -145,9 +154,14 @@ def search(
     Past `exact_limit` candidates, plans are simulated in the order of their estimates
     until `max_simulated` are, or until `top_k` fit and the simulations have replayed
     `replay_budget` stage-micro-batches (`replay_work`). The stop is counted in work, not
-    in seconds, so a faster or idler machine decides the same plan."""
+    in seconds, so a faster or idler machine decides the same plan.
+
+    With `wsp_allowance` (waves of staleness, >= 0), every plan found that the runtime can
+    train under WSP is ranked again with its D chosen within it (`plait.plan.wsp`)."""
     t0 = time.perf_counter()
     rate = check_rate(loader_samples_per_s, "loader_samples_per_s")
+    if wsp_allowance is not None and wsp_allowance < 0:
+        raise ValueError(f"wsp_allowance={wsp_allowance}: give the most waves of staleness, >= 0")
     if space is None:
         orders = ("tp-dp-pp",) if cluster.is_homogeneous else ("tp-dp-pp", "tp-pp-dp")
         space = SearchSpace(rank_orders=orders)
@@ -177,6 +191,7 @@ def search(
         order = [without_cp, *(x for x in order if x[1] != without_cp[1])]
     ranked: list[RankedPlan] = []
     rejected = [Rejection(p, _short(e), e.excess_bytes) for e, p in misfits]
+    short: list[Rejection] = []  # replayed and over memory: offload may still fit them
     simulated = replayed = 0
     for _, plan in order:
         budget_gone = replayed >= replay_budget and len(ranked) >= top_k
@@ -191,6 +206,8 @@ def search(
             ranked.append(with_loader(outcome, rate))
         else:
             rejected.append(outcome)
+            if outcome.excess_bytes > 0:
+                short.append(outcome)
     found_depths, replayed_depths = _depth_plans(ranked, model, cluster, space, devices,
                                                  global_batch)  # fmt: skip
     simulated += replayed_depths
@@ -203,12 +220,24 @@ def search(
         else:
             rejected.append(outcome)
     reason = ""
-    if not ranked:  # the memory savers that cost host-link time, tried last
+    if not ranked and space.offload:  # the memory savers that cost host-link time, tried last
         reason, found = _offloaded(rejected, model, cluster, max_simulated)
         margined = [_with_margin(x, memory_margin) for x in found if isinstance(x, RankedPlan)]
         ranked = [with_loader(r, rate) for r in margined if isinstance(r, RankedPlan)]
         simulated += len(found)
+    elif ranked and space.offload:  # plans that fit only with offload, where they could win
+        failed = [*((e.step_s, p) for e, p in misfits), *((None, r.plan) for r in short)]
+        found = offloaded(failed, best_key_of(ranked), model, cluster, margin=memory_margin,
+                          limit=max_simulated if exhaustive else top_k, rate=rate)  # fmt: skip
+        simulated += len(found)
+        margined = [_with_margin(o, memory_margin) for o in found if isinstance(o, RankedPlan)]
+        ranked += [with_loader(r, rate) for r in margined if isinstance(r, RankedPlan)]
+    if wsp_allowance is not None:
+        waves = wsp_variants(ranked, model, cluster, wsp_allowance)
+        ranked += [with_loader(v, rate) for v in waves]
     ranked.sort(key=_preference)
+    if ranked and not reason and offloads(ranked[0].plan):
+        reason = _offload_wins(ranked, rejected)
     lighter = _lighter(ranked[:top_k], model, cluster, memory_margin)
     if lighter is not None:
         ranked = sorted([*ranked, with_loader(lighter, rate)], key=_preference)
@@ -265,8 +294,19 @@ def _lighter(
     return RankedPlan.of(found[0], first.sizes, found[1]) if first and found else None
 
 
-_OFFLOADS = ({"offload_activations": "all"}, {"offload_optimizer": True},
-             {"offload_activations": "all", "offload_optimizer": True})  # fmt: skip
+def _offload_wins(ranked: list[RankedPlan], rejected: list[Rejection]) -> str:
+    """Why the best plan offloads although other plans fit without offload."""
+    best = ranked[0].plan
+    plain = dataclasses.replace(best, offload_activations="none", offload_optimizer=False)
+    over = next((r for r in rejected if r.plan == plain and r.excess_bytes > 0), None)
+    need = f" ({over.excess_bytes / _GIB:.2f} GiB over without it)" if over else ""
+    runner = next((r for r in ranked if not offloads(r.plan)), None)
+    beats = (
+        f", and beats the fastest plan without offload ({describe(runner.plan)}, "
+        f"{runner.step_time_s:.4g} s a step) by {runner.step_time_s - ranked[0].step_time_s:.3g} s"
+        if runner else ""
+    )  # fmt: skip
+    return f"its layout fits only with host memory{need}; it pays the host-link transfers{beats}"
 
 
 def _offloaded(
@@ -288,7 +328,7 @@ def _offloaded(
     found = [
         exact_of(r.plan, cluster)(dataclasses.replace(r.plan, **option), model, cluster)
         for r in short[:limit]
-        for option in _OFFLOADS
+        for option in OPTIONS
     ]
     return reason, found
 

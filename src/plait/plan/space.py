@@ -66,6 +66,9 @@ class SearchSpace:
     hybrid: bool = True
     # replicas with unequal shares where the batch does not divide equally among them
     uneven_shares: bool = True
+    # activations or optimizer state in host memory, where a plan fits only so and could
+    # win, or nothing fits without (`plait.plan.offload`)
+    offload: bool = True
 
     def __post_init__(self) -> None:
         if not self.compress:

@@ -1,5 +1,10 @@
 """Choosing WSP's staleness bound D within the user's allowance, and saying what it buys.
 
+With an allowance, WSP competes inside the planner's search (`wsp_variants`): every
+ranked plan the runtime can train under WSP gets its own D and is ranked again at the
+replayed pace, so a layout whose gradient reduction WSP hides can beat the synchronous
+best (and the synchronous plan is kept where WSP gains nothing).
+
 A larger D lets the wave exchange overlap more computation (`plait.sim.wsp`), but each
 virtual worker then computes on the others' updates D waves late, which costs updates to
 reach a loss (HetPipe, Park et al., ATC 2020; Ho et al., NIPS 2013 for SSP). The planner
@@ -9,17 +14,25 @@ the fastest D in it: beyond it, staleness is paid for nothing.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from plait.cluster import Cluster
 from plait.cost import BlockCost
 from plait.cost.comm import all_reduce_time
-from plait.plan.search import RankedPlan
+from plait.plan.exact import RankedPlan
 from plait.plan.space import ModelSpec
 from plait.sim.wsp import replay_wsp, wsp_memory_bytes
 
-__all__ = ["StalenessChoice", "choose_staleness", "staleness_for", "wave_exchange"]
+__all__ = [
+    "StalenessChoice",
+    "choose_staleness",
+    "staleness_for",
+    "wave_exchange",
+    "wave_time",
+    "wsp_variants",
+]
 
 
 @dataclass(frozen=True)
@@ -97,17 +110,54 @@ def staleness_for(
     ranked: RankedPlan, model: ModelSpec, cluster: Cluster, allowance: int
 ) -> StalenessChoice:
     """`choose_staleness` for a searched plan: each pipeline's wave is one step of its
-    simulated pipeline (for a heterogeneous plan its own; the gradient reduction it would
-    replace included otherwise, an overestimate), and the exchange is an all-reduce over
-    the replicas of the largest rank's weights (fp32) on the slowest link between them."""
+    simulated pipeline (`wave_time`), and the exchange is an all-reduce over the replicas
+    of the largest rank's weights (fp32) on the slowest link between them."""
     plan = ranked.plan
     if ranked.hetero is not None:
         wave_s = [r.run.pipeline_time_s for r in ranked.hetero.replicas]
         cuts = [r.sizes for r in ranked.hetero.replicas]
     else:
-        wave_s, cuts = [ranked.step_time_s] * plan.dp, [ranked.sizes] * plan.dp
+        wave_s, cuts = [wave_time(ranked)] * plan.dp, [ranked.sizes] * plan.dp
     weight_bytes, exchange_s = wave_exchange(
         model.blocks_for(plan), cuts, cluster, plan.dp, plan.world_size
     )
     return choose_staleness(wave_s, exchange_s=exchange_s, allowance=allowance,
                             weight_bytes=weight_bytes)  # fmt: skip
+
+
+def wave_time(ranked: RankedPlan) -> float:
+    """Seconds of one step of a replica under WSP: its pipelined compute and its slowest
+    rank's optimizer step (each replica updates its own weights every step); the gradient
+    reduction is what the wave exchange replaces. Without a replay, the whole step."""
+    result = ranked.result
+    if result is None:
+        return ranked.step_time_s
+    return result.pipeline_time_s + max(r.optimizer_s for r in result.ranks)
+
+
+def wsp_variants(
+    ranked: Sequence[RankedPlan], model: ModelSpec, cluster: Cluster, allowance: int
+) -> list[RankedPlan]:
+    """Each plan of `ranked` that the runtime can train under WSP (two replicas or more,
+    whole unsharded pipelines: the plan's own checks decide), with D chosen within
+    `allowance` (`staleness_for`) and its step the replayed pace (`wsp_step_s`)."""
+    out = []
+    for r in ranked:
+        plan = r.plan
+        if plan.dp < 2 or plan.wsp_staleness is not None or r.wsp_step_s:
+            continue
+        try:  # what training would refuse (the plan's checks, which a SimPlan skips)
+            dataclasses.replace(plan.parallel_plan(), wsp_staleness=0)
+        except ValueError:
+            continue
+        choice = staleness_for(r, model, cluster, allowance)
+        pace = choice.seconds_per_wave[choice.staleness] / plan.wsp_wave
+        simulated = r.simulated_step_s
+        device_mfu = r.mfu * r.step_time_s / simulated  # over the simulator's step
+        device_tokens = r.tokens_per_s * r.step_time_s / simulated
+        out.append(dataclasses.replace(
+            r, plan=dataclasses.replace(plan, wsp_staleness=choice.staleness),
+            step_time_s=pace, wsp_step_s=pace, mfu=device_mfu * simulated / pace,
+            tokens_per_s=device_tokens * simulated / pace, loader_step_s=0.0,
+        ))  # fmt: skip
+    return out
