@@ -241,7 +241,9 @@ def _search(
         spec = measured_spec(model, samples, loss_fn, num_heads=num_heads,
                              seq_len=seq_len, dtype=dtype, device=device)  # fmt: skip
     cluster = local_cluster(world, link, dtype, device=device.type, declared=declared)
-    space = SearchSpace(dtype=dtype, allow_staleness=allow_staleness)
+    # a CPU worker's memory is the host's: moving state "to the host" frees none of it
+    space = SearchSpace(dtype=dtype, allow_staleness=allow_staleness,
+                        offload=device.type != "cpu")  # fmt: skip
     found = search(spec, cluster, global_batch=global_batch, space=space)
     return plan_to_dict(found.best, cluster=cluster.name)
 

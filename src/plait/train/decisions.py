@@ -26,7 +26,8 @@ from typing import Any
 
 __all__ = ["decision_key", "default_dir", "load", "save"]
 
-_VERSION = 2  # bump when what a decision means changes (2: --cluster files as declared)
+_VERSION = 3  # bump when what a decision means changes (2: --cluster files as declared;
+# 3: offload and WSP searched with the other options)
 # the TrainConfig fields the planner reads (or that change what it measures)
 _PLANNED = ("model", "init_from", "parallel", "nproc", "device", "cluster", "plan",
             "allow_staleness", "compile", "tf32", "optimizer_impl", "optimizer",
