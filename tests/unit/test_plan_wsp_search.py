@@ -5,6 +5,8 @@ WSP plan wins; its D and pace are those of an emulator of the wave rule written 
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 import pytest
 
@@ -77,3 +79,31 @@ def test_no_plan_takes_wsp_where_training_refuses_it() -> None:
             assert r.plan.zero == 0 and r.plan.tp == 1
     with pytest.raises(ValueError, match="wsp_allowance=-1"):
         search(MODEL, CLUSTER, global_batch=16, space=SPACE, wsp_allowance=-1)
+
+
+def test_plait_simulate_replays_the_planned_wsp_plan_at_its_predicted_pace(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from plait.cli.main import main
+
+    cluster = tmp_path / "c.toml"
+    cluster.write_text(
+        'name = "two-slow-link"\n'
+        f"inter_node = {{ latency_s = {SLOW.latency_s}, bandwidth_Bps = {SLOW.bandwidth_Bps} }}\n"
+        "[[nodes]]\ncount = 2\ndevices_per_node = 1\n"
+        "intra_node = { latency_s = 1e-6, bandwidth_Bps = 1e11 }\n"
+        'device = { name = "u", peak_flops = { fp32 = 1e11 }, memory_gib = 16 }\n'
+    )
+    out = tmp_path / "plan.json"
+    model = ["--layers", "4", "--hidden", "256", "--heads", "4", "--seq-len", "64",
+             "--vocab", "512", "--dtype", "fp32"]  # fmt: skip
+    assert main(["plan", "--cluster", str(cluster), *model, "--batch-size", "16",
+                 "--wsp-staleness", "2", "--out", str(out), "--json"]) == 0  # fmt: skip
+    planned = json.loads(capsys.readouterr().out)
+    assert planned["best"]["wsp_staleness"] == 2  # `--json` prints the plan flat
+    assert "WSP: D=2" in planned["explanation"]
+    assert main(["simulate", "--plan", str(out), "--cluster", str(cluster), "--json"]) == 0
+    replayed = json.loads(capsys.readouterr().out)
+    assert replayed["wsp"]["step_time_s"] == pytest.approx(
+        planned["best"]["predicted"]["step_time_s"], rel=1e-9
+    )

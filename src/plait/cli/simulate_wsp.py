@@ -23,7 +23,7 @@ from plait.cost import BlockCost, StageCost
 from plait.plan.wsp import wave_exchange
 from plait.sim import SimPlan, build_schedule
 from plait.sim.replica import simulate_replica
-from plait.sim.wsp import replay_wsp, wsp_memory_bytes
+from plait.sim.wsp import replay_wsp, wave_step_s, wsp_memory_bytes
 
 __all__ = ["check_wsp", "print_wsp", "wsp_summary"]
 
@@ -79,11 +79,12 @@ def wsp_summary(
             params[rank] += sum(b.num_params for b in stage_blocks[s])
         extra = [wsp_memory_bytes(4.0 * p, staleness) for p in params]
         memory = [r.memory.total + x for r, x in zip(run.ranks, extra, strict=True)]
-        wave_s.append(run.pipeline_time_s * wave)
+        alone = wave_step_s(run)
+        wave_s.append(alone * wave)
         workers.append({
             "pipeline": d, "partition": list(cut), "microbatches": m,
             "devices": [r.device for r in run.ranks],
-            "alone_step_time_s": run.pipeline_time_s,
+            "alone_step_time_s": alone,
             "wsp_extra_bytes": extra, "peak_memory_bytes": memory,
             "fits": all(x <= r.capacity_bytes for x, r in zip(memory, run.ranks, strict=True)),
         })  # fmt: skip

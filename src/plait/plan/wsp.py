@@ -23,7 +23,7 @@ from plait.cost import BlockCost
 from plait.cost.comm import all_reduce_time
 from plait.plan.exact import RankedPlan
 from plait.plan.space import ModelSpec
-from plait.sim.wsp import replay_wsp, wsp_memory_bytes
+from plait.sim.wsp import replay_wsp, wave_step_s, wsp_memory_bytes
 
 __all__ = [
     "StalenessChoice",
@@ -114,7 +114,7 @@ def staleness_for(
     of the largest rank's weights (fp32) on the slowest link between them."""
     plan = ranked.plan
     if ranked.hetero is not None:
-        wave_s = [r.run.pipeline_time_s for r in ranked.hetero.replicas]
+        wave_s = [wave_step_s(r.run) for r in ranked.hetero.replicas]
         cuts = [r.sizes for r in ranked.hetero.replicas]
     else:
         wave_s, cuts = [wave_time(ranked)] * plan.dp, [ranked.sizes] * plan.dp
@@ -126,13 +126,9 @@ def staleness_for(
 
 
 def wave_time(ranked: RankedPlan) -> float:
-    """Seconds of one step of a replica under WSP: its pipelined compute and its slowest
-    rank's optimizer step (each replica updates its own weights every step); the gradient
-    reduction is what the wave exchange replaces. Without a replay, the whole step."""
-    result = ranked.result
-    if result is None:
-        return ranked.step_time_s
-    return result.pipeline_time_s + max(r.optimizer_s for r in result.ranks)
+    """Seconds of one step of a replica under WSP (`plait.sim.wsp.wave_step_s`); without
+    a replay, the whole step."""
+    return ranked.step_time_s if ranked.result is None else wave_step_s(ranked.result)
 
 
 def wsp_variants(

@@ -7,19 +7,22 @@ wave c (an all-reduce over all workers) completes `exchange_s` after the last wo
 finished wave c. D = 0 is bulk-synchronous over waves; with D ≥ 1 the exchange overlaps
 the next waves, and a fast worker runs up to D waves ahead.
 
-Each worker's wave time is its pipeline's simulated step time (`plait.sim.replica`) ×
-the steps per wave. Limits: wave times are constant, so in the long run every worker
-goes at the slowest one's pace whatever D (D hides the exchange and absorbs jitter, not a
-steady difference in speed: that is the batch shares' job); the exchange has the whole
-link to itself (no contention with the pipelines' own messages).
+Each worker's wave time is its pipeline's simulated step (`plait.sim.replica`) ×
+the steps per wave, a step being the pipelined compute and the slowest rank's optimizer
+step (each worker updates its own weights every step; `wave_step_s`): the gradient
+reduction is what the wave exchange replaces. Limits: wave times are constant, so in the
+long run every worker goes at the slowest one's pace whatever D (D hides the exchange and
+absorbs jitter, not a steady difference in speed: that is the batch shares' job); the
+exchange has the whole link to itself (no contention with the pipelines' own messages).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["WaveReplay", "replay_wsp", "wsp_memory_bytes"]
+__all__ = ["WaveReplay", "replay_wsp", "wave_step_s", "wsp_memory_bytes"]
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,13 @@ class WaveReplay:
         """Seconds `worker` spent waiting for exchanges (idle between its waves)."""
         starts, ends = self.starts[worker], self.ends[worker]
         return starts[0] + sum(s - e for s, e in zip(starts[1:], ends[:-1], strict=True))
+
+
+def wave_step_s(run: Any) -> float:
+    """One step of a worker under WSP from its replica's replay (a `SimResult` or a
+    `plait.sim.replica.ReplicaRun`): the pipelined compute and its slowest rank's
+    optimizer step, without the gradient reduction the wave exchange replaces."""
+    return float(run.pipeline_time_s + max(r.optimizer_s for r in run.ranks))
 
 
 def replay_wsp(
