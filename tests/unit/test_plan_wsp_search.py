@@ -24,20 +24,22 @@ MODEL = gpt_spec(num_layers=4, hidden=256, num_heads=4, seq_len=64, vocab_size=5
 SPACE = SearchSpace(dtype="fp32", micro_batch_sizes=(2,), zero_stages=(0,), recompute=("none",))
 
 
-def _pace(wave_s: float, exchange_s: float, d: int, waves: int = 64) -> float:
-    """Two equal workers under the wave rule: a worker begins wave c once it finished
-    c - 1 and the exchange of wave c - d - 1 completed; the exchange of wave c completes
-    `exchange_s` after both finished c. The steady seconds per wave."""
-    end = [0.0, 0.0]
+def _pace(wave_s: float | list[float], exchange_s: float, d: int, waves: int = 64) -> float:
+    """Workers under the wave rule (two equal ones for a number): a worker begins wave c
+    once it finished c - 1 and the exchange of wave c - d - 1 completed; the exchange of
+    wave c completes `exchange_s` after all finished c. The steady seconds per wave, over
+    whole cycles of d + 1 waves in the second half."""
+    times = [wave_s, wave_s] if isinstance(wave_s, float) else list(wave_s)
+    end = [0.0] * len(times)
     done: list[float] = []  # when each wave's exchange completed
     finished: list[float] = []
     for c in range(waves):
         ready = done[c - d - 1] if c - d - 1 >= 0 else 0.0
-        end = [max(e, ready) + wave_s for e in end]
+        end = [max(e, ready) + t for e, t in zip(end, times, strict=True)]
         finished.append(max(end))
         done.append(max(end) + exchange_s)
-    half = waves // 2
-    return (finished[-1] - finished[half - 1]) / (waves - half)
+    span = (d + 1) * (waves // 2 // (d + 1))
+    return (finished[-1] - finished[-1 - span]) / span
 
 
 def _sync_of(found: object, plan: object) -> RankedPlan:
@@ -107,3 +109,46 @@ def test_plait_simulate_replays_the_planned_wsp_plan_at_its_predicted_pace(
     assert replayed["wsp"]["step_time_s"] == pytest.approx(
         planned["best"]["predicted"]["step_time_s"], rel=1e-9
     )
+
+
+def test_d_stays_within_what_memory_holds_beside_wsp_copies() -> None:
+    """WSP keeps a snapshot and, per wave not yet taken in, an update and a buffer of the
+    weights (1 + 2(D + 1) copies): where memory holds D = 1's copies but not D = 2's, the
+    search takes D = 1 although D = 2 would go faster (and D = 1's pace loses to the best
+    pipeline here, so the pick is synchronous)."""
+    roomy = search(MODEL, CLUSTER, global_batch=16, space=SPACE, wsp_allowance=2)
+    best = roomy.best
+    assert best.plan.wsp_staleness == 2
+    sync = _sync_of(roomy, best.plan)
+    weights = 4.0 * sum(b.num_params for b in MODEL.blocks_for(best.plan))  # one stage: all
+    peak = max(sync.peak_memory_bytes)
+    room = (peak + weights * (1 + 2 * 2) + peak + weights * (1 + 2 * 3)) / 2  # D=1 < room < D=2
+    tight = dataclasses.replace(DEVICE, memory_bytes=int(room / (1 - 0.05)))
+    cluster = dataclasses.replace(
+        CLUSTER, groups=(dataclasses.replace(CLUSTER.groups[0], device=tight),)
+    )
+    found = search(MODEL, cluster, global_batch=16, space=SPACE, wsp_allowance=2)
+    stale = [r for r in found.ranked if r.plan.wsp_staleness is not None]
+    assert max(r.plan.wsp_staleness for r in stale) == 1
+    assert found.best.plan.wsp_staleness is None
+    assert found.best.step_time_s < min(r.step_time_s for r in stale)
+    for r in stale:
+        assert r.plan.wsp_staleness <= 1
+        assert max(r.peak_memory_bytes) <= (1 - 0.05) * tight.memory_bytes
+
+
+def test_plait_simulate_replays_pipelines_of_different_depths_under_wsp(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The waves of unequal workers (a 2-deep and a 4-deep pipeline) against the emulator."""
+    from plait.cli.main import main
+
+    root = Path(__file__).resolve().parents[2]
+    examples = root / "examples"
+    argv = ["simulate", "--plan", str(examples / "depths-plan.json"), "--cluster",
+            str(examples / "two-speeds.toml"), "--wsp-staleness", "1", "--json"]  # fmt: skip
+    assert main(argv) == 0
+    wsp = json.loads(capsys.readouterr().out)["wsp"]
+    waves = [w["alone_step_time_s"] for w in wsp["virtual_workers"]]
+    assert len(waves) == 2 and waves[0] != waves[1]
+    assert wsp["step_time_s"] == pytest.approx(_pace(waves, wsp["exchange_s"], 1), rel=1e-9)

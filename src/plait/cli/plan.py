@@ -220,7 +220,8 @@ def _wsp(found: Any, model: Any, cluster: Any, allowance: int) -> str:
     if wsp is None:
         return (
             "WSP: no plan found can train under it (it joins two or more whole, unsharded "
-            "pipelines: tp = 1, ZeRO 0, no experts)"
+            "pipelines: tp = 1, ZeRO 0, no experts, each rank with room for WSP's weight "
+            "copies)"
         )
     return (
         f"WSP: not chosen: the fastest plan under it ({describe(wsp.plan)}, D="

@@ -206,7 +206,8 @@ def _apply_plan(args: argparse.Namespace) -> None:
 
     data = read_plan(args.plan)
     for key, attr in _FROM_PLAN.items():
-        if key in data:
+        # a value the file leaves unset (null) does not clear a flag given with --plan
+        if key in data and (data[key] is not None or getattr(args, attr, None) is None):
             setattr(args, attr, data[key])
     for key, attr in _MODEL_FROM_PLAN.items():
         if key in data.get("model", {}):
@@ -229,7 +230,7 @@ def run(args: argparse.Namespace) -> int:
     _check(args, spec)
     dtype = normalize_dtype(args.dtype)
     plan = _plan(args, spec, dtype)
-    if args.wsp_staleness is None and differ_in_depth(args.pipelines, plan.chunks):
+    if differ_in_depth(args.pipelines, plan.chunks):
         return run_depths(args, spec, plan)  # no (dp, pp) grid: each pipeline at its depth
     if args.wsp_staleness is not None:  # before simulating: what training would refuse
         check_wsp(plan, args.wsp_staleness, args.wsp_wave, args.pipelines)

@@ -1,7 +1,8 @@
 """`plait simulate --plan FILE` on a plan whose pipelines differ in depth: each pipeline
 replayed at its own depth on its own consecutive ranks, with the gradient reduction
 between pipelines, as the planner prices it (`plait.plan.depths.simulate_pipelines`), so
-that the plan file's `predicted.step_time_s` is reproduced."""
+that the plan file's `predicted.step_time_s` is reproduced; with `--wsp-staleness` (or a
+plan file's `wsp_staleness`) the pipelines are also replayed as WSP's virtual workers."""
 
 from __future__ import annotations
 
@@ -52,9 +53,15 @@ def run_depths(args: argparse.Namespace, spec: Any, plan: SimPlan) -> int:
          "fits": all(x.memory.total <= x.capacity_bytes for x in r.run.ranks)}
         for r in het.replicas
     ]  # fmt: skip
-    summary = {"step_time_s": het.step_time_s, "depths": list(sim.depths),
+    summary: dict[str, Any] = {"step_time_s": het.step_time_s, "depths": list(sim.depths),
                "samples_per_s": sim.global_batch_size / het.step_time_s,
                "fits": het.fits, "pipelines": pipelines}  # fmt: skip
+    if args.wsp_staleness is not None:  # the pipelines as WSP's virtual workers
+        from plait.cli.simulate_wsp import print_wsp, wsp_of_depths
+
+        summary["wsp"] = wsp_of_depths(
+            blocks, cluster, sim, het.replicas, staleness=args.wsp_staleness, wave=args.wsp_wave
+        )
     if args.json:
         json.dump(summary, sys.stdout, sort_keys=True)
         print()
@@ -70,4 +77,6 @@ def run_depths(args: argparse.Namespace, spec: Any, plan: SimPlan) -> int:
             f"{p['step_time_s'] * 1e3:.3f} ms, peak {max(p['peak_memory_bytes']) / 2**30:.3f} GiB"
             + ("" if p["fits"] else " (over memory)")
         )
+    if "wsp" in summary:
+        print_wsp(summary["wsp"])
     return 0

@@ -37,13 +37,9 @@ def check_wsp(plan: SimPlan, staleness: int, wave: int, pipelines: Any) -> None:
             f"--wsp-staleness {staleness} --wsp-wave {wave}: need D >= 0 waves and a wave "
             "of >= 1 steps"
         )
-    layout = dataclasses.replace(plan.parallel_plan(), wsp_staleness=staleness, wsp_wave=wave,
-                                 pipelines=pipelines)  # fmt: skip
-    if layout.pipelines is not None and len({len(p.partition) for p in layout.pipelines}) > 1:
-        raise ValueError(
-            "pipelines of different depths: plait simulate replays pipelines of pp ranks "
-            "each; plan them with `plait plan`, which gives every pipeline pp ranks"
-        )
+    given = pipelines if pipelines is not None else plan.pipelines
+    dataclasses.replace(plan.parallel_plan(), wsp_staleness=staleness, wsp_wave=wave,
+                        pipelines=given)  # fmt: skip
 
 
 def wsp_summary(
@@ -88,6 +84,40 @@ def wsp_summary(
             "wsp_extra_bytes": extra, "peak_memory_bytes": memory,
             "fits": all(x <= r.capacity_bytes for x, r in zip(memory, run.ranks, strict=True)),
         })  # fmt: skip
+    return _waves(blocks, cluster, plan, cuts, wave_s, workers, staleness=staleness, wave=wave)
+
+
+def wsp_of_depths(
+    blocks: Sequence[BlockCost], cluster: Cluster, plan: SimPlan, replicas: Sequence[Any],
+    *, staleness: int, wave: int,
+) -> dict[str, Any]:  # fmt: skip
+    """`wsp_summary` for pipelines of different depths, each already replayed at its own
+    depth (`plait.plan.depths.simulate_pipelines`' replicas)."""
+    check_wsp(plan, staleness, wave, None)
+    workers: list[dict[str, Any]] = []
+    wave_s: list[float] = []
+    for r in replicas:
+        params = [sum(b.num_params for b in blocks[sum(r.sizes[:s]) : sum(r.sizes[: s + 1])])
+                  for s in range(len(r.sizes))]  # fmt: skip
+        extra = [wsp_memory_bytes(4.0 * p, staleness) for p in params]
+        memory = [x.memory.total + e for x, e in zip(r.run.ranks, extra, strict=True)]
+        alone = wave_step_s(r.run)
+        wave_s.append(alone * wave)
+        workers.append({
+            "pipeline": r.dp_rank, "partition": list(r.sizes),
+            "microbatches": r.num_microbatches, "devices": list(r.devices),
+            "alone_step_time_s": alone, "wsp_extra_bytes": extra, "peak_memory_bytes": memory,
+            "fits": all(m <= x.capacity_bytes for m, x in zip(memory, r.run.ranks, strict=True)),
+        })  # fmt: skip
+    cuts = [tuple(r.sizes) for r in replicas]
+    return _waves(blocks, cluster, plan, cuts, wave_s, workers, staleness=staleness, wave=wave)
+
+
+def _waves(
+    blocks: Sequence[BlockCost], cluster: Cluster, plan: SimPlan, cuts: Sequence[Sequence[int]],
+    wave_s: list[float], workers: list[dict[str, Any]], *, staleness: int, wave: int,
+) -> dict[str, Any]:  # fmt: skip
+    """The waves of workers taking `wave_s` each, replayed under D = `staleness`."""
     _, exchange_s = wave_exchange(blocks, cuts, cluster, len(cuts), plan.world_size)
     replay = replay_wsp(wave_s, staleness=staleness, waves=WAVES, exchange_s=exchange_s)
     cycle = staleness + 1

@@ -233,7 +233,7 @@ def search(
         margined = [_with_margin(o, memory_margin) for o in found if isinstance(o, RankedPlan)]
         ranked += [with_loader(r, rate) for r in margined if isinstance(r, RankedPlan)]
     if wsp_allowance is not None:
-        waves = wsp_variants(ranked, model, cluster, wsp_allowance)
+        waves = wsp_variants(ranked, model, cluster, wsp_allowance, memory_margin)
         ranked += [with_loader(v, rate) for v in waves]
     ranked.sort(key=_preference)
     if ranked and not reason and offloads(ranked[0].plan):

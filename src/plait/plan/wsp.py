@@ -94,13 +94,7 @@ def wave_exchange(
 ) -> tuple[float, float]:
     """(bytes, seconds) of a wave's exchange among `workers` pipelines cut as `cuts`: an
     all-reduce of the largest stage's fp32 weights on the slowest link from rank 0."""
-    largest = 0
-    for sizes in cuts:
-        first = 0
-        for n in sizes:
-            largest = max(largest, sum(b.num_params for b in blocks[first : first + n]))
-            first += n
-    weight_bytes = 4.0 * largest
+    weight_bytes = 4.0 * _largest_stage(blocks, cuts)
     link = max((cluster.link(0, r) for r in range(1, num_devices)),
                key=lambda k: k.time(weight_bytes), default=cluster.link(0, 0))  # fmt: skip
     return weight_bytes, all_reduce_time(workers, weight_bytes, link)
@@ -132,11 +126,17 @@ def wave_time(ranked: RankedPlan) -> float:
 
 
 def wsp_variants(
-    ranked: Sequence[RankedPlan], model: ModelSpec, cluster: Cluster, allowance: int
+    ranked: Sequence[RankedPlan],
+    model: ModelSpec,
+    cluster: Cluster,
+    allowance: int,
+    margin: float = 0.05,
 ) -> list[RankedPlan]:
     """Each plan of `ranked` that the runtime can train under WSP (two replicas or more,
     whole unsharded pipelines: the plan's own checks decide), with D chosen within
-    `allowance` (`staleness_for`) and its step the replayed pace (`wsp_step_s`)."""
+    `allowance` (`staleness_for`) and its step the replayed pace (`wsp_step_s`). D stays
+    within what leaves `margin` of every rank's memory free beside WSP's own copies
+    (`wsp_memory_bytes`, counted for the largest stage's weights on every rank)."""
     out = []
     for r in ranked:
         plan = r.plan
@@ -146,14 +146,52 @@ def wsp_variants(
             dataclasses.replace(plan.parallel_plan(), wsp_staleness=0)
         except ValueError:
             continue
-        choice = staleness_for(r, model, cluster, allowance)
+        fits = _fitting_staleness(r, model, allowance, margin)
+        if fits is None:
+            continue
+        choice = staleness_for(r, model, cluster, fits)
         pace = choice.seconds_per_wave[choice.staleness] / plan.wsp_wave
         simulated = r.simulated_step_s
         device_mfu = r.mfu * r.step_time_s / simulated  # over the simulator's step
         device_tokens = r.tokens_per_s * r.step_time_s / simulated
+        peak = tuple(m + wsp_memory_bytes(_weight_bytes(r, model), choice.staleness)
+                     for m in r.peak_memory_bytes)  # fmt: skip
         out.append(dataclasses.replace(
             r, plan=dataclasses.replace(plan, wsp_staleness=choice.staleness),
             step_time_s=pace, wsp_step_s=pace, mfu=device_mfu * simulated / pace,
             tokens_per_s=device_tokens * simulated / pace, loader_step_s=0.0,
+            peak_memory_bytes=peak,
         ))  # fmt: skip
     return out
+
+
+def _weight_bytes(ranked: RankedPlan, model: ModelSpec) -> float:
+    """fp32 bytes of the largest stage's weights (any pipeline), times the stages a rank
+    holds: what WSP copies on a rank, at the most."""
+    cuts = ([r.sizes for r in ranked.hetero.replicas] if ranked.hetero is not None
+            else [ranked.sizes])  # fmt: skip
+    return 4.0 * _largest_stage(model.blocks_for(ranked.plan), cuts) * ranked.plan.chunks
+
+
+def _fitting_staleness(
+    ranked: RankedPlan, model: ModelSpec, allowance: int, margin: float
+) -> int | None:
+    """The largest D within `allowance` whose WSP copies fit beside every rank's peak."""
+    weight = _weight_bytes(ranked, model)
+    pairs = list(zip(ranked.peak_memory_bytes, ranked.capacity_bytes, strict=True))
+    fitting = [
+        d for d in range(allowance + 1)
+        if all(m + wsp_memory_bytes(weight, d) <= (1 - margin) * c for m, c in pairs)
+    ]  # fmt: skip
+    return max(fitting) if fitting else None
+
+
+def _largest_stage(blocks: Sequence[BlockCost], cuts: Sequence[Sequence[int]]) -> int:
+    """The most parameters a stage holds, over the pipelines cut as `cuts`."""
+    largest = 0
+    for sizes in cuts:
+        first = 0
+        for n in sizes:
+            largest = max(largest, sum(b.num_params for b in blocks[first : first + n]))
+            first += n
+    return largest
