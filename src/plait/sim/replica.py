@@ -48,10 +48,11 @@ from plait.cost import (
     weight_gather_time,
 )
 from plait.offload import offloaded_blocks
-from plait.schedule import Action, Op, Replay, Schedule, Unrolled, replay, unroll, window_ends
+from plait.schedule import Op, Replay, Schedule, Unrolled, window_ends
 from plait.schedule.sharing import Sharing
 from plait.sim.host import host_window_s, issue_times
 from plait.sim.plan import SimPlan
+from plait.sim.replays import replayed
 from plait.sim.result import MemoryUse, RankReport
 from plait.sim.walk import Walk, walk, walk_events
 
@@ -205,17 +206,9 @@ class _Replica:
         )  # fmt: skip
 
     def run(self) -> ReplicaRun:
-        durations, transfers = self.durations, self.transfers
-
-        def duration(rank: int, action: Action) -> float:
-            return durations[action.op][action.stage]
-
-        def transfer(rank: int, action: Action) -> float:
-            return transfers[action.op][action.stage]
-
-        unrolled = unroll(self.s, self.num_windows)
-        result = replay(unrolled.schedule, duration=duration, transfer=transfer,
-                        sharing=self.sharing)  # fmt: skip
+        unrolled, result = replayed(
+            self.s, self.num_windows, self.durations, self.transfers, self.sharing
+        )
         if not result.completed:
             stuck = "; ".join(f"rank {b.rank} at {b.action}" for b in result.blocked)
             raise ValueError(
