@@ -8,6 +8,7 @@ import math
 import types
 import typing
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 __all__ = ["check_types", "coerce", "describe", "hints", "positive", "warn_unused"]
@@ -76,24 +77,58 @@ def coerce(value: Any, hint: Any) -> tuple[bool, Any]:
     return True, value  # a hint this checker does not know: the field validates itself
 
 
+def _plain_check(hint: Any) -> Callable[[Any], bool] | None:
+    """A test that passes only values `coerce` keeps as they are and `check_types` accepts
+    (no float, no empty string), or None where each value takes the full walk."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is int or hint is bool:
+        return lambda v: type(v) is hint
+    if hint is str:
+        return lambda v: type(v) is str and v != ""
+    if origin is typing.Literal and all(type(a) in _PLAIN and a != "" for a in args):
+        return lambda v: type(v) in _PLAIN and v in args
+    if origin in (types.UnionType, typing.Union) and len(args) == 2 and type(None) in args:
+        other = args[0] if args[1] is type(None) else args[1]
+        if other is int or other is bool:
+            return lambda v: v is None or type(v) is other
+    return None
+
+
+# per dataclass: (field name, declared type, its `_plain_check`): the planner builds tens
+# of thousands of plans, whose fields almost all pass the plain test
+_CHECKS: dict[type[Any], tuple[tuple[str, Any, Callable[[Any], bool] | None], ...]] = {}
+
+
+def _checks(cls: type[Any]) -> tuple[tuple[str, Any, Callable[[Any], bool] | None], ...]:
+    if cls not in _CHECKS:
+        declared = hints(cls)
+        _CHECKS[cls] = tuple(
+            (f.name, declared[f.name], _plain_check(declared[f.name]))
+            for f in dataclasses.fields(cls)
+        )
+    return _CHECKS[cls]
+
+
 def check_types(obj: Any) -> None:
     """Every field of the dataclass `obj` holds its declared type, or a ValueError names
     the field, the value and the type it should have (TOML, JSON and the API alike)."""
-    declared = hints(type(obj))
-    for f in dataclasses.fields(obj):
-        value = getattr(obj, f.name)
-        ok, converted = coerce(value, declared[f.name])
-        if not ok:
-            raise ValueError(
-                f"{f.name}={value!r} must be {describe(declared[f.name])}, "
-                f"not {type(value).__name__}"
-            )
-        if isinstance(converted, float) and not math.isfinite(converted):
-            raise ValueError(f"{f.name}={value!r} must be a finite number")
-        if converted == "":  # an empty flag or TOML string is a slip, never a choice
-            raise ValueError(f"{f.name}='' is empty: give a value, or leave {f.name} unset")
-        if converted is not value:
-            object.__setattr__(obj, f.name, converted)
+    for name, hint, plain in _checks(type(obj)):
+        value = getattr(obj, name)
+        if plain is not None and plain(value):
+            continue
+        _check_field(obj, name, hint, value)
+
+
+def _check_field(obj: Any, name: str, hint: Any, value: Any) -> None:
+    ok, converted = coerce(value, hint)
+    if not ok:
+        raise ValueError(f"{name}={value!r} must be {describe(hint)}, not {type(value).__name__}")
+    if isinstance(converted, float) and not math.isfinite(converted):
+        raise ValueError(f"{name}={value!r} must be a finite number")
+    if converted == "":  # an empty flag or TOML string is a slip, never a choice
+        raise ValueError(f"{name}='' is empty: give a value, or leave {name} unset")
+    if converted is not value:
+        object.__setattr__(obj, name, converted)
 
 
 def positive(obj: object, *names: str) -> None:
