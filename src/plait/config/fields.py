@@ -9,6 +9,7 @@ import types
 import typing
 import warnings
 from collections.abc import Callable
+from operator import attrgetter
 from typing import Any
 
 __all__ = ["check_types", "coerce", "describe", "hints", "positive", "warn_unused"]
@@ -81,42 +82,58 @@ def _plain_check(hint: Any) -> Callable[[Any], bool] | None:
     """A test that passes only values `coerce` keeps as they are and `check_types` accepts
     (no float, no empty string), or None where each value takes the full walk."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if hint is int or hint is bool:
-        return lambda v: type(v) is hint
-    if hint is str:
-        return lambda v: type(v) is str and v != ""
     if origin is typing.Literal and all(type(a) in _PLAIN and a != "" for a in args):
         return lambda v: type(v) in _PLAIN and v in args
     if origin in (types.UnionType, typing.Union) and len(args) == 2 and type(None) in args:
         other = args[0] if args[1] is type(None) else args[1]
         if other is int or other is bool:
             return lambda v: v is None or type(v) is other
+        return lambda v: v is None  # unset: any other value takes the walk
     return None
 
 
-# per dataclass: (field name, declared type, its `_plain_check`): the planner builds tens
-# of thousands of plans, whose fields almost all pass the plain test
-_CHECKS: dict[type[Any], tuple[tuple[str, Any, Callable[[Any], bool] | None], ...]] = {}
+class _Plain:
+    """One dataclass's fields, and a test that every value is of its plain type as
+    declared (an exact int, bool or non-empty str, a Literal's value, None for an optional
+    one), in a few C-level passes: the planner builds tens of thousands of plans, all of
+    whose fields almost always pass, and only an object that fails takes the full walk."""
 
-
-def _checks(cls: type[Any]) -> tuple[tuple[str, Any, Callable[[Any], bool] | None], ...]:
-    if cls not in _CHECKS:
+    def __init__(self, cls: type[Any]) -> None:
         declared = hints(cls)
-        _CHECKS[cls] = tuple(
-            (f.name, declared[f.name], _plain_check(declared[f.name]))
-            for f in dataclasses.fields(cls)
-        )
-    return _CHECKS[cls]
+        self.fields = tuple((f.name, declared[f.name]) for f in dataclasses.fields(cls))
+        exact = [(n, h) for n, h in self.fields if h in _PLAIN]
+        self.exact_types = tuple(h for _, h in exact)
+        self.exact = attrgetter(*(n for n, _ in exact)) if len(exact) > 1 else None
+        strings = [n for n, h in exact if h is str]
+        self.strings = attrgetter(*strings) if len(strings) > 1 else None
+        rest = [(n, h) for n, h in self.fields if h not in _PLAIN or self.exact is None]
+        checks = [(n, _plain_check(h)) for n, h in rest]
+        self.rest = tuple((n, c) for n, c in checks if c is not None)
+        # a class of other shapes (not SimPlan's) always takes the walk
+        self.plain = all(c is not None for _, c in checks) and self.strings is not None
+
+    def passes(self, obj: Any) -> bool:
+        if not self.plain or self.exact is None or self.strings is None:
+            return False
+        if tuple(map(type, self.exact(obj))) != self.exact_types or "" in self.strings(obj):
+            return False
+        return all(check(getattr(obj, name)) for name, check in self.rest)
+
+
+_PLAINS: dict[type[Any], _Plain] = {}
 
 
 def check_types(obj: Any) -> None:
     """Every field of the dataclass `obj` holds its declared type, or a ValueError names
     the field, the value and the type it should have (TOML, JSON and the API alike)."""
-    for name, hint, plain in _checks(type(obj)):
-        value = getattr(obj, name)
-        if plain is not None and plain(value):
-            continue
-        _check_field(obj, name, hint, value)
+    cls = type(obj)
+    plain = _PLAINS.get(cls)
+    if plain is None:
+        plain = _PLAINS[cls] = _Plain(cls)
+    if plain.passes(obj):
+        return
+    for name, hint in plain.fields:
+        _check_field(obj, name, hint, getattr(obj, name))
 
 
 def _check_field(obj: Any, name: str, hint: Any, value: Any) -> None:
