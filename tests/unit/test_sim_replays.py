@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from plait.schedule import Op, build, replay, unroll
-from plait.sim.replays import Times, replayed
+from plait.sim.replays import Times, replayed, walked
+from plait.sim.walk import walk
 
 
 def _times(p: int, forward: float = 1.0) -> tuple[Times, Times]:
@@ -42,3 +43,15 @@ def test_other_times_replay_anew() -> None:
     _, unsigned = replayed(schedule, 1, *_times(3, forward=0.0), None)
     assert slower is not first and max(map(max, slower.ends)) > max(map(max, first.ends))
     assert signed is not unsigned  # -0.0 == 0.0, yet not the same input
+
+
+def test_kept_walks_are_fresh_walks_each_caller_its_own() -> None:
+    schedule = build("zb-v", 3, 6)
+    unrolled, result = replayed(schedule, 1, *_times(3), None)
+    saved, copy = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0], [0.5] * 6
+    first = walked(walk, 3, result, unrolled, 0, saved, copy)
+    again = walked(walk, 3, result, unrolled, 0, list(saved), list(copy))
+    assert again == first and all(a is not b for a, b in zip(again, first, strict=True))
+    assert first == [walk(r, result, unrolled, 0, saved, copy) for r in range(3)]
+    heavier = walked(walk, 3, result, unrolled, 0, [2 * x for x in saved], copy)
+    assert heavier[0].activation_peak > first[0].activation_peak
