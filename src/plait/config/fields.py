@@ -8,6 +8,8 @@ import math
 import types
 import typing
 import warnings
+from collections.abc import Callable
+from operator import attrgetter
 from typing import Any
 
 __all__ = ["check_types", "coerce", "describe", "hints", "positive", "warn_unused"]
@@ -76,24 +78,74 @@ def coerce(value: Any, hint: Any) -> tuple[bool, Any]:
     return True, value  # a hint this checker does not know: the field validates itself
 
 
+def _plain_check(hint: Any) -> Callable[[Any], bool] | None:
+    """A test that passes only values `coerce` keeps as they are and `check_types` accepts
+    (no float, no empty string), or None where each value takes the full walk."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is typing.Literal and all(type(a) in _PLAIN and a != "" for a in args):
+        return lambda v: type(v) in _PLAIN and v in args
+    if origin in (types.UnionType, typing.Union) and len(args) == 2 and type(None) in args:
+        other = args[0] if args[1] is type(None) else args[1]
+        if other is int or other is bool:
+            return lambda v: v is None or type(v) is other
+        return lambda v: v is None  # unset: any other value takes the walk
+    return None
+
+
+class _Plain:
+    """One dataclass's fields, and a test that every value is of its plain type as
+    declared (an exact int, bool or non-empty str, a Literal's value, None for an optional
+    one), in a few C-level passes: the planner builds tens of thousands of plans, all of
+    whose fields almost always pass, and only an object that fails takes the full walk."""
+
+    def __init__(self, cls: type[Any]) -> None:
+        declared = hints(cls)
+        self.fields = tuple((f.name, declared[f.name]) for f in dataclasses.fields(cls))
+        exact = [(n, h) for n, h in self.fields if h in _PLAIN]
+        self.exact_types = tuple(h for _, h in exact)
+        self.exact = attrgetter(*(n for n, _ in exact)) if len(exact) > 1 else None
+        strings = [n for n, h in exact if h is str]
+        self.strings = attrgetter(*strings) if len(strings) > 1 else None
+        rest = [(n, h) for n, h in self.fields if h not in _PLAIN or self.exact is None]
+        checks = [(n, _plain_check(h)) for n, h in rest]
+        self.rest = tuple((n, c) for n, c in checks if c is not None)
+        # a class of other shapes (not SimPlan's) always takes the walk
+        self.plain = all(c is not None for _, c in checks) and self.strings is not None
+
+    def passes(self, obj: Any) -> bool:
+        if not self.plain or self.exact is None or self.strings is None:
+            return False
+        if tuple(map(type, self.exact(obj))) != self.exact_types or "" in self.strings(obj):
+            return False
+        return all(check(getattr(obj, name)) for name, check in self.rest)
+
+
+_PLAINS: dict[type[Any], _Plain] = {}
+
+
 def check_types(obj: Any) -> None:
     """Every field of the dataclass `obj` holds its declared type, or a ValueError names
     the field, the value and the type it should have (TOML, JSON and the API alike)."""
-    declared = hints(type(obj))
-    for f in dataclasses.fields(obj):
-        value = getattr(obj, f.name)
-        ok, converted = coerce(value, declared[f.name])
-        if not ok:
-            raise ValueError(
-                f"{f.name}={value!r} must be {describe(declared[f.name])}, "
-                f"not {type(value).__name__}"
-            )
-        if isinstance(converted, float) and not math.isfinite(converted):
-            raise ValueError(f"{f.name}={value!r} must be a finite number")
-        if converted == "":  # an empty flag or TOML string is a slip, never a choice
-            raise ValueError(f"{f.name}='' is empty: give a value, or leave {f.name} unset")
-        if converted is not value:
-            object.__setattr__(obj, f.name, converted)
+    cls = type(obj)
+    plain = _PLAINS.get(cls)
+    if plain is None:
+        plain = _PLAINS[cls] = _Plain(cls)
+    if plain.passes(obj):
+        return
+    for name, hint in plain.fields:
+        _check_field(obj, name, hint, getattr(obj, name))
+
+
+def _check_field(obj: Any, name: str, hint: Any, value: Any) -> None:
+    ok, converted = coerce(value, hint)
+    if not ok:
+        raise ValueError(f"{name}={value!r} must be {describe(hint)}, not {type(value).__name__}")
+    if isinstance(converted, float) and not math.isfinite(converted):
+        raise ValueError(f"{name}={value!r} must be a finite number")
+    if converted == "":  # an empty flag or TOML string is a slip, never a choice
+        raise ValueError(f"{name}='' is empty: give a value, or leave {name} unset")
+    if converted is not value:
+        object.__setattr__(obj, name, converted)
 
 
 def positive(obj: object, *names: str) -> None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from functools import lru_cache
+from functools import cached_property
 
 import numpy as np
 
@@ -38,18 +38,12 @@ from plait.cost import (
     sync_degrees,
     weight_gather_time,
 )
+from plait.plan.held import held, inflight, least_held
 from plait.plan.partition import balanced_sizes
 from plait.schedule import schedule_kind
 from plait.sim import SimPlan
 
-__all__ = [
-    "Estimate",
-    "Estimator",
-    "RankProfile",
-    "bound",
-    "estimate",
-    "inflight",
-]
+__all__ = ["Estimate", "Estimator", "RankProfile", "bound", "estimate", "inflight"]
 
 
 @dataclass(frozen=True)
@@ -71,11 +65,6 @@ class Estimate:
         return self.excess_bytes <= 0
 
 
-def inflight(kind: str, p: int, m: int, v: int, rank: int) -> float:
-    """Micro-batches (in whole-stage units) whose activations `rank` holds at its peak."""
-    return schedule_kind(kind).inflight(p, m, v, rank)
-
-
 @dataclass(frozen=True)
 class RankProfile:
     """Per pipeline rank sums of a balanced split (numpy arrays of length pp)."""
@@ -91,6 +80,20 @@ class RankProfile:
     activation_bytes: float
     experts: np.ndarray | None = None  # expert parameters among `params` (None: no experts)
     stage_experts: np.ndarray | None = None
+
+    # what `bound` reads of each of tens of thousands of candidates, summed once per profile
+    @cached_property
+    def slowest_s(self) -> float:
+        """The slowest rank's forward and backward of one micro-batch."""
+        return float((self.forward_s + self.backward_input_s + self.backward_weight_s).max())
+
+    @cached_property
+    def saved_total(self) -> float:
+        return float(self.saved.sum())
+
+    @cached_property
+    def params_total(self) -> float:
+        return float(self.params.sum())
 
 
 @dataclass(frozen=True)
@@ -286,21 +289,19 @@ def bound(plan: SimPlan, profile: RankProfile, est: Estimator) -> Estimate:
     runs m micro-batches through its slowest rank; collectives, bubble and updates only
     add), with the estimate's memory: cheap enough to prune candidates before estimating."""
     m = plan.microbatches
-    work = profile.forward_s + profile.backward_input_s + profile.backward_weight_s
-    memory = _memory(plan, profile, est)
-    p = plan.pp
+    state = _state(plan, profile, est)
+    memory = _memory(plan, profile, est, state)
     # any cut holds the same model state over all ranks, and at least the fewest
     # micro-batches (and weight copies) any rank holds of every block
-    counts, per_rank_copies = _held(plan.schedule, p, m, plan.chunks)
-    least, copies = float(counts.min()), float(per_rank_copies.min())
+    least, copies = least_held(plan.schedule, plan.pp, m, plan.chunks)
     floor = (
-        float(_state(plan, profile, est).sum())
-        + least * float(profile.saved.sum())
-        + copies * float(profile.params.sum()) * dtype_bytes(plan.dtype)
+        float(state.sum())
+        + least * profile.saved_total
+        + copies * profile.params_total * dtype_bytes(plan.dtype)
     )
     capacity = float(est.device.memory_bytes)
     return Estimate(
-        m * float(work.max()),
+        m * profile.slowest_s,
         tuple(memory.tolist()),
         capacity,
         profile.sizes,
@@ -310,31 +311,24 @@ def bound(plan: SimPlan, profile: RankProfile, est: Estimator) -> Estimate:
 
 def _state(plan: SimPlan, profile: RankProfile, est: Estimator) -> np.ndarray:
     """Model-state bytes per pipeline rank, twice over for a replicated kind (Chimera)."""
-    experts = np.zeros(plan.pp) if profile.experts is None else profile.experts
+    twice = 2 if schedule_kind(plan.schedule).replicated else 1
+    if profile.experts is None:  # (params - 0) · s + 0 · s_experts is params · s to the bit
+        return profile.params * est.state_per_param(plan) * twice
+    experts = profile.experts
     state = (profile.params - experts) * est.state_per_param(plan) + experts * (
         est.state_per_param(plan, experts=True)
     )
-    return state * (2 if schedule_kind(plan.schedule).replicated else 1)
+    return state * twice
 
 
-@lru_cache(maxsize=4096)
-def _held(kind: str, p: int, m: int, v: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per pipeline rank: in-flight micro-batches at the peak and weight copies (the
-    registry's closed forms), kept read-only: tens of thousands of candidates share a
-    few hundred (kind, p, m, v)."""
-    entry = schedule_kind(kind)
-    counts = np.array([entry.inflight(p, m, v, r) for r in range(p)], dtype=float)
-    copies = np.array([entry.copies(p, m, r) for r in range(p)], dtype=float)
-    counts.flags.writeable = copies.flags.writeable = False
-    return counts, copies
-
-
-def _memory(plan: SimPlan, profile: RankProfile, est: Estimator) -> np.ndarray:
-    """Per pipeline rank: model state, in-flight activations, transients, weight copies
-    (a replicated kind, Chimera, holds each part's model state twice)."""
-    counts, copies = _held(plan.schedule, plan.pp, plan.microbatches, plan.chunks)
+def _memory(
+    plan: SimPlan, profile: RankProfile, est: Estimator, state: np.ndarray | None = None
+) -> np.ndarray:
+    """Per pipeline rank: model state (`state`, when the caller has it; twice over for
+    Chimera, which replicates each part), in-flight activations, transients, weight copies."""
+    counts, copies = held(plan.schedule, plan.pp, plan.microbatches, plan.chunks)
     return (
-        _state(plan, profile, est)
+        (_state(plan, profile, est) if state is None else state)
         + counts * profile.saved
         + profile.transient
         + copies * profile.params * dtype_bytes(plan.dtype)
@@ -384,7 +378,7 @@ def estimate(plan: SimPlan, profile: RankProfile, est: Estimator) -> Estimate:
         idle = (float(work.sum()) - slowest) * kind.bubble(p, m, v)
         step = m * slowest + idle + p2p + float(syncs[0]) + float(opts.max())
     else:  # every update waits for its reduction; each copy passes over the weights twice
-        copies = _held(plan.schedule, p, m, v)[1]
+        copies = held(plan.schedule, p, m, v)[1]
         updates = m if kind.per_microbatch else 1
         stash = (
             2 * profile.params * pbytes / est.device.memory_bandwidth_Bps * np.minimum(copies, 1)

@@ -21,7 +21,7 @@ from typing import Any
 
 from plait.cluster import Cluster, Device
 from plait.cost import BlockCost, StageCost
-from plait.plan.estimate import inflight
+from plait.plan.held import inflight
 from plait.plan.partition import Partition, partition_blocks
 from plait.plan.space import ModelSpec
 from plait.sim import SimPlan, build_schedule

@@ -257,39 +257,37 @@ class _Inputs:
 
 
 def _inputs(
-    blocks: Sequence[BlockCost],
-    devices: Sequence[Device],
-    *,
-    dtype: str,
-    recompute: Recompute,
-    layout: DataLayout,
-    optimizer: Optimizer,
-    offload_activations: str,
-    offload_optimizer: bool,
-) -> _Inputs:
+    blocks: Sequence[BlockCost], devices: Sequence[Device], *, dtype: str, recompute: Recompute,
+    layout: DataLayout, optimizer: Optimizer, offload_activations: str, offload_optimizer: bool,
+) -> _Inputs:  # fmt: skip
     if not devices:
         raise ValueError("devices is empty: give one device per stage")
-    work = [
-        b.forward_flops
-        + b.backward_input_flops
-        + b.backward_weight_flops
-        + b.recompute_flops(recompute)
-        for b in blocks
-    ]
-    state = [
-        expert_state_bytes(
-            b.num_params, b.expert_params, layout=layout, dtype=dtype, optimizer=optimizer
-        )
-        for b in blocks
-    ]
+    work = [b.forward_flops + b.backward_input_flops + b.backward_weight_flops
+            + b.recompute_flops(recompute) for b in blocks]  # fmt: skip
+    static, saved, caps = _memory_inputs(
+        blocks, devices, dtype=dtype, recompute=recompute, layout=layout, optimizer=optimizer,
+        offload_activations=offload_activations, offload_optimizer=offload_optimizer,
+    )  # fmt: skip
+    return _Inputs(work, [d.achievable_flops(dtype) for d in devices], static, saved, caps)
+
+
+def _memory_inputs(
+    blocks: Sequence[BlockCost], devices: Sequence[Device], *, dtype: str, recompute: Recompute,
+    layout: DataLayout, optimizer: Optimizer, offload_activations: str, offload_optimizer: bool,
+) -> tuple[list[float], list[float], list[float]]:  # fmt: skip
+    """(static bytes per block, saved bytes per block, memory cap per device)."""
+    # a model's blocks are mostly alike: each parameter count's state is computed once
+    states: dict[tuple[float, float], float] = {}
+    static = []
+    for b in blocks:
+        key = (b.num_params, b.expert_params)
+        if key not in states:
+            x = expert_state_bytes(*key, layout=layout, dtype=dtype, optimizer=optimizer)
+            states[key] = x.params + x.grads + (0.0 if offload_optimizer else x.optimizer)
+        static.append(states[key])
     moved = offloaded_blocks(offload_activations, len(blocks))
-    return _Inputs(
-        work,
-        [d.achievable_flops(dtype) for d in devices],
-        [x.params + x.grads + (0.0 if offload_optimizer else x.optimizer) for x in state],
-        [0.0 if i in moved else b.saved_for(recompute) for i, b in enumerate(blocks)],
-        [float(d.memory_bytes) for d in devices],
-    )
+    saved = [0.0 if i in moved else b.saved_for(recompute) for i, b in enumerate(blocks)]
+    return static, saved, [float(d.memory_bytes) for d in devices]
 
 
 def partition_blocks(
@@ -342,15 +340,17 @@ def blocks_fit(
     off (their rest is a suffix of any fitting cut's rest), so the pass is exact for such
     cuts; for the partitioner's cuts of non-empty stages it is a necessary condition only
     (False: none fits; True: `partition_blocks` decides)."""
-    x = _inputs(
+    if not devices:
+        raise ValueError("devices is empty: give one device per stage")
+    static, saved, caps = _memory_inputs(
         blocks, devices, dtype=dtype, recompute=recompute, layout=layout, optimizer=optimizer,
         offload_activations="none", offload_optimizer=False,
     )  # fmt: skip
     n, start = len(blocks), 0
-    for held, cap in zip(inflight, x.memory_caps, strict=True):
+    for held, cap in zip(inflight, caps, strict=True):
         used = 0.0
         while start < n:
-            need = x.static_bytes[start] + held * x.activation_bytes[start]
+            need = static[start] + held * saved[start]
             if used + need > cap * (1 + 1e-12):
                 break
             used += need

@@ -233,15 +233,18 @@ def _hybrid(
         rules = {"dp_shard": _shard_rule(dp, tp, pp, order, devices_per_node)}
         for split in factorisations(dp, DP_AXES, rules):
             narrowed = replace(space, zero_stages=zeros, rank_orders=(order,))
-            for plan in _layouts(model, narrowed, dp, tp, pp, global_batch):
-                yield replace(plan, dp_replicate=split["dp_replicate"], dp_shard=split["dp_shard"])
+            axes = (split["dp_replicate"], split["dp_shard"])
+            yield from _layouts(model, narrowed, dp, tp, pp, global_batch, axes=axes)
 
 
 def _layouts(
-    model: ModelSpec, space: SearchSpace, dp: int, tp: int, pp: int, global_batch: int, cp: int = 1
-) -> Iterator[SimPlan]:
+    model: ModelSpec, space: SearchSpace, dp: int, tp: int, pp: int, global_batch: int, cp: int = 1,
+    *, axes: tuple[int, int] | None = None,
+) -> Iterator[SimPlan]:  # fmt: skip
     """Every plan of one (dp, tp, pp) and cp: ep (for a model with experts) and the
-    options (under cp > 1: synchronous schedules, no compression, as training runs it)."""
+    options (under cp > 1: synchronous schedules, no compression, as training runs it);
+    with `axes`, hybrid-sharded over (dp_replicate, dp_shard)."""
+    replicate, shard = axes if axes is not None else (None, None)
     for ep in expert_degrees(dp, model.num_experts, tp):
         sizes = [b for b in space.micro_batch_sizes if global_batch % (dp * b) == 0]
         options = product(
@@ -267,6 +270,8 @@ def _layouts(
                 continue  # FSDP2's reduce-scatter takes no hook (plait.cost.compress)
             yield SimPlan(
                 dp=dp,
+                dp_replicate=replicate,
+                dp_shard=shard,
                 tp=tp,
                 cp=cp,
                 pp=pp,

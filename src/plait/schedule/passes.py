@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Sequence
 
-from plait.schedule.ir import COMM_OPS, Action, Op, Schedule
+from plait.schedule.ir import COMM_OPS, COMPUTE_OPS, Action, Op, Schedule
 
 __all__ = [
     "add_communication",
@@ -152,11 +152,6 @@ class _Channel:
         windows = (mb - self.sent[i][2]) // self.width
         return windows * len(self.sent) + i
 
-    def message(self, position: int) -> _Message:
-        windows, i = divmod(position, len(self.sent))
-        direction, stage, mb = self.sent[i]
-        return direction, stage, mb + windows * self.width
-
 
 def _channels(schedule: Schedule, links: _Links) -> dict[tuple[int, int], _Channel]:
     """Per (source, destination): the window's messages in the order the source sends them."""
@@ -174,65 +169,64 @@ def _channels(schedule: Schedule, links: _Links) -> dict[tuple[int, int], _Chann
     return channels
 
 
-def _consumed(a: Action, rank: int, links: _Links) -> tuple[int, _Message] | None:
-    """(source rank, message) that compute action `a` consumes from another rank, if any."""
-    direction = _DIRECTION.get(a.op)
-    if direction is None:
-        return None
-    src = links.recv_from[direction][a.stage]
-    return None if src < 0 else (src, (direction, a.stage, a.microbatch))
-
-
 def _receives(
     rank: int,
     program: tuple[Action, ...],
     links: _Links,
     channels: dict[tuple[int, int], _Channel],
     width: int,
-) -> list[list[Action]]:
-    """Per action, the receives to post for it: its own input, preceded by every message
-    the source sends on the same channel before it (so the order matches)."""
-    consumed = [_consumed(a, rank, links) for a in program]
-    # each consumed message's position in its sender's stream, found once
-    tops = [
-        None if item is None else channels[(item[0], rank)].position(item[1]) for item in consumed
-    ]
-    posted: dict[int, int] = {}  # per source: the stream position posted up to
-    for item, top in zip(consumed, tops, strict=True):
-        if item is not None and top is not None:
-            src = item[0]
-            posted[src] = max(posted.get(src, top), top)
+) -> dict[int, list[Action]]:
+    """Per action that consumes another rank's data (by its index in `program`), the
+    receives to post for it: its own input, preceded by every message the source sends on
+    the same channel before it (so the order matches)."""
+    recv_from = links.recv_from
+    # (index, source rank, the message's position in its sender's stream), found once
+    found: list[tuple[int, int, int]] = []
+    last: dict[int, int] = {}  # per source: the furthest position this window consumes
+    for index, a in enumerate(program):
+        direction = _DIRECTION.get(a.op)
+        if direction is None:
+            continue
+        src = recv_from[direction][a.stage]
+        if src < 0:
+            continue
+        top = channels[(src, rank)].position((direction, a.stage, a.microbatch))
+        found.append((index, src, top))
+        last[src] = max(last.get(src, top), top)
     # the previous window posted up to its last message: one window's worth before ours
-    posted = {src: top - len(channels[(src, rank)].sent) for src, top in posted.items()}
-    posts: list[list[Action]] = []
-    for item, top in zip(consumed, tops, strict=True):
+    posted = {src: top - len(channels[(src, rank)].sent) for src, top in last.items()}
+    posts: dict[int, list[Action]] = {}
+    for index, src, top in found:
+        channel = channels[(src, rank)]
+        sent, count = channel.sent, len(channel.sent)
         batch: list[Action] = []
-        if item is not None and top is not None:
-            src = item[0]
-            channel = channels[(src, rank)]
-            for position in range(posted[src] + 1, top + 1):
-                direction, stage, mb = channel.message(position)
-                if mb >= width:
-                    raise ValueError(
-                        f"rank {rank} would post a receive for micro-batch {mb} of a later "
-                        "window: reorder the window so each rank consumes messages in the "
-                        "order its peer sends them"
-                    )
-                batch.append(Action(_RECV_OP[direction], stage, mb))
-            posted[src] = max(posted[src], top)
-        posts.append(batch)
+        for position in range(posted[src] + 1, top + 1):
+            windows, i = divmod(position, count)  # the message at `position`
+            direction, stage, mb = sent[i]
+            mb += windows * channel.width
+            if mb >= width:
+                raise ValueError(
+                    f"rank {rank} would post a receive for micro-batch {mb} of a later "
+                    "window: reorder the window so each rank consumes messages in the "
+                    "order its peer sends them"
+                )
+            batch.append(Action(_RECV_OP[direction], stage, mb))
+        posted[src] = max(posted[src], top)
+        posts[index] = batch
     return posts
 
 
 def _one_compute_ahead(
-    program: tuple[Action, ...], posts: list[list[Action]]
-) -> list[list[Action]]:
+    program: tuple[Action, ...], posts: dict[int, list[Action]]
+) -> dict[int, list[Action]]:
     """Move each compute action's receives before the compute action preceding it (the
     first two compute actions' both go first)."""
-    compute = [i for i, a in enumerate(program) if a.is_compute]
-    shifted: list[list[Action]] = [[] for _ in program]
+    compute = [i for i, a in enumerate(program) if a.op in COMPUTE_OPS]
+    shifted: dict[int, list[Action]] = {}
     for j, i in enumerate(compute):
-        shifted[compute[max(j - 1, 0)]] += posts[i]
+        batch = posts.get(i)
+        if batch:
+            shifted.setdefault(compute[max(j - 1, 0)], []).extend(batch)
     return shifted
 
 
@@ -250,11 +244,14 @@ def add_communication(schedule: Schedule, *, prefetch: bool = True) -> Schedule:
         if prefetch:
             posts = _one_compute_ahead(program, posts)
         out: list[Action] = []
-        for a, batch in zip(program, posts, strict=True):
-            out.extend(batch)
+        send_to = links.send_to
+        for index, a in enumerate(program):
+            batch = posts.get(index)
+            if batch:
+                out.extend(batch)
             out.append(a)
             direction = _DIRECTION.get(a.op)
-            if direction is not None and links.send_to[direction][a.stage] >= 0:
+            if direction is not None and send_to[direction][a.stage] >= 0:
                 out.append(Action(_SEND_OP[direction], a.stage, a.microbatch))
         programs.append(out)
     return base.with_programs(programs)

@@ -17,6 +17,7 @@ from plait.schedule import generators as gen
 from plait.schedule import vshape
 from plait.schedule.ir import Schedule
 from plait.schedule.passes import add_communication, add_reductions
+from plait.schedule.pause import gc_paused
 from plait.schedule.validate import validate
 
 __all__ = ["KINDS", "ScheduleKind", "build", "kind_names", "schedule_kind"]
@@ -296,8 +297,9 @@ def build(
     the planner that build many large schedules."""
     entry = schedule_kind(kind)
     chunks = entry.chunks(num_chunks)
-    schedule = entry.generate(num_stages, num_microbatches, chunks)
-    lowered = add_communication(add_reductions(schedule))
+    with gc_paused():  # a long pipeline's schedule is hundreds of thousands of actions
+        schedule = entry.generate(num_stages, num_microbatches, chunks)
+        lowered = add_communication(add_reductions(schedule))
     if check:
         validate(lowered)
     return lowered

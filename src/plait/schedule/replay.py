@@ -39,11 +39,9 @@ stage) is compiled once into a `Template` whose facts are offset by the micro-ba
 
 from __future__ import annotations
 
-import gc
 import heapq
 from collections import deque
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from operator import attrgetter
 
 from plait.schedule.events import Blocked, Event, Replay, UnitSummary
@@ -58,6 +56,7 @@ from plait.schedule.facts import (
     describe,
 )
 from plait.schedule.ir import P2P_OPS, Action, Op, Schedule
+from plait.schedule.pause import gc_paused
 from plait.schedule.sharing import SharedProcessors, Sharing
 from plait.schedule.stream import unroll
 
@@ -90,19 +89,6 @@ def _check_ranges(schedule: Schedule) -> None:
                 f"micro-batches 0..{schedule.num_microbatches - 1}: fix the generator, or "
                 "call validate() to see which action"
             )
-
-
-@contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Pause the cyclic garbage collector while a replay allocates: its objects form no
-    cycles, yet would start collections that cost a third of a large replay's time."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 # per schedule (by identity, the schedule kept alive beside them): what a replay derives
@@ -331,7 +317,7 @@ def replay(
             f"sharing names {len(sharing.processor)} ranks for a schedule of "
             f"{schedule.num_ranks}: give one processor per rank"
         )
-    with _gc_paused():
+    with gc_paused():
         machine = _Machine(unroll(schedule, windows).schedule, duration, transfer, sharing)
         machine.execute()
         return machine.result()
@@ -340,7 +326,7 @@ def replay(
 def unit_summary(schedule: Schedule) -> UnitSummary:
     """`replay(schedule)` of a whole run (an unrolled schedule) reduced to its totals: half
     the time, as no event is created."""
-    with _gc_paused():
+    with gc_paused():
         machine = _Machine(schedule, unit_duration, _no_transfer)
         machine.execute()
     return UnitSummary(

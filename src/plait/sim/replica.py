@@ -48,10 +48,11 @@ from plait.cost import (
     weight_gather_time,
 )
 from plait.offload import offloaded_blocks
-from plait.schedule import Action, Op, Replay, Schedule, Unrolled, replay, unroll, window_ends
+from plait.schedule import Op, Replay, Schedule, Unrolled, window_ends
 from plait.schedule.sharing import Sharing
 from plait.sim.host import host_window_s, issue_times
 from plait.sim.plan import SimPlan
+from plait.sim.replays import replayed, walked
 from plait.sim.result import MemoryUse, RankReport
 from plait.sim.walk import Walk, walk, walk_events
 
@@ -205,17 +206,9 @@ class _Replica:
         )  # fmt: skip
 
     def run(self) -> ReplicaRun:
-        durations, transfers = self.durations, self.transfers
-
-        def duration(rank: int, action: Action) -> float:
-            return durations[action.op][action.stage]
-
-        def transfer(rank: int, action: Action) -> float:
-            return transfers[action.op][action.stage]
-
-        unrolled = unroll(self.s, self.num_windows)
-        result = replay(unrolled.schedule, duration=duration, transfer=transfer,
-                        sharing=self.sharing)  # fmt: skip
+        unrolled, result = replayed(
+            self.s, self.num_windows, self.durations, self.transfers, self.sharing
+        )
         if not result.completed:
             stuck = "; ".join(f"rank {b.rank} at {b.action}" for b in result.blocked)
             raise ValueError(
@@ -223,7 +216,7 @@ class _Replica:
                 "validate it with plait.schedule.validate"
             )
         first, span = self._steady(result, unrolled)
-        walks = [self._walk(rank, result, unrolled, first) for rank in range(self.plan.pp)]
+        walks = self._walks(result, unrolled, first)
         if span is None:  # one window: from the start to the last compute, then the update
             span = max(w.compute_end for w in walks)
             step = max(w.end for w in walks)
@@ -249,14 +242,14 @@ class _Replica:
         first = self.s.reach + 1
         return first, (ends[-1] - ends[first - 1]) / (len(ends) - first)
 
-    def _walk(self, rank: int, result: Replay, unrolled: Unrolled, first: int) -> Walk:
+    def _walks(self, result: Replay, unrolled: Unrolled, first: int) -> list[Walk]:
         saved = [
             st.saved_bytes(rc) - moved[0]
             for st, moved, rc in zip(self.stages, self.offloaded, self.rc, strict=True)
         ]
         copy = [self._param_bytes(i) for i in range(len(self.stages))]
         read = walk_events if REFERENCE_WALK else walk
-        return read(rank, result, unrolled, first, saved, copy)
+        return walked(read, self.plan.pp, result, unrolled, first, saved, copy)
 
     def _rank(self, rank: int, walk: Walk, step: float) -> RankReport:
         mine = self.s.stages_of(rank)
