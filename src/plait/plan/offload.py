@@ -10,8 +10,9 @@ link's time for what it moves (the simulator charges offloaded activations once 
 forward and once in for backward of every micro-batch, and swapped optimizer state in and
 out once a step, `plait.sim.replica`). Options are replayed exactly in the order of those
 bounds, best first, so the first bound that is not below the best step found ends the
-search with nothing left that could win; `limit` caps the replays as the search's budget
-caps its own.
+search with nothing left that could win; `limit` replays and a `budget` of replayed
+stage-micro-batches cap it as the search's own stop does (at least one replay is made: a
+64-stage pipeline of 512 micro-batches is over the whole budget alone).
 
 Why not offload every candidate as one more dimension of the space: each option only adds
 host-link time to a plan that fits without it, so it can win only where memory forces a
@@ -117,12 +118,14 @@ def offloaded(
     margin: float,
     limit: int,
     rate: float | None,
+    budget: int | None = None,
 ) -> list[RankedPlan | Rejection]:
     """Replay with offload the plans of `failed` ((lower bound on the step, plan) pairs of
     plans that did not fit; None: the bound is computed here) that could beat `best_key`
     (the best fitting step, in the search's order), best bound first, at most `limit`
-    replays. Returns their outcomes; the caller applies the memory margin to them as to
-    any plan. Pipelines of their own are not offloaded (`plait.pipelines.check_hetero_plan`)."""
+    replays, and (with a `budget`) none after `budget` stage-micro-batches. Returns their
+    outcomes; the caller applies the memory margin to them as to any plan. Pipelines of
+    their own are not offloaded (`plait.pipelines.check_hetero_plan`)."""
     est = Estimator(cluster)
     capacity = est.device.memory_bytes * (1 - margin)
     pending = sorted(
@@ -137,8 +140,8 @@ def offloaded(
     head = 0
     queue: list[tuple[float, int, int, SimPlan, Mapping[str, Any]]] = []
     out: list[RankedPlan | Rejection] = []
-    best, n, tried = best_key, 0, 0
-    while tried < limit:
+    best, n, tried, spent = best_key, 0, 0, 0
+    while tried < limit and (budget is None or tried == 0 or spent < budget):
         # every pending plan's options are bounded below by its compute bound, so the
         # queue's head is the best left once it is not above the next pending plan's
         while (
@@ -156,6 +159,7 @@ def offloaded(
         _, _, _, plan, option = heapq.heappop(queue)
         outcome = exact_of(plan, cluster)(dataclasses.replace(plan, **option), model, cluster)
         tried += 1
+        spent += plan.pp * plan.chunks * plan.microbatches
         out.append(outcome)
         if isinstance(outcome, RankedPlan) and all(
             c - p >= margin * c

@@ -228,7 +228,8 @@ def search(
     elif ranked and space.offload:  # plans that fit only with offload, where they could win
         failed = [*((e.step_s, p) for e, p in misfits), *((None, r.plan) for r in short)]
         found = offloaded(failed, best_key_of(ranked), model, cluster, margin=memory_margin,
-                          limit=max_simulated if exhaustive else top_k, rate=rate)  # fmt: skip
+                          limit=max_simulated if exhaustive else top_k, rate=rate,
+                          budget=None if exhaustive else replay_budget - replayed)  # fmt: skip
         simulated += len(found)
         margined = [_with_margin(o, memory_margin) for o in found if isinstance(o, RankedPlan)]
         ranked += [with_loader(r, rate) for r in margined if isinstance(r, RankedPlan)]
