@@ -25,6 +25,7 @@ __all__ = [
     "check_fits",
     "cpu_cores_for",
     "expert_grid",
+    "host_cores",
     "init_worker",
     "launched_env",
     "node_of",
@@ -259,15 +260,34 @@ def cpu_cores_for(local_rank: int, local_world_size: int, cores: Collection[int]
     return set(ordered[local_rank * width : (local_rank + 1) * width])
 
 
+# the cores this node's workers were started on, before this one was pinned to its share
+_host_cores: int | None = None
+
+
+def host_cores() -> int:
+    """How many cores this node's local workers share: those this process could use before
+    `init_worker` pinned it to its own (`cpu_cores_for`), else those it may use now. A
+    pinned worker's own affinity is its share, one core of two or four workers on two."""
+    if _host_cores is not None:
+        return _host_cores
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def _pin_cpu(env: WorkerEnv) -> None:
     """Pin this CPU worker to its cores (`cpu_cores_for`): workers left free migrate
     between cores and run unevenly (steps varied by ±20% here); PLAIT_PIN_CPU=0 disables."""
+    global _host_cores
     local_world = _local_world_size() or env.world_size
     if local_world < 2 or os.environ.get("PLAIT_PIN_CPU", "1") == "0":
         return
     if not hasattr(os, "sched_setaffinity"):  # not on macOS or Windows
         return
-    os.sched_setaffinity(0, cpu_cores_for(env.local_rank, local_world, os.sched_getaffinity(0)))
+    allowed = os.sched_getaffinity(0)
+    if _host_cores is None:  # a second init in this process finds itself pinned already
+        _host_cores = len(allowed)
+    os.sched_setaffinity(0, cpu_cores_for(env.local_rank, local_world, allowed))
 
 
 def init_worker(

@@ -12,7 +12,6 @@ the planner keeps from workers that share cores, are proposed for them.
 
 from __future__ import annotations
 
-import os
 import time
 import warnings
 from dataclasses import replace
@@ -26,6 +25,7 @@ from plait.blocks import as_blocks
 from plait.cluster import Cluster, Link, measured_cluster
 from plait.config import ParallelPlan
 from plait.device import current, fork_rng, timer
+from plait.mesh import host_cores
 from plait.plan import ModelSpec, SearchSpace, scaled_spec, search
 from plait.plan.io import parallel_plan_of, plan_to_dict
 from plait.profile import block_costs, measured_device, profile_model
@@ -72,12 +72,6 @@ def measure_collectives(device: torch.device | None = None, *, repeats: int = 8)
     steps = 2 * (n - 1)
     latency = max(y1 - slope * x1, 1e-6) / steps
     return Link(latency_s=latency, bandwidth_Bps=steps / n / slope)
-
-
-def _cores() -> int:
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
 
 
 def parallel_plan_from(data: dict[str, Any]) -> ParallelPlan:
@@ -130,14 +124,15 @@ def local_cluster(
     declared: Cluster | None = None,
 ) -> Cluster:
     """The local workers on `device` (a device type) as the planner sees them: a GPU each,
-    or one core each, or, when they outnumber the `cores` (default: those this process may
-    use), pinned to core i mod cores as `plait.mesh.init_worker` pins them and
-    time-sharing it (`NodeGroup.processors`). With `declared` (the `--cluster` file),
-    rank r is that file's device r instead (`_declared`)."""
+    or one core each, or, when they outnumber the `cores` (default: those the workers were
+    started on, `plait.mesh.host_cores`, not a pinned worker's own), pinned to core i mod
+    cores as `plait.mesh.init_worker` pins them and time-sharing it
+    (`NodeGroup.processors`). With `declared` (the `--cluster` file), rank r is that
+    file's device r instead (`_declared`)."""
     from plait.train.memcheck import worker_memory_bytes
 
     memory = int(worker_memory_bytes(world, device))
-    cores = world if device != "cpu" else cores or _cores()
+    cores = world if device != "cpu" else cores or host_cores()
     cluster = measured_cluster(
         name=f"local-workers ({device})", flops={dtype: _SPEED}, memory_bytes=memory,
         devices_per_node=world, intra_node=link,
