@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from plait.mesh import kept
 from plait.schedule import P2P_OPS, Op, Schedule
 from plait.schedule.lower import channel
 
@@ -64,7 +65,8 @@ def build_channels(pipelines: Sequence[tuple[Schedule, Sequence[int]]]) -> Chann
     for schedule, ranks in pipelines:
         groups = {}
         for src, dst in channel_pairs(schedule):
-            group = dist.new_group([ranks[src], ranks[dst]])
+            pair = (ranks[src], ranks[dst])  # directed: each way a communicator of its own
+            group = kept(("channel", pair), lambda pair=pair: dist.new_group(list(pair)))
             if me in (ranks[src], ranks[dst]):
                 groups[(src, dst)] = group
         if me in ranks:
