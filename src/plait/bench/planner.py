@@ -1,6 +1,7 @@
 """Does the planner pick well? Every plan of a small grid measured on 4 local workers.
 
-The workers profile the model (rank 0, one thread, two micro-batch sizes), the planner
+The workers profile the model (rank 0, one thread, two micro-batch sizes, while the
+other workers on cores of their own run the same blocks, as in training), the planner
 predicts every plan of the grid (all (dp, tp, pp) factorisations of the workers, each
 schedule, two micro-batch counts) on a cluster of the local workers, and then every plan
 is trained for a few steps with the real engine. Printed: the planner's pick, the
@@ -14,6 +15,11 @@ Workers time-sharing a core also lose speed to switching and cache refills, so f
 reference plan outside the grid (a 1F1B pipeline over all workers, with twice the grid's
 largest micro-batch count) is measured, and the sharing efficiency that reproduces it
 (`plait.train.autoplan.fit_sharing_efficiency`) is used for every prediction.
+
+The workers build one engine per plan and round; the engines of a layout share its
+communicators (`plait.mesh.kept`), else every engine's gloo groups and their threads would
+live on (4,400 threads by the end of one round of this grid, most of the CPU spent in the
+kernel, every later plan measured slower than it runs).
 """
 
 from __future__ import annotations
@@ -22,7 +28,6 @@ import argparse
 import statistics
 import time
 from dataclasses import asdict, dataclass
-from itertools import pairwise
 from typing import Any
 
 __all__ = ["PlannerBenchConfig", "add_arguments", "run", "run_bench"]
@@ -182,16 +187,13 @@ def _worker(cfg: PlannerBenchConfig) -> dict[str, Any] | None:
     corpus = stdlib_corpus(max_chars=200_000)
     link = measure_collectives(torch.device("cpu"))
     box: list[Any] = [None]
-    apart = env.rank < workers_apart(cfg.workers, torch.device("cpu"))
-    probe = _Probe(cfg, corpus, apart)
-    if env.rank > 0 and apart:
+    if 0 < env.rank < workers_apart(cfg.workers, torch.device("cpu")):
         _spec(cfg, _model(cfg, corpus), corpus)  # loads its core while rank 0 times blocks
     if env.rank == 0:
         t0 = time.perf_counter()
         spec, cluster = _spec(cfg, _model(cfg, corpus), corpus), local_cluster(cfg.workers, link)
         box[0] = _reference(cfg, spec, cluster)
         spent = time.perf_counter() - t0
-    at_profile = probe()
     dist.broadcast_object_list(box, src=0)
     reference = box[0]
     reference_s = _measure(cfg, reference, corpus) if reference else None
@@ -205,55 +207,13 @@ def _worker(cfg: PlannerBenchConfig) -> dict[str, Any] | None:
         box[0] = (plans, spent + time.perf_counter() - t0, efficiency)
     dist.broadcast_object_list(box, src=0)
     plans, plan_seconds, efficiency = box[0]
-    rounds, speeds = [], []
-    for _ in range(cfg.rounds):
-        probes, times = [probe()], []
-        for plan in plans:
-            times.append(_measure(cfg, plan, corpus))
-            probes.append(probe())
-        rounds.append(times)
-        # the host's pace over a turn against its pace when the blocks were profiled
-        speeds.append([(a + b) / 2 / at_profile for a, b in pairwise(probes)])
+    rounds = [[_measure(cfg, plan, corpus) for plan in plans] for _ in range(cfg.rounds)]
     measured = [statistics.median(times) for times in zip(*rounds, strict=True)]
     spread = [(min(times), max(times)) for times in zip(*rounds, strict=True)]
-    paced = [statistics.median(t / k for t, k in zip(times, pace, strict=True))
-             for times, pace in zip(zip(*rounds, strict=True), zip(*speeds, strict=True),
-                                    strict=True)]  # fmt: skip
-    pace = [statistics.median(ks) for ks in zip(*speeds, strict=True)]
     if env.rank != 0:
         return None
-    return {"plans": plans, "measured": measured, "spread": spread, "paced": paced,
-            "pace": pace, "plan_seconds": plan_seconds, "sharing_efficiency": efficiency,
-            "reference_step_s": reference_s}  # fmt: skip
-
-
-class _Probe:
-    """The host's pace: one forward and backward of the benchmark's GPT on a worker's
-    share of the batch (median of 3), timed at once on every worker with a core of its own,
-    as the blocks were profiled. The same plan measured six times in one run took from
-    0.096 to 0.166 s a step here; the probes taken around each turn put its measured step
-    at the pace the profile saw."""
-
-    def __init__(self, cfg: PlannerBenchConfig, corpus: Any, apart: bool) -> None:
-        self.model, self.apart = _model(cfg, corpus), apart
-        self.sample = corpus.batch(0, max(1, cfg.batch_size // cfg.workers), cfg.seq_len)
-
-    def __call__(self) -> float:
-        import torch.distributed as dist
-
-        from plait.models import GPT
-
-        dist.barrier()
-        times = []
-        if self.apart:  # the others wait at the next collective, their cores left free
-            x, y = self.sample
-            for _ in range(3):
-                t0 = time.perf_counter()
-                GPT.loss(self.model(x), y).backward()
-                times.append(time.perf_counter() - t0)
-            self.model.zero_grad(set_to_none=True)
-        dist.barrier()
-        return statistics.median(times) if times else 1.0
+    return {"plans": plans, "measured": measured, "spread": spread, "plan_seconds": plan_seconds,
+            "sharing_efficiency": efficiency, "reference_step_s": reference_s}  # fmt: skip
 
 
 def _spearman(a: list[float], b: list[float]) -> float:
@@ -284,27 +244,19 @@ def run_bench(cfg: PlannerBenchConfig) -> dict[str, Any]:
     predicted = [p["predicted"]["step_time_s"] for p in plans]
     pick = min(range(len(plans)), key=predicted.__getitem__)
     best = min(range(len(plans)), key=measured.__getitem__)
-    paced = out["paced"]
     rows = [
         {"plan": describe(plan_from_dict(p)), "predicted_step_s": predicted[i],
          "measured_step_s": measured[i], "error": (predicted[i] - measured[i]) / measured[i],
-         "measured_spread_s": list(out["spread"][i]), "host_pace": out["pace"][i],
-         "measured_at_profile_pace_s": paced[i],
-         "error_at_profile_pace": (predicted[i] - paced[i]) / paced[i]}
+         "measured_spread_s": list(out["spread"][i])}
         for i, p in enumerate(plans)
     ]  # fmt: skip
     errors = [abs(p - m) / m for p, m in zip(predicted, measured, strict=True)]
-    paced_errors = [abs(p - m) / m for p, m in zip(predicted, paced, strict=True)]
     return {
         "config": asdict(cfg),
         "plans": rows,
         # |predicted - measured| / measured over every plan of the sweep
         "median_abs_error": statistics.median(errors),
         "max_abs_error": max(errors),
-        # the same against each measured step put at the host's pace when the blocks were
-        # profiled (`_Probe`): what the prediction misses, not how the host's speed drifted
-        "median_abs_error_at_profile_pace": statistics.median(paced_errors),
-        "max_abs_error_at_profile_pace": max(paced_errors),
         "kinds": sorted({plan_from_dict(p).schedule for p in plans}),
         "pick": rows[pick]["plan"],
         "measured_best": rows[best]["plan"],
