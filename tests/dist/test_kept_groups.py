@@ -28,6 +28,7 @@ PLANS = (
     ParallelPlan(pp=2, schedule="1f1b", microbatches=2),  # channels both ways
     ParallelPlan(dp=2, pp=1, microbatches=2),
     ParallelPlan(pp=2, schedule="zb-v", microbatches=2, chunks=2),
+    ParallelPlan(pp=2, schedule="chimera", microbatches=2),  # groups that sum replicas
 )
 
 

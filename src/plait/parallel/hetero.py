@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from plait.mesh import kept
 from plait.pipelines import PipelineLayout
 
 __all__ = ["BlockBuckets", "PipelineGroups", "ShareReducer", "pipeline_groups"]
@@ -55,12 +56,13 @@ def pipeline_groups(layout: PipelineLayout) -> PipelineGroups:
         )
     pp_group = None
     for ranks in layout.ranks:
-        group = dist.new_group(list(ranks))
+        group = kept(("pipeline", tuple(ranks)), lambda ranks=ranks: dist.new_group(list(ranks)))
         if rank in ranks:
             pp_group = group
     mine = {}
     for holders in layout.block_groups():
-        group = dist.new_group(sorted(holders))
+        key = ("blocks", tuple(sorted(holders)))
+        group = kept(key, lambda holders=holders: dist.new_group(sorted(holders)))
         if rank in holders:
             mine[holders] = group
     assert pp_group is not None

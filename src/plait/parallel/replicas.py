@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from plait.mesh import kept
 from plait.runtime.sync import GradSync
 from plait.schedule import Schedule
 
@@ -55,7 +56,7 @@ def replica_groups(schedule: Schedule, mesh: DeviceMesh) -> dict[RankSet, dist.P
             continue
         for column in slices.t().tolist():
             ranks = [column[r] for r in rank_set]
-            group = dist.new_group(ranks)
+            group = kept(("replicas", tuple(ranks)), lambda ranks=ranks: dist.new_group(ranks))
             if mine in ranks:
                 out[rank_set] = group
     return out
