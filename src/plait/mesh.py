@@ -88,6 +88,7 @@ def expert_grid(layout: Layout) -> list[list[list[int]]]:
 # lives: a sweep of 46 plans on 4 workers reached 4,400 threads, and two thirds of the
 # CPU time went to the kernel.
 _kept: dict[Any, Any] = {}
+_WORLD = object()  # the key under which `_kept` remembers which default group it is for
 
 
 def kept(key: Any, make: Any) -> Any:
@@ -101,9 +102,6 @@ def kept(key: Any, make: Any) -> Any:
     if key not in _kept:
         _kept[key] = make()
     return _kept[key]
-
-
-_WORLD = object()  # the key under which `_kept` remembers which default group it is for
 
 
 def build_mesh(layout: Layout, device_type: str, *, experts: bool = False) -> Meshes:

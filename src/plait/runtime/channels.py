@@ -17,7 +17,6 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from plait.mesh import kept
 from plait.schedule import P2P_OPS, Op, Schedule
 from plait.schedule.lower import channel
 
@@ -59,14 +58,15 @@ def channel_pairs(schedule: Schedule) -> list[tuple[int, int]]:
 def build_channels(pipelines: Sequence[tuple[Schedule, Sequence[int]]]) -> Channels | None:
     """Make the channel groups of every pipeline (its schedule and its global ranks by
     pipeline rank) on every rank, in one order; return this rank's (None when it is in
-    none of them). A collective over the whole world."""
+    none of them). A collective over the whole world. Made afresh for every engine, unlike
+    the meshes (`plait.mesh.kept`): a receive that an engine posted and abandoned (a timed
+    out step) would take the next engine's messages on a shared channel."""
     me = dist.get_rank()
     mine: Channels | None = None
     for schedule, ranks in pipelines:
         groups = {}
         for src, dst in channel_pairs(schedule):
-            pair = (ranks[src], ranks[dst])  # directed: each way a communicator of its own
-            group = kept(("channel", pair), lambda pair=pair: dist.new_group(list(pair)))
+            group = dist.new_group([ranks[src], ranks[dst]])
             if me in (ranks[src], ranks[dst]):
                 groups[(src, dst)] = group
         if me in ranks:
