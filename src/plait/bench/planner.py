@@ -17,8 +17,8 @@ largest micro-batch count) is measured, and the sharing efficiency that reproduc
 (`plait.train.autoplan.fit_sharing_efficiency`) is used for every prediction.
 
 The workers build one engine per plan and round; the engines of a layout share its
-communicators (`plait.mesh.kept`), else every engine's gloo groups and their threads would
-live on (4,400 threads by the end of one round of this grid, most of the CPU spent in the
+meshes (`plait.mesh.kept`), else every engine's gloo groups and their threads would live
+on (4,400 threads by the end of one round of this grid, most of the CPU spent in the
 kernel, every later plan measured slower than it runs).
 """
 
