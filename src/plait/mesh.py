@@ -6,9 +6,9 @@ from __future__ import annotations
 import atexit
 import datetime
 import os
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -87,11 +87,12 @@ def expert_grid(layout: Layout) -> list[list[list[int]]]:
 # Each new one costs gloo's connection threads, never freed while the process group
 # lives: a sweep of 46 plans on 4 workers reached 4,400 threads, and two thirds of the
 # CPU time went to the kernel.
-_kept: dict[Any, Any] = {}
+_kept: dict[Hashable, Any] = {}
 _WORLD = object()  # the key under which `_kept` remembers which default group it is for
+_T = TypeVar("_T")
 
 
-def kept(key: Any, make: Any) -> Any:
+def kept(key: Hashable, make: Callable[[], _T]) -> _T:
     """`make()`, the first time `key` is asked for under the current default process group
     (a new group after `destroy_process_group` starts afresh); after that the same object.
     Collective where `make` is: every rank asks for the same keys in the same order."""
@@ -101,7 +102,7 @@ def kept(key: Any, make: Any) -> Any:
         _kept[_WORLD] = world
     if key not in _kept:
         _kept[key] = make()
-    return _kept[key]
+    return cast(_T, _kept[key])
 
 
 def build_mesh(layout: Layout, device_type: str, *, experts: bool = False) -> Meshes:
@@ -112,19 +113,19 @@ def build_mesh(layout: Layout, device_type: str, *, experts: bool = False) -> Me
     Collective: every rank calls it. The meshes of a layout are made once a process group
     (`kept`)."""
     check_fits(layout, dist.get_world_size(), local_world_size=_local_world_size())
-    experts = bool(layout.ep > 1 or (experts and layout.tp > 1))
-    key = ("mesh", layout, device_type, experts)
-    return cast(Meshes, kept(key, lambda: _meshes(layout, device_type, experts)))
+    expert_view = layout.ep > 1 or (experts and layout.tp > 1)
+    key = ("mesh", layout, device_type, expert_view)
+    return kept(key, lambda: _meshes(layout, device_type, expert_view))
 
 
-def _meshes(layout: Layout, device_type: str, experts: bool) -> Meshes:
+def _meshes(layout: Layout, device_type: str, expert_view: bool) -> Meshes:
     main = DeviceMesh(device_type, torch.tensor(rank_grid(layout)), mesh_dim_names=AXES)
     dp = main[_DP_AXES]._flatten("dp")
     # gradients of replicated weights are reduced over dp and cp as one group
     # (torchtitan's dp_shard_cp): the cp ranks of a replica hold the same weights
     dp_cp = main[(*_DP_AXES, "cp")]._flatten("dp_cp") if layout.cp > 1 else None
     expert = None
-    if experts:
+    if expert_view:
         grid = torch.tensor(expert_grid(layout))
         expert = DeviceMesh(device_type, grid, mesh_dim_names=("pp", "edp", "ep"))
     return Meshes(main=main, expert=expert, flat_dp=dp, flat_dp_cp=dp_cp)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -56,13 +57,12 @@ def pipeline_groups(layout: PipelineLayout) -> PipelineGroups:
         )
     pp_group = None
     for ranks in layout.ranks:
-        group = kept(("pipeline", tuple(ranks)), lambda ranks=ranks: dist.new_group(list(ranks)))
+        group = kept(("pipeline", tuple(ranks)), partial(dist.new_group, list(ranks)))
         if rank in ranks:
             pp_group = group
     mine = {}
     for holders in layout.block_groups():
-        key = ("blocks", tuple(sorted(holders)))
-        group = kept(key, lambda holders=holders: dist.new_group(sorted(holders)))
+        group = kept(("blocks", tuple(sorted(holders))), partial(dist.new_group, sorted(holders)))
         if rank in holders:
             mine[holders] = group
     assert pp_group is not None

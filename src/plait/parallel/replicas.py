@@ -19,6 +19,7 @@ part order; replicas on the same rank are added locally first.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -56,7 +57,7 @@ def replica_groups(schedule: Schedule, mesh: DeviceMesh) -> dict[RankSet, dist.P
             continue
         for column in slices.t().tolist():
             ranks = [column[r] for r in rank_set]
-            group = kept(("replicas", tuple(ranks)), lambda ranks=ranks: dist.new_group(ranks))
+            group = kept(("replicas", tuple(ranks)), partial(dist.new_group, ranks))
             if mine in ranks:
                 out[rank_set] = group
     return out
