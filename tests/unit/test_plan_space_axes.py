@@ -7,7 +7,7 @@ it)."""
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from dataclasses import replace
+from dataclasses import fields, replace
 from itertools import product
 from math import prod
 
@@ -170,3 +170,16 @@ def test_the_cases_reach_every_kind_of_plan() -> None:
     assert any(p.total_microbatches for p in plans("batch that does not divide"))
     assert any(p.dp_replicate for p in plans("8 devices a node, 4 nodes"))
     assert any(p.dp_replicate for p in plans("long sequence, cp > 1"))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_every_candidate_is_what_the_checked_constructor_builds(case: str) -> None:
+    # candidates that differ from a checked one only in batch shape are copied unchecked
+    # (`plait.plan.space._reshaped`): each must be the plan the checked constructor gives
+    model, space, n, per_node, batch = CASES[case]
+    found = list(candidates(model, space, num_devices=n, devices_per_node=per_node,
+                            global_batch=batch))  # fmt: skip
+    assert len({(p.microbatches, p.micro_batch_size) for p in found}) > 1, case
+    for plan in found:
+        checked = SimPlan(**{f.name: getattr(plan, f.name) for f in fields(SimPlan)})
+        assert vars(checked) == vars(plan), plan

@@ -261,6 +261,7 @@ def _layouts(
             space.rank_orders if dp > 1 and pp > 1 else space.rank_orders[:1],
             space.compress if dp > 1 and cp == 1 else ("none",),
         )
+        checked: dict[tuple[object, ...], SimPlan] = {}  # by all but the batch shape
         for b, (kind, chunks), recompute, zero, sp, order, compress in options:
             if KINDS[kind].unsupported(tp=tp, zero=zero, dtype=space.dtype) is not None:
                 continue
@@ -268,7 +269,12 @@ def _layouts(
                 continue
             if zero >= 2 and compress not in ("none", "fp16", "bf16"):
                 continue  # FSDP2's reduce-scatter takes no hook (plait.cost.compress)
-            yield SimPlan(
+            m = global_batch // (dp * b)
+            key = (kind, chunks, recompute, zero, sp, order, compress)
+            if key in checked:
+                yield _reshaped(checked[key], microbatches=m, micro_batch_size=b)
+                continue
+            checked[key] = SimPlan(
                 dp=dp,
                 dp_replicate=replicate,
                 dp_shard=shard,
@@ -277,8 +283,6 @@ def _layouts(
                 pp=pp,
                 ep=ep,
                 schedule=kind,
-                microbatches=global_batch // (dp * b),
-                micro_batch_size=b,
                 chunks=chunks,
                 recompute=recompute,  # type: ignore[arg-type]
                 zero=zero,
@@ -288,7 +292,23 @@ def _layouts(
                 seq_len=model.seq_len,
                 rank_order=order,
                 compress=compress,
+                microbatches=m,
+                micro_batch_size=b,
             )
+            yield checked[key]
+
+
+def _reshaped(plan: SimPlan, *, microbatches: int, micro_batch_size: int) -> SimPlan:
+    """`plan` with another batch shape (`microbatches` and `micro_batch_size`, both
+    >= 1), without checking it again: a plan's checks do not read its batch shape beyond
+    its being positive (`total_microbatches` is 0 here), and a large space has tens of
+    thousands of candidates that differ from a checked one only so, whose checks took most
+    of the time to enumerate them (`tests/unit/test_plan_space_axes.py` checks every
+    candidate of several spaces against the checked constructor)."""
+    out = object.__new__(SimPlan)
+    out.__dict__.update(plan.__dict__)
+    out.__dict__.update(microbatches=microbatches, micro_batch_size=micro_batch_size)
+    return out
 
 
 def _uneven(
