@@ -20,16 +20,17 @@ are only used to order the search; every reported number comes from the simulato
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from functools import cached_property
 
 import numpy as np
 
-from plait.cluster import Cluster, Link, dtype_bytes
+from plait.cluster import DTYPE_BYTES, Cluster, Link, dtype_bytes
 from plait.cost import (
     AxisLinks,
     BlockCost,
     StageCost,
+    StageTimes,
     expert_dp_degree,
     model_state_bytes,
     moe_optimizer_step_time,
@@ -129,6 +130,7 @@ class Estimator:
         self._profiles: dict[tuple[object, ...], RankProfile] = {}
         self._links: dict[tuple[object, ...], Link] = {}
         self._state: dict[tuple[object, ...], float] = {}
+        self._plan_state: dict[tuple[object, ...], float] = {}
         self._syncs: dict[tuple[object, ...], float] = {}
         self._opts: dict[tuple[object, ...], float] = {}
         # uneven cuts within memory (`plait.plan.prune.uneven_cut`) by what shapes them
@@ -168,10 +170,16 @@ class Estimator:
             if plan.cp > 1:  # the K/V ring (plait.cost.context)
                 degrees["cp"], links["cp"] = plan.cp, self.link(plan, "cp")
             axes = AxisLinks(degrees, links)
-            times = [
-                StageCost((b,)).times(self.device, plan.dtype, recompute=rc, links=axes)
-                for b in blocks
-            ]
+            # a model's blocks are mostly alike (its layers), priced once each kind
+            priced: dict[tuple[object, ...], StageTimes] = {}
+            times = []
+            for b in blocks:
+                like = _priced_as(b)
+                if like not in priced:
+                    priced[like] = StageCost((b,)).times(
+                        self.device, plan.dtype, recompute=rc, links=axes
+                    )
+                times.append(priced[like])
             # each block action lasts at least its host issue (`plait.sim.host`, per block
             # here: a stage's max of sums is at most this sum of maxima)
             d = self.device.dispatch_s
@@ -206,6 +214,11 @@ class Estimator:
     def state_per_param(self, plan: SimPlan, *, experts: bool = False) -> float:
         """Model-state bytes per parameter (linear in the parameter count), ZeRO sharding
         over the plan's dp ranks, or for `experts` over the ranks holding the same ones."""
+        # by the plan's own fields first: deriving its shard degree costs more than the rest
+        raw = (experts, plan.dtype, plan.zero, plan.optimizer, plan.dp, plan.dp_replicate,
+               plan.dp_shard, plan.cp, plan.tp, plan.ep)  # fmt: skip
+        if raw in self._plan_state:
+            return self._plan_state[raw]
         dp = expert_dp_degree(plan) if experts else shard_degree(plan)
         key = (plan.dtype, plan.zero, dp, plan.optimizer)
         if key not in self._state:
@@ -220,6 +233,7 @@ class Estimator:
                 ).total
                 / big
             )
+        self._plan_state[raw] = self._state[key]
         return self._state[key]
 
     def sync_time(self, plan: SimPlan, params: float, experts: float, links: AxisLinks) -> float:
@@ -256,6 +270,14 @@ class Estimator:
         balanced cut (an uneven cut that fits where the balanced one does not)."""
         arrays = self._block_arrays(plan, blocks)
         return estimate(plan, _rank_sums(arrays, list(sizes), plan.pp), self)
+
+
+_PRICED = tuple(f.name for f in fields(BlockCost) if f.name != "name")
+
+
+def _priced_as(block: BlockCost) -> tuple[object, ...]:
+    """What a block's times depend on: every field but its name."""
+    return tuple(getattr(block, name) for name in _PRICED)
 
 
 def _rank_sums(arrays: _BlockArrays, sizes: list[int], p: int) -> RankProfile:
@@ -297,7 +319,7 @@ def bound(plan: SimPlan, profile: RankProfile, est: Estimator) -> Estimate:
     floor = (
         float(state.sum())
         + least * profile.saved_total
-        + copies * profile.params_total * dtype_bytes(plan.dtype)
+        + copies * profile.params_total * DTYPE_BYTES[plan.dtype]  # a plan's dtype is normal
     )
     capacity = float(est.device.memory_bytes)
     return Estimate(
@@ -331,7 +353,7 @@ def _memory(
         (_state(plan, profile, est) if state is None else state)
         + counts * profile.saved
         + profile.transient
-        + copies * profile.params * dtype_bytes(plan.dtype)
+        + copies * profile.params * DTYPE_BYTES[plan.dtype]
     )
 
 
