@@ -24,6 +24,7 @@ from plait.plan.estimate import Estimator
 from plait.plan.io import LAYOUT_KEYS
 from plait.plan.search import PlanSearch, describe
 from plait.plan.space import ModelSpec
+from plait.schedule.pause import gc_paused
 from plait.sim import SimPlan, build_schedule, simulate
 
 __all__ = ["FACTORS", "MARGIN", "SIMULATED_ACTIONS", "RunnerUp", "runners_up", "runners_up_text"]
@@ -66,6 +67,7 @@ class RunnerUp:
         }
 
 
+@gc_paused()  # as `search`: many objects, no cycles
 def runners_up(search: PlanSearch, model: ModelSpec, cluster: Cluster) -> tuple[RunnerUp, ...]:
     """One runner-up per schedule kind the search tried, other than the winner's, fastest
     first."""

@@ -37,6 +37,7 @@ from plait.plan.offload import OPTIONS, best_key_of, offloaded, offloads
 from plait.plan.prune import fastest_of_each_kind, fastest_without_cp, order_key, pruned_estimates
 from plait.plan.space import ModelSpec, SearchSpace, candidates
 from plait.plan.wsp import wsp_variants
+from plait.schedule.pause import gc_paused
 from plait.sim import SimPlan
 
 __all__ = ["NoFeasiblePlan", "PlanSearch", "RankedPlan", "Rejection", "describe", "search"]
@@ -124,6 +125,10 @@ def _with_margin(ranked: RankedPlan, margin: float) -> RankedPlan | Rejection:
     )
 
 
+# a search holds tens of thousands of plans and estimates, none in a reference cycle; the
+# cyclic collector walked them all again and again (7 full collections, 2 s of the 1T
+# GPT's plan) and found nothing to free
+@gc_paused()
 def search(
     model: ModelSpec,
     cluster: Cluster,
