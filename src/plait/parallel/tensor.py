@@ -18,11 +18,13 @@ exchange the same tensors with or without it.
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import parallelize_module
 
-__all__ = ["apply_tensor_parallel"]
+__all__ = ["apply_tensor_parallel", "shard_block"]
 
 
 def apply_tensor_parallel(
@@ -33,14 +35,8 @@ def apply_tensor_parallel(
     if blocks is None:
         raise TypeError(f"{type(stage).__name__} has no `.blocks`: pass a plait StageModule")
     for block in blocks:
-        plan_fn = getattr(block, "tp_plan", None)
-        if plan_fn is not None:
-            plan = plan_fn(sequence_parallel)
-            prepare = getattr(block, "tp_prepare", None)
-            if prepare is not None:
-                prepare(tp_mesh.size())
-            parallelize_module(block, tp_mesh, plan)
-            _place_keyed_dropout(block, tp_mesh, sequence_parallel)
+        if getattr(block, "tp_plan", None) is not None:
+            shard_block(block, tp_mesh, sequence_parallel=sequence_parallel)
         elif getattr(block, "replicated_under_tp", False) or not any(
             p.requires_grad for p in block.parameters()
         ):
@@ -51,6 +47,15 @@ def apply_tensor_parallel(
                 "`tp_plan(sequence_parallel)` method returning a parallelize_module plan, mark "
                 "it `replicated_under_tp = True` to compute it whole on every tp rank, or use tp=1"
             )
+
+
+def shard_block(block: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool = False) -> None:
+    """Shard one block that has a `tp_plan` over `tp_mesh` in place."""
+    prepare = getattr(block, "tp_prepare", None)
+    if prepare is not None:
+        prepare(tp_mesh.size())
+    parallelize_module(block, tp_mesh, cast(Any, block).tp_plan(sequence_parallel))
+    _place_keyed_dropout(block, tp_mesh, sequence_parallel)
 
 
 def _place_keyed_dropout(block: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:

@@ -136,6 +136,7 @@ def scaled_spec(
     num_heads: int,
     tp_blocks: Collection[int] = (),
     measured_split: Mapping[int, Sequence[BlockCost]] | None = None,
+    tp_ratios: Mapping[tuple[int, bool], Mapping[int, tuple[float, float]]] | None = None,
 ) -> ModelSpec:
     """A model known from its blocks measured at one or more micro-batch sizes (tp = 1).
 
@@ -145,7 +146,13 @@ def scaled_spec(
     tensor parallelism as a Megatron layer does: work, parameters and saved activations
     divide by tp, and each pass adds two all-reduces of the block's output; the others
     are computed whole on every tensor-parallel rank. `measured_split` holds the same
-    blocks with the backward timed as two passes (for zero-bubble schedules)."""
+    blocks with the backward timed as two passes (for zero-bubble schedules).
+
+    `tp_ratios` (`plait.profile.sharded.TPRatios`): a sharded block measured at (tp,
+    sequence parallelism), its forward and backward as shares of the whole block's, by
+    micro-batch size. Where a layout's degree was measured, its sharded blocks take the
+    times measured sharded (linear in the micro-batch size through the measured sizes, as
+    whole blocks are), collectives included, instead of the division and all-reduces."""
 
     def builder(source: Mapping[int, Sequence[BlockCost]]) -> BlockCosts:
         points = sorted(source.items())
@@ -157,9 +164,10 @@ def scaled_spec(
 
         def costs(b: int, layout: Layout) -> list[BlockCost]:
             # measured blocks have no experts and keep whole sequences
+            shares = (tp_ratios or {}).get((layout.tp, layout.sequence_parallel))
             return [
                 _at([(size, blocks[i]) for size, blocks in points], b,
-                    layout.tp if i in sharded else 1)
+                    layout.tp if i in sharded else 1, shares if i in sharded else None)
                 for i in range(len(points[0][1]))
             ]  # fmt: skip
 
@@ -179,29 +187,57 @@ _LINEAR = (
 )  # fmt: skip
 
 
-def _at(points: list[tuple[int, BlockCost]], b: int, tp: int) -> BlockCost:
+def _line(b1: float, v1: float, b2: float, v2: float, b: float) -> float:
+    """The value at `b` of the line through (b1, v1) and (b2, v2) (proportional to v1 when
+    b1 = b2), at least half of v1's share of `b` (a line through two noisy small times can
+    fall towards zero)."""
+    if b2 == b1:
+        return v1 * b / b1
+    slope = (v2 - v1) / (b2 - b1)
+    return max(v1 + slope * (b - b1), v1 * min(1.0, b / b1) * 0.5)
+
+
+def _at(
+    points: list[tuple[int, BlockCost]], b: int, tp: int,
+    shares: Mapping[int, tuple[float, float]] | None = None,
+) -> BlockCost:  # fmt: skip
     """A block, measured at the sizes of `points`, at micro-batch size `b` on one of `tp`
-    ranks."""
+    ranks. With `shares` (tp > 1: the sharded block's forward and backward as shares of
+    the whole one's, by micro-batch size), its time is a line through the sharded times
+    at the measured sizes, as the whole block's is (one size: its share of the whole
+    block's time), collectives included."""
     (b1, c1), (b2, c2) = points[0], points[-1]
 
-    def value(field_name: str) -> float:
-        v1, v2 = getattr(c1, field_name), getattr(c2, field_name)
-        if b2 == b1:
-            return float(v1) * b / b1
-        slope = (v2 - v1) / (b2 - b1)
-        return max(float(v1) + slope * (b - b1), float(v1) * min(1.0, b / b1) * 0.5)
+    def value(field_name: str, size: float = b) -> float:
+        return _line(b1, float(getattr(c1, field_name)), b2, float(getattr(c2, field_name)),
+                     size)  # fmt: skip
 
     at = {k: value(k) for k in _LINEAR}
     recompute = c1.saved_bytes_recompute
     kept = None if recompute is None else recompute * b / b1
     comm: tuple[Collective, ...] = ()
-    if tp > 1:
+    forward = at["forward_flops"] / tp
+    backward_input = at["backward_input_flops"] / tp
+    backward_weight = at["backward_weight_flops"] / tp
+    if tp > 1 and shares:  # measured sharded: its collectives are in its time
+
+        def sharded(field_name: str, part: int) -> float:
+            (s1, r1), (s2, r2) = min(shares.items()), max(shares.items())
+            if s1 == s2:
+                return value(field_name) * r1[part]
+            return _line(s1, r1[part] * value(field_name, s1), s2,
+                         r2[part] * value(field_name, s2), b)  # fmt: skip
+
+        forward = sharded("forward_flops", 0)
+        backward_input = sharded("backward_input_flops", 1)
+        backward_weight = sharded("backward_weight_flops", 1)
+    elif tp > 1:
         comm = (Collective(kind="all_reduce", num_bytes=at["activation_bytes"], axis="tp"),) * 2
     return replace(
         c1,
-        forward_flops=at["forward_flops"] / tp,
-        backward_input_flops=at["backward_input_flops"] / tp,
-        backward_weight_flops=at["backward_weight_flops"] / tp,
+        forward_flops=forward,
+        backward_input_flops=backward_input,
+        backward_weight_flops=backward_weight,
         activation_bytes=at["activation_bytes"],
         saved_bytes=at["saved_bytes"] / tp,
         saved_bytes_recompute=kept,

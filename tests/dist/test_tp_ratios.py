@@ -1,0 +1,83 @@
+"""The planner's measured tensor-parallel blocks (`plait.profile.sharded.tp_ratios`) on 2
+gloo workers: the sharded copy it times computes what the whole block computes (outputs
+and input gradients equal to 1e-5: it times the real sharded block, not a stand-in), and
+it answers a (forward, backward) share for every degree, sequence-parallel setting and
+sample size, on every rank. A model with no sharded block answers nothing."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.dist
+
+
+def _worker(world: int) -> tuple[Any, ...]:
+    import copy
+
+    import torch
+    from torch import nn
+
+    from plait.blocks import as_blocks
+    from plait.layout import Layout
+    from plait.mesh import build_mesh, init_worker
+    from plait.models.gpt import GPT, GPTConfig
+    from plait.parallel.tensor import shard_block
+    from plait.profile.sharded import tp_degrees, tp_ratios
+
+    init_worker(device="cpu")
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(num_layers=2, hidden=32, num_heads=4, seq_len=16))
+    tokens = torch.randint(0, 96, (4, 16))
+    block = as_blocks(model)[1]
+    x = torch.randn(2, 16, 32)
+    sharded = copy.deepcopy(block)
+    shard_block(sharded, build_mesh(Layout(tp=2), "cpu").main["tp"])
+    a, b = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    out_whole, out_sharded = block(a), sharded(b)
+    out_whole.square().sum().backward()
+    out_sharded.square().sum().backward()
+    assert a.grad is not None and b.grad is not None
+    out_err = (out_whole - out_sharded).abs().max().item()
+    grad_err = (a.grad - b.grad).abs().max().item()
+    samples = [(tokens[:1], None), (tokens[:4], None)]
+    ratios = tp_ratios(model, samples, degrees=tp_degrees(world, 4),
+                       sequence_parallel=(False, True), repeats=2, warmup=1)  # fmt: skip
+    plain = nn.Sequential(nn.Linear(4, 4))  # no block with a tp_plan
+    none = tp_ratios(plain, [(torch.randn(1, 4), None)], degrees=[2])
+    return out_err, grad_err, ratios, none
+
+
+def test_tp_ratios_time_the_real_sharded_block_at_every_degree_and_size() -> None:
+    from plait.train import launch
+
+    found = launch(_worker, 2, 2)
+    for out_err, grad_err, ratios, none in found.values():
+        assert out_err < 1e-5 and grad_err < 1e-5
+        assert set(ratios) == {(2, False), (2, True)}
+        for shares in ratios.values():
+            assert set(shares) == {1, 4}
+            assert all(math.isfinite(s) and s > 0 for pair in shares.values() for s in pair)
+        assert none == {}
+
+
+def _refused(world: int) -> str:
+    from plait.mesh import init_worker
+    from plait.models.gpt import GPT, GPTConfig
+    from plait.profile.sharded import tp_ratios
+
+    init_worker(device="cpu")
+    try:
+        tp_ratios(GPT(GPTConfig(num_layers=1, hidden=32, num_heads=4)), [], degrees=[3])
+    except ValueError as error:
+        return str(error)
+    return ""
+
+
+def test_tp_ratios_refuse_a_degree_that_does_not_divide_the_workers() -> None:
+    from plait.train import launch
+
+    for message in launch(_refused, 2, 2).values():
+        assert "tp degrees [3]" in message and "divide the 2 workers" in message

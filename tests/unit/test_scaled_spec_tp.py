@@ -1,0 +1,75 @@
+"""A measured model's sharded blocks under tensor parallelism (`scaled_spec`): without
+measured shares, work divides by tp and two all-reduces of the block's output are added
+a pass; with shares measured at (tp, sequence parallelism), the block costs those shares
+of its whole time at that micro-batch size (linear between the measured sizes, the
+nearest beyond), with no collective added. The expected blocks are written out here."""
+
+from __future__ import annotations
+
+import pytest
+
+from plait.cost import BlockCost
+from plait.plan import ModelSpec, scaled_spec
+from plait.sim import SimPlan
+
+F1, BI1, BW1 = 3.0e9, 4.0e9, 5.0e9  # FLOPs of each pass at micro-batch size 1
+F8, BI8, BW8 = 10.0e9, 18.0e9, 26.0e9  # and at 8
+
+
+def _block(name: str, f: float, bi: float, bw: float) -> BlockCost:
+    return BlockCost(name=name, forward_flops=f, backward_input_flops=bi,
+                     backward_weight_flops=bw, activation_bytes=1e6, saved_bytes=2e6,
+                     num_params=1000)  # fmt: skip
+
+
+MEASURED = {
+    1: [_block("embedding", 1e9, 1e9, 1e9), _block("layer", F1, BI1, BW1)],
+    8: [_block("embedding", 8e9, 8e9, 8e9), _block("layer", F8, BI8, BW8)],
+}
+SHARES = {(2, False): {1: (6.0, 4.0), 8: (2.0, 1.5)}}
+
+
+def _spec(shares: dict[tuple[int, bool], dict[int, tuple[float, float]]] | None) -> ModelSpec:
+    return scaled_spec("m", MEASURED, seq_len=64, num_heads=4, tp_blocks=[1], tp_ratios=shares)
+
+
+def _through(v1: float, v8: float, b: int) -> float:
+    """The line through (1, v1) and (8, v8) at b."""
+    return v1 + (v8 - v1) * (b - 1) / 7
+
+
+@pytest.mark.parametrize("b", [1, 4, 8, 16])
+def test_measured_shares_replace_the_division_and_the_all_reduces(b: int) -> None:
+    layer = _spec(SHARES).blocks(b, SimPlan(tp=2))[1]
+    # the sharded times measured at 1 and 8 (share × whole), and the line through them
+    assert layer.forward_flops == pytest.approx(_through(6.0 * F1, 2.0 * F8, b), rel=1e-12)
+    assert layer.backward_input_flops == pytest.approx(_through(4.0 * BI1, 1.5 * BI8, b), rel=1e-12)
+    assert layer.backward_weight_flops == pytest.approx(
+        _through(4.0 * BW1, 1.5 * BW8, b), rel=1e-12
+    )
+    assert layer.forward_comm == () and layer.backward_comm == ()
+    # memory still divides: each rank holds its share of the weights and activations
+    whole = _spec(None).blocks(b, SimPlan())[1]
+    assert layer.num_params == 500 and layer.saved_bytes == pytest.approx(whole.saved_bytes / 2)
+    # the block that does not shard is computed whole on every rank, as without shares
+    assert _spec(SHARES).blocks(b, SimPlan(tp=2))[0] == _spec(None).blocks(b, SimPlan(tp=2))[0]
+
+
+def test_unmeasured_degrees_and_sequence_parallelism_divide_as_before() -> None:
+    for layout in (SimPlan(tp=4), SimPlan(tp=2, sequence_parallel=True)):
+        measured = _spec(SHARES).blocks(8, layout)[1]
+        analytic = _spec(None).blocks(8, layout)[1]
+        assert measured == analytic
+        tp = layout.tp
+        assert measured.forward_flops == pytest.approx(F8 / tp)
+        assert measured.backward_weight_flops == pytest.approx(BW8 / tp)
+        assert [c.kind for c in measured.forward_comm] == ["all_reduce"] * 2
+
+
+def test_one_measured_size_holds_at_every_size() -> None:
+    one = {(2, False): {4: (3.0, 2.5)}}
+    for b in (1, 4, 8):
+        layer = _spec(one).blocks(b, SimPlan(tp=2))[1]
+        whole = _spec(None).blocks(b, SimPlan())[1]
+        assert layer.forward_flops == pytest.approx(whole.forward_flops * 3.0)
+        assert layer.backward_input_flops == pytest.approx(whole.backward_input_flops * 2.5)
