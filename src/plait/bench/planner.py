@@ -1,7 +1,8 @@
 """Does the planner pick well? Every plan of a small grid measured on 4 local workers.
 
 The workers profile the model (rank 0, one thread, two micro-batch sizes, while the
-other workers on cores of their own run the same blocks, as in training), the planner
+other workers on cores of their own run the same blocks, as in training; and each group
+of tp workers a block sharded among them, `plait.profile.sharded`), the planner
 predicts every plan of the grid (all (dp, tp, pp) factorisations of the workers, each
 schedule, two micro-batch counts) on a cluster of the local workers, and then every plan
 is trained for a few steps with the real engine. Printed: the planner's pick, the
@@ -89,13 +90,17 @@ def _grid(cfg: PlannerBenchConfig, spec: Any, cluster: Any) -> list[Any]:
     return found
 
 
-def _spec(cfg: PlannerBenchConfig, model: Any, corpus: Any) -> Any:
+def _samples(cfg: PlannerBenchConfig, corpus: Any) -> list[Any]:
+    sizes = sorted({1, cfg.batch_size // cfg.workers})
+    return [corpus.batch(0, b, cfg.seq_len) for b in sizes]
+
+
+def _spec(cfg: PlannerBenchConfig, model: Any, corpus: Any, ratios: Any = None) -> Any:
     from plait.models import GPT
     from plait.train.autoplan import measured_spec
 
-    sizes = sorted({1, cfg.batch_size // cfg.workers})
-    samples = [corpus.batch(0, b, cfg.seq_len) for b in sizes]
-    return measured_spec(model, samples, GPT.loss, num_heads=cfg.heads, seq_len=cfg.seq_len)
+    return measured_spec(model, _samples(cfg, corpus), GPT.loss, num_heads=cfg.heads,
+                         seq_len=cfg.seq_len, tp_ratios=ratios)  # fmt: skip
 
 
 def _reference(cfg: PlannerBenchConfig, spec: Any, cluster: Any) -> dict[str, Any] | None:
@@ -175,6 +180,7 @@ def _worker(cfg: PlannerBenchConfig) -> dict[str, Any] | None:
     from plait.data import stdlib_corpus
     from plait.mesh import init_worker
     from plait.plan.io import plan_to_dict
+    from plait.profile.sharded import tp_degrees, tp_ratios
     from plait.train.autoplan import (
         fit_sharing_efficiency,
         local_cluster,
@@ -186,12 +192,16 @@ def _worker(cfg: PlannerBenchConfig) -> dict[str, Any] | None:
     env, _ = init_worker(device="cpu")  # plans for this host's cores, measured on them
     corpus = stdlib_corpus(max_chars=200_000)
     link = measure_collectives(torch.device("cpu"))
+    t0 = time.perf_counter()
+    # every worker: a block sharded in its group of each tp degree, timed as `--plan auto` does
+    ratios = tp_ratios(_model(cfg, corpus), _samples(cfg, corpus),
+                       degrees=tp_degrees(cfg.workers, cfg.heads))  # fmt: skip
     box: list[Any] = [None]
     if 0 < env.rank < workers_apart(cfg.workers, torch.device("cpu")):
         _spec(cfg, _model(cfg, corpus), corpus)  # loads its core while rank 0 times blocks
     if env.rank == 0:
-        t0 = time.perf_counter()
-        spec, cluster = _spec(cfg, _model(cfg, corpus), corpus), local_cluster(cfg.workers, link)
+        spec = _spec(cfg, _model(cfg, corpus), corpus, ratios)
+        cluster = local_cluster(cfg.workers, link)
         box[0] = _reference(cfg, spec, cluster)
         spent = time.perf_counter() - t0
     dist.broadcast_object_list(box, src=0)

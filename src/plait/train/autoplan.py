@@ -29,6 +29,7 @@ from plait.mesh import host_cores
 from plait.plan import ModelSpec, SearchSpace, scaled_spec, search
 from plait.plan.io import parallel_plan_of, plan_to_dict
 from plait.profile import block_costs, measured_device, profile_model
+from plait.profile.sharded import TPRatios, tp_degrees, tp_ratios
 from plait.schedule import KINDS
 
 __all__ = [
@@ -96,10 +97,13 @@ def measured_spec(
     seq_len: int,
     dtype: str = "fp32",
     device: torch.device | None = None,
+    tp_ratios: TPRatios | None = None,
 ) -> ModelSpec:
     """The planner's view of `model` from its blocks measured here on `device` (default:
     where they are) in the training `dtype` (its autocast), at each sample's micro-batch
-    size, with the full and the split backward."""
+    size, with the full and the split backward; with `tp_ratios`
+    (`plait.profile.sharded.tp_ratios`), its sharded blocks cost what they were measured
+    to cost sharded."""
     rate = measured_device(name="measured", flops=_SPEED, dtype=dtype, memory_bytes=2**34)
     full, split = {}, {}
     for x, y in samples:
@@ -111,7 +115,7 @@ def measured_spec(
     sharded = [i for i, b in enumerate(as_blocks(model)) if hasattr(b, "tp_plan")]
     # with no block that shards, tensor parallelism is out: tp must divide 1
     return scaled_spec("model", full, seq_len=seq_len, num_heads=num_heads if sharded else 1,
-                       tp_blocks=sharded, measured_split=split)  # fmt: skip
+                       tp_blocks=sharded, measured_split=split, tp_ratios=tp_ratios)  # fmt: skip
 
 
 def local_cluster(
@@ -241,10 +245,11 @@ def _search(
     allow_staleness: bool,
     device: torch.device,
     declared: Cluster | None = None,
+    tp_ratios: TPRatios | None = None,
 ) -> dict[str, Any]:
     with fork_rng(device):
-        spec = measured_spec(model, samples, loss_fn, num_heads=num_heads,
-                             seq_len=seq_len, dtype=dtype, device=device)  # fmt: skip
+        spec = measured_spec(model, samples, loss_fn, num_heads=num_heads, seq_len=seq_len,
+                             dtype=dtype, device=device, tp_ratios=tp_ratios)  # fmt: skip
     cluster = local_cluster(world, link, dtype, device=device.type, declared=declared)
     # a CPU worker's memory is the host's: moving state "to the host" frees none of it
     space = SearchSpace(dtype=dtype, allow_staleness=allow_staleness,
@@ -272,10 +277,11 @@ def auto_plan(
     are micro-batches of one or two sizes, to learn how block costs grow with the size;
     rank 0 times the blocks on its `device` (default: the worker's) in the training
     `dtype`, while each other worker on a core or device of its own runs the same blocks
-    (`workers_apart`), as they all do in training; `allow_staleness` lets the planner
-    choose an asynchronous schedule. With a `key` (`plait.train.decisions.decision_key`),
-    a decision kept under it is taken as it is, and a new one is kept, unless `replan`; the
-    plan's `decision` says which.
+    (`workers_apart`), as they all do in training; every worker times a block sharded in
+    its group of each tensor-parallel degree (`plait.profile.sharded`). `allow_staleness`
+    lets the planner choose an asynchronous schedule. With a `key`
+    (`plait.train.decisions.decision_key`), a decision kept under it is taken as it is,
+    and a new one is kept, unless `replan`; the plan's `decision` says which.
     `declared` (`--cluster`): plan for the devices that file describes (`local_cluster`)."""
     from plait.train import decisions
 
@@ -288,6 +294,9 @@ def auto_plan(
     if box[0] is not None:
         return dict(box[0])
     link = measure_collectives(device)
+    with fork_rng(device):  # every worker: the sharded blocks are timed in their groups
+        ratios = tp_ratios(model, samples, degrees=tp_degrees(world, num_heads),
+                           sequence_parallel=(False, True), dtype=dtype, device=device)  # fmt: skip
     rank = dist.get_rank()
     if 0 < rank < workers_apart(world, device):  # loads its core as in training while 0 times
         with fork_rng(device):
@@ -297,7 +306,7 @@ def auto_plan(
         chosen = _search(model, samples, loss_fn, link, world, num_heads=num_heads,
                          seq_len=seq_len, global_batch=global_batch, dtype=dtype,
                          allow_staleness=allow_staleness, device=device,
-                         declared=declared)  # fmt: skip
+                         declared=declared, tp_ratios=ratios)  # fmt: skip
         chosen["decision"] = _why("measured", world, link)
         box[0] = decisions.save(key, chosen) if key is not None else chosen
     dist.broadcast_object_list(box, src=0)
