@@ -29,7 +29,7 @@ from torch import nn
 
 from plait.blocks import as_blocks
 from plait.device import autocast_context, timer
-from plait.profile.measure import _fresh_input, _leaves, _run
+from plait.profile.measure import _fresh_input, _leaves, _moved, _run
 
 __all__ = ["TPRatios", "tp_degrees", "tp_ratios"]
 
@@ -71,20 +71,22 @@ def tp_ratios(
         raise ValueError(f"tp degrees {bad}: each must be >= 2 and divide the {world} workers")
     if first is None or not degrees:
         return {}
-    device = device or next(model.parameters()).device
+    home = next(model.parameters()).device
+    device = device or home
     autocast = autocast_context(dtype, device)
     clock = timer(device)
+    whole = copy.deepcopy(blocks[first]).to(device)
+    # what the block receives in each sample's forward, computed where the model is
+    inputs = [(int(x.shape[0]), _moved(_input_of(blocks, first, _moved(x, home)), device))
+              for x, _ in samples]  # fmt: skip
     out: TPRatios = {}
     for t in degrees:
         mesh = build_mesh(Layout(dp_replicate=world // t, tp=t), device.type).main["tp"]
         for sp in sequence_parallel:
-            whole = blocks[first]
             sharded = copy.deepcopy(whole)
             shard_block(sharded, mesh, sequence_parallel=sp)
             found = out.setdefault((t, sp), {})
-            for x, _ in samples:
-                value = _input_of(blocks, first, x, device, autocast)
-                size = int(x.shape[0])
+            for size, value in inputs:
                 dist.barrier()
                 plain = _timed(whole, value, clock, autocast, warmup, repeats)
                 dist.barrier()  # the group's ranks start each pass together
@@ -93,13 +95,10 @@ def tp_ratios(
     return out
 
 
-def _input_of(
-    blocks: Sequence[nn.Module], index: int, x: Any, device: torch.device,
-    autocast: Callable[[], Any],
-) -> object:  # fmt: skip
+def _input_of(blocks: Sequence[nn.Module], index: int, x: object) -> object:
     """What block `index` receives in the forward of sample `x`."""
-    value: object = x.to(device) if isinstance(x, torch.Tensor) else x
-    with torch.no_grad(), autocast():
+    value = x
+    with torch.no_grad():
         for block in blocks[:index]:
             value = block(value)
     return value
