@@ -7,6 +7,7 @@ from plait.cost.blocks import (
     Recompute,
     StageCost,
     StageTimes,
+    block_times,
     check_recompute,
     stage_costs,
 )
@@ -81,6 +82,7 @@ __all__ = [
     "all_gather_time",
     "all_reduce_time",
     "all_to_all_time",
+    "block_times",
     "check_recompute",
     "collective_time",
     "dp_sync_collectives",

@@ -12,7 +12,7 @@ bound on another scales wrongly); a measured block keeps its reference device's 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from itertools import pairwise
 from typing import Literal, Protocol
 
@@ -27,6 +27,7 @@ __all__ = [
     "Recompute",
     "StageCost",
     "StageTimes",
+    "block_times",
     "check_recompute",
     "stage_costs",
 ]
@@ -294,3 +295,27 @@ def stage_costs(blocks: Sequence[BlockCost], boundaries: Sequence[int]) -> list[
     if any(a >= b for a, b in pairwise(cuts)):
         raise ValueError(f"boundaries={cuts} must increase strictly: every stage needs a block")
     return [StageCost(tuple(blocks[a:b])) for a, b in pairwise(cuts)]
+
+
+def block_times(
+    blocks: Sequence[BlockCost],
+    device: Device,
+    dtype: str,
+    *,
+    recompute: Recompute = "none",
+    links: AxisLinks | None = None,
+) -> list[StageTimes]:
+    """`StageCost.times` of each block alone, each kind of block priced once: a model's
+    blocks are mostly alike (its layers), and the planner prices tens of thousands of
+    layouts' worth of them (a block's name does not change its times)."""
+    priced: dict[tuple[object, ...], StageTimes] = {}
+    out = []
+    for b in blocks:
+        like = tuple(getattr(b, name) for name in _PRICED)
+        if like not in priced:
+            priced[like] = StageCost((b,)).times(device, dtype, recompute=recompute, links=links)
+        out.append(priced[like])
+    return out
+
+
+_PRICED = tuple(f.name for f in fields(BlockCost) if f.name != "name")

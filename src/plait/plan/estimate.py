@@ -20,7 +20,7 @@ are only used to order the search; every reported number comes from the simulato
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 import numpy as np
@@ -29,8 +29,7 @@ from plait.cluster import DTYPE_BYTES, Cluster, Link, dtype_bytes
 from plait.cost import (
     AxisLinks,
     BlockCost,
-    StageCost,
-    StageTimes,
+    block_times,
     expert_dp_degree,
     model_state_bytes,
     moe_optimizer_step_time,
@@ -170,16 +169,7 @@ class Estimator:
             if plan.cp > 1:  # the K/V ring (plait.cost.context)
                 degrees["cp"], links["cp"] = plan.cp, self.link(plan, "cp")
             axes = AxisLinks(degrees, links)
-            # a model's blocks are mostly alike (its layers), priced once each kind
-            priced: dict[tuple[object, ...], StageTimes] = {}
-            times = []
-            for b in blocks:
-                like = _priced_as(b)
-                if like not in priced:
-                    priced[like] = StageCost((b,)).times(
-                        self.device, plan.dtype, recompute=rc, links=axes
-                    )
-                times.append(priced[like])
+            times = block_times(blocks, self.device, plan.dtype, recompute=rc, links=axes)
             # each block action lasts at least its host issue (`plait.sim.host`, per block
             # here: a stage's max of sums is at most this sum of maxima)
             d = self.device.dispatch_s
@@ -270,14 +260,6 @@ class Estimator:
         balanced cut (an uneven cut that fits where the balanced one does not)."""
         arrays = self._block_arrays(plan, blocks)
         return estimate(plan, _rank_sums(arrays, list(sizes), plan.pp), self)
-
-
-_PRICED = tuple(f.name for f in fields(BlockCost) if f.name != "name")
-
-
-def _priced_as(block: BlockCost) -> tuple[object, ...]:
-    """What a block's times depend on: every field but its name."""
-    return tuple(getattr(block, name) for name in _PRICED)
 
 
 def _rank_sums(arrays: _BlockArrays, sizes: list[int], p: int) -> RankProfile:
