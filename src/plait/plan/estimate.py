@@ -25,7 +25,7 @@ from functools import cached_property
 
 import numpy as np
 
-from plait.cluster import DTYPE_BYTES, Cluster, Link, dtype_bytes
+from plait.cluster import Cluster, Link, dtype_bytes
 from plait.cost import (
     AxisLinks,
     BlockCost,
@@ -129,7 +129,6 @@ class Estimator:
         self._profiles: dict[tuple[object, ...], RankProfile] = {}
         self._links: dict[tuple[object, ...], Link] = {}
         self._state: dict[tuple[object, ...], float] = {}
-        self._plan_state: dict[tuple[object, ...], float] = {}
         self._syncs: dict[tuple[object, ...], float] = {}
         self._opts: dict[tuple[object, ...], float] = {}
         # uneven cuts within memory (`plait.plan.prune.uneven_cut`) by what shapes them
@@ -204,14 +203,11 @@ class Estimator:
     def state_per_param(self, plan: SimPlan, *, experts: bool = False) -> float:
         """Model-state bytes per parameter (linear in the parameter count), ZeRO sharding
         over the plan's dp ranks, or for `experts` over the ranks holding the same ones."""
-        # by the plan's own fields first: deriving its shard degree costs more than the rest
-        raw = (experts, plan.dtype, plan.zero, plan.optimizer, plan.dp, plan.dp_replicate,
+        # keyed by the plan's own fields: deriving its shard degree costs more than the rest
+        key = (experts, plan.dtype, plan.zero, plan.optimizer, plan.dp, plan.dp_replicate,
                plan.dp_shard, plan.cp, plan.tp, plan.ep)  # fmt: skip
-        if raw in self._plan_state:
-            return self._plan_state[raw]
-        dp = expert_dp_degree(plan) if experts else shard_degree(plan)
-        key = (plan.dtype, plan.zero, dp, plan.optimizer)
         if key not in self._state:
+            dp = expert_dp_degree(plan) if experts else shard_degree(plan)
             big = 1e9
             self._state[key] = (
                 model_state_bytes(
@@ -223,7 +219,6 @@ class Estimator:
                 ).total
                 / big
             )
-        self._plan_state[raw] = self._state[key]
         return self._state[key]
 
     def sync_time(self, plan: SimPlan, params: float, experts: float, links: AxisLinks) -> float:
@@ -301,7 +296,7 @@ def bound(plan: SimPlan, profile: RankProfile, est: Estimator) -> Estimate:
     floor = (
         float(state.sum())
         + least * profile.saved_total
-        + copies * profile.params_total * DTYPE_BYTES[plan.dtype]  # a plan's dtype is normal
+        + copies * profile.params_total * dtype_bytes(plan.dtype)
     )
     capacity = float(est.device.memory_bytes)
     return Estimate(
@@ -335,7 +330,7 @@ def _memory(
         (_state(plan, profile, est) if state is None else state)
         + counts * profile.saved
         + profile.transient
-        + copies * profile.params * DTYPE_BYTES[plan.dtype]
+        + copies * profile.params * dtype_bytes(plan.dtype)
     )
 
 
