@@ -2,8 +2,9 @@
 (`plait.mesh.kept`): the process's threads stop growing after the first engine of each
 layout (gloo's connection threads of a new group are never freed while the default group
 lives; a 46-plan sweep on 4 workers had reached 4,400 threads), and every later engine
-still trains to a plain single-process loop's losses. (Pipeline channels are made per
-engine, on purpose: `plait.runtime.channels.build_channels`; the plans here have none.)"""
+still trains to a plain single-process loop's losses. Pipeline channels are made per
+engine, on purpose (`plait.runtime.channels.build_channels`), and `Engine.close` releases
+them: pipelines built and closed one after another leave no threads behind either."""
 
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ def _sgd(params: object) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.1)  # type: ignore[arg-type]
 
 
-def _trains_as_one_process(plan: ParallelPlan) -> None:
+def _trains_as_one_process(plan: ParallelPlan, *, close: bool = False) -> None:
     model, loss_fn = _model("gpt")
     ref = copy.deepcopy(model)
     engine = parallelize(model, plan, _sgd, loss_fn, device="cpu")
@@ -54,6 +55,10 @@ def _trains_as_one_process(plan: ParallelPlan) -> None:
         loss = engine.step((x, y)).loss
         where = f"{plan} step {step} rank {dist.get_rank()}"
         torch.testing.assert_close(torch.tensor(loss), ref_loss.detach(), **TOL, msg=where)
+    if close:
+        engine.close()
+        with pytest.raises(RuntimeError, match="closed"):
+            engine.step(_microbatch("gpt", 0, 2 * plan.dp * plan.microbatches))
 
 
 def _sweep(rank: int, world: int) -> None:
@@ -71,3 +76,24 @@ def _sweep(rank: int, world: int) -> None:
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
 def test_engines_of_one_layout_reuse_its_communicators(tmp_path: Path) -> None:
     run_world(tmp_path, 2, _sweep)
+
+
+PIPELINES = (
+    ParallelPlan(pp=2, microbatches=2, schedule="1f1b"),
+    ParallelPlan(pp=2, microbatches=4, schedule="zb-v", chunks=2),
+)
+
+
+def _pipelines(rank: int, world: int) -> None:
+    for plan in PIPELINES:
+        _trains_as_one_process(plan, close=True)
+    after_first = _threads()
+    for _ in range(3):
+        for plan in PIPELINES:
+            _trains_as_one_process(plan, close=True)
+    assert _threads() == after_first, (after_first, _threads())
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_closed_pipelines_release_their_channels(tmp_path: Path) -> None:
+    run_world(tmp_path, 2, _pipelines)
