@@ -73,3 +73,29 @@ def test_one_measured_size_holds_at_every_size() -> None:
         whole = _spec(None).blocks(b, SimPlan())[1]
         assert layer.forward_flops == pytest.approx(whole.forward_flops * 3.0)
         assert layer.backward_input_flops == pytest.approx(whole.backward_input_flops * 2.5)
+
+
+# a third size, where the time bends: 8 → 16 costs far more a sample than 1 → 8
+F16 = 40.0e9
+BENT = {**MEASURED, 16: [_block("embedding", 16e9, 16e9, 16e9), _block("layer", F16, BI8 * 2,
+                                                                       BW8 * 2)]}  # fmt: skip
+
+
+@pytest.mark.parametrize("b", [1, 2, 8, 12, 16, 32])
+def test_between_measured_sizes_the_two_around_price_a_block(b: int) -> None:
+    spec = scaled_spec("m", BENT, seq_len=64, num_heads=4, tp_blocks=[1])
+    layer = spec.blocks(b, SimPlan())[1]
+    # up to 8 the line through the times at 1 and 8, from 8 on the one through 8 and 16
+    expected = _through(F1, F8, b) if b <= 8 else F8 + (F16 - F8) * (b - 8) / 8
+    assert layer.forward_flops == pytest.approx(expected, rel=1e-12)
+
+
+def test_sharded_times_bend_with_the_measured_sizes() -> None:
+    shares = {(2, False): {1: (6.0, 4.0), 8: (2.0, 1.5), 16: (1.0, 1.0)}}
+    spec = scaled_spec("m", BENT, seq_len=64, num_heads=4, tp_blocks=[1], tp_ratios=shares)
+    for b in (4, 12, 32):
+        at = (6.0 * F1, 2.0 * F8) if b <= 8 else (2.0 * F8, 1.0 * F16)
+        left, right = (1, 8) if b <= 8 else (8, 16)
+        expected = at[0] + (at[1] - at[0]) * (b - left) / (right - left)
+        layer = spec.blocks(b, SimPlan(tp=2))[1]
+        assert layer.forward_flops == pytest.approx(expected, rel=1e-12), b

@@ -94,7 +94,10 @@ def _grid(cfg: PlannerBenchConfig, spec: Any, cluster: Any) -> list[Any]:
 
 
 def _samples(cfg: PlannerBenchConfig, corpus: Any) -> list[Any]:
-    sizes = sorted({1, cfg.batch_size // cfg.workers})
+    from plait.train.autoplan import profile_sizes
+
+    largest = cfg.batch_size // min(cfg.microbatch_counts)  # the grid's largest micro-batch
+    sizes = profile_sizes(cfg.batch_size, cfg.workers, largest)
     return [corpus.batch(0, b, cfg.seq_len) for b in sizes]
 
 

@@ -4,6 +4,7 @@ measured blocks."""
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -197,20 +198,28 @@ def _line(b1: float, v1: float, b2: float, v2: float, b: float) -> float:
     return max(v1 + slope * (b - b1), v1 * min(1.0, b / b1) * 0.5)
 
 
+def _piecewise(points: Sequence[tuple[float, float]], b: float) -> float:
+    """The value at `b` of the broken line through `points` (sorted by size): the segment
+    of the two measured sizes around `b`, or beyond them the nearest segment's line."""
+    j = bisect.bisect_left(points, b, 1, max(1, len(points) - 1), key=lambda p: p[0])
+    (b1, v1), (b2, v2) = points[max(0, j - 1)], points[j] if len(points) > 1 else points[0]
+    return _line(b1, v1, b2, v2, b)
+
+
 def _at(
     points: list[tuple[int, BlockCost]], b: int, tp: int,
     shares: Mapping[int, tuple[float, float]] | None = None,
 ) -> BlockCost:  # fmt: skip
     """A block, measured at the sizes of `points`, at micro-batch size `b` on one of `tp`
-    ranks. With `shares` (tp > 1: the sharded block's forward and backward as shares of
-    the whole one's, by micro-batch size), its time is a line through the sharded times
-    at the measured sizes, as the whole block's is (one size: its share of the whole
-    block's time), collectives included."""
-    (b1, c1), (b2, c2) = points[0], points[-1]
+    ranks: between two measured sizes on the line through them, beyond them on the
+    nearest two's line. With `shares` (tp > 1: the sharded block's forward and backward as
+    shares of the whole one's, by micro-batch size), its time runs the same way through
+    the sharded times at the measured sizes (one size: its share of the whole block's
+    time), collectives included."""
+    b1, c1 = points[0]
 
     def value(field_name: str, size: float = b) -> float:
-        return _line(b1, float(getattr(c1, field_name)), b2, float(getattr(c2, field_name)),
-                     size)  # fmt: skip
+        return _piecewise([(s, float(getattr(c, field_name))) for s, c in points], size)
 
     at = {k: value(k) for k in _LINEAR}
     recompute = c1.saved_bytes_recompute
@@ -222,11 +231,10 @@ def _at(
     if tp > 1 and shares:  # measured sharded: its collectives are in its time
 
         def sharded(field_name: str, part: int) -> float:
-            (s1, r1), (s2, r2) = min(shares.items()), max(shares.items())
-            if s1 == s2:
-                return value(field_name) * r1[part]
-            return _line(s1, r1[part] * value(field_name, s1), s2,
-                         r2[part] * value(field_name, s2), b)  # fmt: skip
+            measured = sorted(shares.items())
+            if len(measured) == 1:
+                return value(field_name) * measured[0][1][part]
+            return _piecewise([(s, r[part] * value(field_name, s)) for s, r in measured], b)
 
         forward = sharded("forward_flops", 0)
         backward_input = sharded("backward_input_flops", 1)
