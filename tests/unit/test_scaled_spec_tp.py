@@ -2,7 +2,7 @@
 measured shares, work divides by tp and two all-reduces of the block's output are added
 a pass; with shares measured at (tp, sequence parallelism), the block costs those shares
 of its whole time at that micro-batch size (linear between the measured sizes, the
-nearest beyond), with no collective added. The expected blocks are written out here."""
+nearest two beyond), with no collective added. The expected blocks are written out here."""
 
 from __future__ import annotations
 
@@ -99,3 +99,14 @@ def test_sharded_times_bend_with_the_measured_sizes() -> None:
         expected = at[0] + (at[1] - at[0]) * (b - left) / (right - left)
         layer = spec.blocks(b, SimPlan(tp=2))[1]
         assert layer.forward_flops == pytest.approx(expected, rel=1e-12), b
+
+
+def test_the_planner_measures_up_to_the_largest_micro_batch_a_plan_may_take() -> None:
+    from plait.train.autoplan import profile_sizes
+
+    # one sample, a worker's share (16 / 4), the largest size of the space dividing 16
+    assert profile_sizes(16, 4) == [1, 4, 16]
+    assert profile_sizes(16, 4, largest=8) == [1, 4, 8]
+    assert profile_sizes(96, 4) == [1, 24, 32]  # the space's sizes stop at 32
+    assert profile_sizes(6, 4) == [1, 2]  # of 1, 2, 4, ..., 32 only 1 and 2 divide 6
+    assert profile_sizes(3, 4) == [1]

@@ -7,7 +7,7 @@ between the two ranks, a `REDUCE` the stage's gradient reduction over its data-p
 group (on the rank's reduction channel, overlapping whatever follows, as DDP's bucketed
 reduction does at stage granularity; expert gradients over their expert-data-parallel
 group of dp·tp / ep ranks, after the others; under context parallelism over dp × cp), an
-`UPDATE` the stage's optimizer step, and a weight
+`UPDATE` the stage's optimizer step (after its replicas' gradients are summed, Chimera), a weight
 copy (`STASH`, `PREDICT`) a pass over the stage's parameters at memory bandwidth;
 `plait.schedule.replay` does the rest (program order, data dependencies, one message at a
 time per channel). A synchronous schedule is replayed as one window; an asynchronous one
@@ -39,6 +39,7 @@ from plait.cost import (
     BlockCost,
     ModelState,
     StageCost,
+    all_reduce_time,
     expert_state_bytes,
     moe_optimizer_step_time,
     offload_time,
@@ -49,7 +50,7 @@ from plait.cost import (
 )
 from plait.offload import offloaded_blocks
 from plait.schedule import Op, Replay, Schedule, Unrolled, window_ends
-from plait.schedule.sharing import Sharing
+from plait.sim.cores import replica_sharing
 from plait.sim.host import host_window_s, issue_times
 from plait.sim.plan import SimPlan
 from plait.sim.replays import replayed, walked
@@ -114,7 +115,9 @@ class _Replica:
         self.offloaded = self._offloaded()
         self.durations = self._durations()
         self.transfers = self._transfers()
-        self.sharing = _sharing(cluster, plan, dp_rank) if cluster.shares_processors else None
+        self.sharing = (
+            replica_sharing(cluster, plan, dp_rank) if cluster.shares_processors else None
+        )
         # one window, or a run whose middle windows are in the steady state
         steady = schedule.reach == 0 and schedule.policy == "sync"
         self.num_windows = 1 if steady else schedule.reach + 4
@@ -158,6 +161,8 @@ class _Replica:
             )
             for i in range(n)
         ]
+        if self.s.num_parts != self.s.num_stages:  # replicated parts (Chimera)
+            update = [u + self._replica_sum(i, bandwidth[i]) for i, u in enumerate(update)]
         # offloaded activations cross the host link out in forward, back before backward
         host = [offload_time(self.offloaded[i][0], self.devices[place[i]]) for i in range(n)]
         if plan.offload_optimizer:  # the state in before the step, out after it
@@ -195,6 +200,18 @@ class _Replica:
                 link = self.cluster.link(self.ranks[place[i]], self.ranks[place[j]])
                 forward[i] = backward[j] = link.time(self.stages[i].activation_bytes)
         return {Op.SEND_F: forward, Op.SEND_B: backward}
+
+    def _replica_sum(self, stage: int, bandwidth: float) -> float:
+        """Before its update, `stage`'s gradient is summed over the ranks holding its part
+        (`plait.parallel.replicas`: copied into one buffer, all-reduced, copied back; the
+        runtime reduces a rank's parts in one buffer, charged here part by part)."""
+        place = self.s.stage_to_rank
+        holders = sorted({place[s] for s in self.s.replicas(self.s.parts[stage])})
+        if len(holders) < 2:  # the replicas share a rank: added in place
+            return 0.0
+        link = self.cluster.link(self.ranks[holders[0]], self.ranks[holders[1]])
+        grads = self._param_bytes(stage)
+        return all_reduce_time(len(holders), grads, link) + 2 * grads / bandwidth
 
     def dp_sync_time(self, stage: int) -> float:
         """Gradient reduction of one stage: its non-expert gradients over axis "dp", its
@@ -310,24 +327,6 @@ class _Replica:
         )
 
 
-def _sharing(cluster: Cluster, plan: SimPlan, dp_rank: int) -> Sharing:
-    """Processors of the replica's ranks, each loaded by every process that computes in
-    step with a replica rank: that rank's copies in every replica and its tensor peers
-    (replicas are assumed to run alike, which they do on identical devices)."""
-    processors = [cluster.processor(plan.global_rank(r, dp_rank)) for r in range(plan.pp)]
-    ids = sorted(set(processors))
-    load = [[0] * plan.pp for _ in ids]
-    for r in range(plan.pp):
-        for d in range(plan.dp):
-            for t in range(plan.tp):
-                p = cluster.processor(plan.global_rank(r, d, t))
-                if p in ids:
-                    load[ids.index(p)][r] += 1
-    ranks = [plan.global_rank(r, dp_rank) for r in range(plan.pp)]
-    efficiency = min(cluster.sharing_efficiency(g) for g in ranks)
-    return Sharing(tuple(ids.index(p) for p in processors), tuple(map(tuple, load)), efficiency)
-
-
 # what the layout walks below return, by (cluster, plan.layout, ranks...): every plan the
 # planner simulates walks dp × pp groups, and its plans share a few hundred layouts; the
 # answers depend on the plan only through its layout (degrees, rank order)
@@ -359,7 +358,7 @@ def _signature(cluster: Cluster, plan: SimPlan, dp_rank: int) -> tuple[object, .
         links += [cluster.group_link(plan.expert_dp_group(r, dp_rank)) for r in range(plan.pp)]
     if plan.cp > 1:  # the K/V ring's group
         links += [cluster.group_link(plan.layout.ranks("cp", g)) for g in ranks]
-    shared = _sharing(cluster, plan, dp_rank) if cluster.shares_processors else None
+    shared = replica_sharing(cluster, plan, dp_rank) if cluster.shares_processors else None
     return (*devices, *links, shared)
 
 

@@ -96,7 +96,8 @@ def simulate(
 ) -> SimResult:
     """Predict one step of `plan` running `schedule` with `stages[s]` as the cost of
     (virtual) stage s, or of model part s when the schedule replicates parts (Chimera:
-    each replica costs as its part; the sum of replica gradients is not modelled), on the
+    each replica costs as its part, and its update waits for its replicas' gradients to be
+    summed), on the
     first dp·tp·pp ranks of `cluster`.
 
     Replicas on identical hardware are replayed once. The step ends when the slowest
