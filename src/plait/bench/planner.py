@@ -1,6 +1,7 @@
 """Does the planner pick well? Every plan of a small grid measured on 4 local workers.
 
-The workers profile the model (rank 0, one thread, two micro-batch sizes, while the
+The workers profile the model (rank 0, one thread, at 1 sample, a worker's share and the
+grid's largest micro-batch (`plait.train.autoplan.profile_sizes`), while the
 other workers on cores of their own run the same blocks, as in training; and each group
 of tp workers a block sharded among them, `plait.profile.sharded`), the planner
 predicts every plan of the grid (all (dp, tp, pp) factorisations of the workers, each

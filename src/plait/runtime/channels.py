@@ -20,7 +20,7 @@ import torch.distributed as dist
 from plait.schedule import P2P_OPS, Op, Schedule
 from plait.schedule.lower import channel
 
-__all__ = ["Channels", "build_channels", "channel_pairs"]
+__all__ = ["Channels", "build_channels", "channel_pairs", "release"]
 
 
 @dataclass(frozen=True)
@@ -72,3 +72,13 @@ def build_channels(pipelines: Sequence[tuple[Schedule, Sequence[int]]]) -> Chann
         if me in ranks:
             mine = Channels(groups, tuple(ranks))
     return mine
+
+
+def release(channels: Channels) -> None:
+    """Destroy this rank's channel groups: torch keeps a group until the default group is
+    destroyed, and each gloo group's connection loop wakes every 10 ms; a process building
+    engines one after another (a 4-worker sweep of 46) had its later plans run 50-70%
+    slower for it. Collective: every rank calls it, once no message is in flight."""
+    dist.barrier()  # no peer is still reading a message this rank sent
+    for group in channels.groups.values():
+        dist.destroy_process_group(group)

@@ -37,7 +37,7 @@ from torch import nn
 from plait.device import ActionClock
 from plait.runtime.backend import Backend, MetricFn, State, Updater, Window
 from plait.runtime.boundary import BoundaryMeta, NegotiationTimeout, negotiate
-from plait.runtime.channels import Channels, build_channels
+from plait.runtime.channels import Channels, build_channels, release
 from plait.runtime.sync import GradSync
 from plait.runtime.transport import Transport
 from plait.runtime.weights import Predictor, WeightStore
@@ -148,6 +148,7 @@ class PipelineExecutor:
         self.loss_fn, self.group = loss_fn, group
         self.device = torch.device(device)
         self.channels = channels if channels is not None else _own_channels(schedule, group)
+        self.closed = self._running = False
         self.timeout_s = timeout_s
         self.weights = WeightStore(stages, predictor=predictor)
         self.backend = Backend(
@@ -225,6 +226,7 @@ class PipelineExecutor:
         the same order, so it cannot deadlock. It runs on a fresh `Transport` after the
         training stream has settled, so no training message can match its receives."""
         m = self.schedule.num_microbatches if count is None else count
+        self._check_open()
         self._check(inputs, targets, m)
         if self.windows and not self.stream.drained and self.schedule.reach:
             raise RuntimeError("an asynchronous stream is in flight: drain() before evaluate")
@@ -257,6 +259,14 @@ class PipelineExecutor:
         self.backend.weights = self.weights
         self.windows = 0
 
+    def close(self) -> None:
+        """Release this rank's pipeline channels (`plait.runtime.channels.release`): every
+        rank, after its last window. A rank whose window failed keeps them (a receive it
+        abandoned may still be posted on one). No window runs after it."""
+        channels, self.channels, self.closed = self.channels, None, True
+        if channels is not None and not self._running:
+            release(channels)
+
     def drain(self, *, loss_scale: float = 1.0) -> StepResult:
         """Finish the micro-batches begun by earlier windows (an asynchronous pipeline's
         drain; nothing for a synchronous one). The stream ends here."""
@@ -265,6 +275,10 @@ class PipelineExecutor:
         return result
 
     # ------------------------------------------------------------- internals
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("this pipeline was closed (close()): build a new engine")
+
     def _check(self, inputs: Sequence[Any] | None, targets: Sequence[Any] | None, m: int) -> None:
         if self.needs_inputs and (inputs is None or len(inputs) != m):
             raise ValueError(
@@ -291,11 +305,14 @@ class PipelineExecutor:
                 state.targets[base + j] = targets[j]
 
     def _run(self, actions: Sequence[Any], loss_scale: float) -> StepResult:
+        self._check_open()
         program = lower(self.schedule, self.rank, actions)
         clock = self.backend.clock
         start = clock.start()
         window = Window(loss_scale=loss_scale, window=self.windows)
+        self._running = True  # until it ends: a failed window may leave receives posted
         self.backend.run(program, self._state, self.transport, window)
+        self._running = False
         result = StepResult(None, window.losses, window.microbatches, window.updates)
         if window.losses:
             result.loss = torch.stack(window.losses).mean()

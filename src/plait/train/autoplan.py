@@ -287,8 +287,8 @@ def auto_plan(
     declared: Cluster | None = None,
 ) -> dict[str, Any]:
     """The plan every worker trains under (call on every worker; a collective). `samples`
-    are micro-batches of one or two sizes, to learn how block costs grow with the size;
-    rank 0 times the blocks on its `device` (default: the worker's) in the training
+    are micro-batches of the sizes of `profile_sizes`, to learn how block costs grow with
+    the size; rank 0 times the blocks on its `device` (default: the worker's) in the training
     `dtype`, while each other worker on a core or device of its own runs the same blocks
     (`workers_apart`), as they all do in training; every worker times a block sharded in
     its group of each tensor-parallel degree (`plait.profile.sharded`). `allow_staleness`

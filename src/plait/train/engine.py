@@ -74,10 +74,9 @@ LossFn = Callable[[Any, Any], torch.Tensor]
 class StepReport:
     """One window (one training step), as every rank sees it."""
 
-    # the mean loss of the micro-batches it reports (NaN if none): those the window
-    # finished; for an asynchronous schedule those finished `reach + 1` windows earlier
-    # (their exchange overlaps the later windows instead of stalling the pipeline), and
-    # the drain reports the rest
+    # the mean loss of the micro-batches it reports (NaN if none): those the window finished;
+    # for an asynchronous schedule those finished `reach + 1` windows earlier (their exchange
+    # overlaps the later windows instead of stalling the pipeline); the drain reports the rest
     loss: float
     skipped: bool  # fp16 found an inf/NaN gradient somewhere and skipped the update
     grad_norm: float | None  # the global norm clipped to (synchronous schedules)
@@ -158,8 +157,6 @@ class Engine:
             predictor=optimizer_predictor(optimizers) if schedule.policy == "predict" else None,
             timeout_s=timeout_s,
         )
-        self._open = False  # a window (or the drain) is running or failed
-        self._closed = False
         self._prepared: int | None = None  # the version whose global checks ran
         # this window's fp16 found-inf flag and clipped norm, read on the host at its end
         self._found_inf: torch.Tensor | None = None
@@ -179,42 +176,23 @@ class Engine:
         `index`: the run's step number (keys dropout; default: this engine's windows)."""
         if index is not None:
             self.draws.offset = index - self.executor.windows
-        inputs, targets = batch
-        m = self.plan.microbatches
-        micro_in = (
-            split_microbatches(_to(self._shard(inputs), self.device), m)
-            if self.executor.needs_inputs
-            else None
-        )
-        micro_tg = (
-            split_microbatches(_to(self._shard(targets), self.device), m)
-            if self.executor.needs_targets
-            else None
-        )
-        return self._window(micro_in, micro_tg)
+
+        def micro(value: Any, needed: bool) -> list[Any] | None:  # this rank's, if it needs them
+            m = self.plan.microbatches
+            return split_microbatches(_to(self._shard(value), self.device), m) if needed else None
+
+        (inputs, targets), run = batch, self.executor
+        return self._window(micro(inputs, run.needs_inputs), micro(targets, run.needs_targets))
 
     def drain(self) -> StepReport:
         """Finish every micro-batch begun (an asynchronous pipeline's drain; a synchronous
         one has nothing left). Call once, after the last step."""
-        self._open = True
         result = self.executor.drain()
-        self._open = False
         return self._report(result, last=True)
 
     def close(self) -> None:
-        """Release the pipeline channels this engine made (`plait.runtime.channels`: a
-        process group per directed pair of its ranks, which torch keeps, with a gloo
-        group's threads, until the default group is destroyed; each wakes every 10 ms,
-        and a 4-worker sweep of 46 engines slowed its later plans by 50-70% so). Collective:
-        every rank calls it after its last step. An engine whose step or drain failed keeps
-        them: a receive it abandoned may still be posted on one."""
-        self._closed = True
-        channels, self.executor.channels = self.executor.channels, None
-        if channels is None or self._open:
-            return
-        dist.barrier()  # no peer is still reading a message this rank sent
-        for group in channels.groups.values():
-            dist.destroy_process_group(group)
+        """Release its pipeline channels (`PipelineExecutor.close`), after the last step."""
+        self.executor.close()
 
     @property
     def in_flight(self) -> bool:
@@ -274,9 +252,9 @@ class Engine:
                 micro_in = [_to(self._seq(_rows(inputs, at, each)), self.device) for at in starts]
             if self.executor.needs_targets:
                 micro_tg = [_to(self._seq(_rows(targets, at, each)), self.device) for at in starts]
-            # every replica runs these programs in this order (ZeRO-3 gathers weights in
-            # each forward and each boundary probe), keyed alike: shapes are described
-            # anew on all replicas at once, or on none
+            # every replica runs these programs in this order (ZeRO-3 gathers weights in each
+            # forward and each boundary probe), keyed alike: shapes are described anew on all
+            # replicas at once, or on none
             found = self.executor.evaluate(
                 micro_in,
                 micro_tg,
@@ -303,14 +281,10 @@ class Engine:
         )
 
     def _window(self, micro_in: list[Any] | None, micro_tg: list[Any] | None) -> StepReport:
-        if self._closed:
-            raise RuntimeError("this engine was closed (Engine.close): build a new one")
         if self.synchronous:  # the last step's gradients stayed readable until now
             self._zero_grad()
         scale = self.scaler.scale if self.scaler is not None else 1.0
-        self._open = True  # until the window ends: a failed one may leave receives posted
         result = self.executor.step(micro_in, micro_tg, loss_scale=scale)
-        self._open = False
         return self._report(result)
 
     def _shard(self, value: Any) -> Any:
