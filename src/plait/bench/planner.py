@@ -24,8 +24,8 @@ meshes (`plait.mesh.kept`), and each engine releases its pipeline channels once 
 (`Engine.close`), else every engine's gloo groups and their threads would live on (4,400
 threads by the end of one round of this grid when meshes were made per engine; with only
 the channels left, 270-390 threads, whose loops each wake every 10 ms: a fixed forward
-and backward timed between the plans took 55-75 ms at the start of a round and 95-130 ms
-at its end, the reference plan 260-280 ms and 420-460 ms).
+and backward timed between the plans took 63-68 ms over the first plans of a round and
+75-141 ms over its last, the reference plan 260 ms before the round and 418 ms after).
 """
 
 from __future__ import annotations
@@ -113,8 +113,8 @@ def _spec(cfg: PlannerBenchConfig, model: Any, corpus: Any, ratios: Any = None) 
 
 # the reference plan takes a turn before every this many plans of a round, and after the
 # last: one turn measured 0.235 s in one run and 0.303 s in the next, and every prediction
-# moved with the efficiency fitted to it; within a run its turns still rise by a third
-# (the meshes of the layouts measured so far stay, with their threads)
+# moved with the efficiency fitted to it; within a run its turns still rise, by up to a
+# third (the meshes of the layouts measured so far stay, with their threads)
 _REFERENCE_EVERY = 8
 
 

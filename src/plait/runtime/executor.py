@@ -243,7 +243,9 @@ class PipelineExecutor:
             for module in self.stages.values():
                 module.eval()
             lowered = lower(program, self.rank, program.ranks[self.rank])
+            self._running = True  # on the training channels: a failed pass keeps them
             self.backend.run(lowered, state, transport, window)
+            self._running = False
             transport.settle(0)
         finally:
             for s, module in self.stages.items():

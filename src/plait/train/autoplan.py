@@ -229,8 +229,8 @@ def profile_sizes(batch_size: int, world: int, largest: int | None = None) -> li
     share, and the largest micro-batch a plan may take (default: the largest size of the
     search space that divides the batch). A block's time between two of them is read off
     the line through them; past the last it would be a guess, and a block's time bends
-    (on this 2-core host, a tensor-parallel block at 8 samples extrapolated from 1 and 4
-    came out 22-53% over its measured time)."""
+    (on a 2-core host, the planner sweep's tensor-parallel plans of 8-sample micro-batches,
+    priced from blocks measured at 1 and 4, came out 22-53% over their measured steps)."""
     if largest is None:
         largest = max((b for b in SearchSpace().micro_batch_sizes if batch_size % b == 0),
                       default=1)  # fmt: skip
