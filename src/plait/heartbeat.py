@@ -18,6 +18,7 @@ answers "unknown", and the backend's message stands.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import re
 import threading
@@ -52,8 +53,15 @@ class Heartbeat:
             except Exception:  # the store is gone: nothing left to tell it
                 return
 
-    def stop(self) -> None:
+    def stop(self, wait_s: float = 15.0) -> None:
+        """Stop beating and wait (up to `wait_s`: a beat may be waiting on a store that is
+        gone, for its client's 10 s timeout) for the thread to end. A daemon thread still
+        inside a store call when the interpreter finalizes is ended by Python 3.11 with a
+        forced unwind through torch's C++ frames, which aborts the process ("terminate
+        called without an active exception", a SIGABRT after the run's work was done)."""
         self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=wait_s)
 
     def lost(self, window_s: float | None = None) -> list[int] | None:
         """The ranks gone: their counts stood still over `window_s` (default: four beats)
@@ -87,8 +95,15 @@ def start(store: Any, rank: int, world_size: int, interval_s: float = 0.5) -> He
     global _current
     if _current is not None:
         _current.stop()
+    else:  # once per process: atexit runs it before the interpreter finalizes
+        atexit.register(_stop_current)
     _current = Heartbeat(store, rank, world_size, interval_s)
     return _current
+
+
+def _stop_current() -> None:
+    if _current is not None:
+        _current.stop()
 
 
 def start_from_env(rank: int, world_size: int) -> Heartbeat | None:

@@ -77,8 +77,21 @@ def _steps(run_dir: Path) -> int:
 
 
 def _finish(agents: list[subprocess.Popen[str]], timeout: float = 240) -> list[tuple[str, str]]:
+    """The agents' outputs; an agent still running after `timeout` is killed and the
+    failure shows what every agent printed (an agent waits at its exit barrier for a node
+    that failed: the cause is in the other one's output)."""
+    deadline, outs = time.time() + timeout, []
     try:
-        return [a.communicate(timeout=timeout) for a in agents]
+        for a in agents:
+            outs.append(a.communicate(timeout=max(1.0, deadline - time.time())))
+        return outs
+    except subprocess.TimeoutExpired:
+        for a in agents:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(a.pid, signal.SIGKILL)
+        outs += [a.communicate() for a in agents[len(outs) :]]
+        raise AssertionError(f"an agent ran past {timeout} s; the agents printed: "
+                             + " | ".join(err[-1500:] for _, err in outs)) from None  # fmt: skip
     finally:
         for a in agents:
             if a.poll() is None:
