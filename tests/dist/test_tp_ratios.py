@@ -1,7 +1,7 @@
 """The planner's measured tensor-parallel blocks (`plait.profile.sharded.tp_ratios`) on 2
 gloo workers: the sharded copy it times computes what the whole block computes (outputs
 and input gradients equal to 1e-5: it times the real sharded block, not a stand-in), and
-it answers a (forward, backward) share for every degree, sequence-parallel setting and
+it answers a (forward, backward, input half, weight half) share for every degree, sequence-parallel setting and
 sample size, on every rank. A model with no sharded block answers nothing."""
 
 from __future__ import annotations
@@ -59,7 +59,9 @@ def test_tp_ratios_time_the_real_sharded_block_at_every_degree_and_size() -> Non
         assert set(ratios) == {(2, False), (2, True)}
         for shares in ratios.values():
             assert set(shares) == {1, 4}
-            assert all(math.isfinite(s) and s > 0 for pair in shares.values() for s in pair)
+            # forward, backward, and the split backward's input and weight halves
+            assert all(len(four) == 4 for four in shares.values())
+            assert all(math.isfinite(s) and s > 0 for four in shares.values() for s in four)
         assert none == {}
 
 

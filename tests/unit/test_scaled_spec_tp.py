@@ -110,3 +110,32 @@ def test_the_planner_measures_up_to_the_largest_micro_batch_a_plan_may_take() ->
     assert profile_sizes(96, 4) == [1, 24, 32]  # the space's sizes stop at 32
     assert profile_sizes(6, 4) == [1, 2]  # of 1, 2, 4, ..., 32 only 1 and 2 divide 6
     assert profile_sizes(3, 4) == [1]
+
+
+# the split backward's halves measured apart: (forward, backward, input half, weight half)
+SPLIT_SHARES = {(2, False): {1: (6.0, 4.0, 7.0, 2.0), 8: (2.0, 1.5, 3.0, 1.25)}}
+SPLIT1 = {
+    1: [_block("embedding", 1e9, 1e9, 1e9), _block("layer", F1, 1.5 * BI1, 0.75 * BW1)],
+    8: [_block("embedding", 8e9, 8e9, 8e9), _block("layer", F8, 1.5 * BI8, 0.75 * BW8)],
+}
+
+
+@pytest.mark.parametrize("b", [1, 4, 8])
+def test_a_split_backward_takes_its_halves_own_measured_shares(b: int) -> None:
+    from plait.sim import SimPlan as Plan
+
+    spec = scaled_spec("m", MEASURED, seq_len=64, num_heads=4, tp_blocks=[1],
+                       measured_split=SPLIT1, tp_ratios=SPLIT_SHARES)  # fmt: skip
+    split = spec.blocks_for(Plan(tp=2, schedule="zb-h1", pp=2, microbatches=4, micro_batch_size=b))
+    layer = split[1]
+    # the split's own measured halves (1.5 BI, 0.75 BW of the full one's), each times its share
+    assert layer.backward_input_flops == pytest.approx(
+        _through(7.0 * 1.5 * BI1, 3.0 * 1.5 * BI8, b), rel=1e-12
+    )
+    assert layer.backward_weight_flops == pytest.approx(
+        _through(2.0 * 0.75 * BW1, 1.25 * 0.75 * BW8, b), rel=1e-12
+    )
+    # a full backward (1F1B) keeps the backward's share for both halves
+    full = spec.blocks_for(Plan(tp=2, schedule="1f1b", pp=2, microbatches=4, micro_batch_size=b))
+    assert full[1].backward_input_flops == pytest.approx(_through(4.0 * BI1, 1.5 * BI8, b))
+    assert full[1].backward_weight_flops == pytest.approx(_through(4.0 * BW1, 1.5 * BW8, b))

@@ -4,10 +4,11 @@ split backward passes, and the bytes it sends, keeps and holds as parameters.
 The backward is timed twice, as the runtime runs it. `backward_s` is one full backward
 (`torch.autograd.backward`, gradients accumulated into `.grad`), what 1F1B and GPipe run.
 `backward_input_s` and `backward_weight_s` are the two halves zero-bubble schedules run
-(Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024), timed with the functions the
-runtime uses, torch.distributed.pipelining's `stage_backward_input` and
-`stage_backward_weight` (autograd code: no process group is involved); together they may
-cost more than one full backward. A block whose input carries no gradient (token ids)
+(Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024), timed with the runtime's own
+`plait.runtime.backward` (torch.distributed.pipelining's `stage_backward_input` and
+`stage_backward_weight` where that split is exact for the block, else input gradients
+first and the full backward after, as the runtime decides); together they may cost more
+than one full backward. A block whose input carries no gradient (token ids)
 has no input half: its whole backward is the weight half, as in the runtime. Bytes kept
 for the backward are the unique storages autograd saves during one forward
 (`torch.autograd.graph.saved_tensors_hooks`), parameters excluded; with full
@@ -35,9 +36,10 @@ import torch
 from torch import nn
 
 from plait.cluster import Device, normalize_dtype
-from plait.compat import pytree, stage_backward_input, stage_backward_weight
+from plait.compat import pytree
 from plait.cost import BlockCost
 from plait.device import autocast_context, timer
+from plait.runtime.backward import Saved, backward_input, backward_weight, split_is_exact
 
 __all__ = ["BlockProfile", "block_costs", "profile_blocks", "torch_dtype_name"]
 
@@ -193,6 +195,7 @@ def _time_block(
 ) -> tuple[float, float, float, float]:
     """Median seconds of forward, full backward, and the split's input and weight halves."""
     samples: list[tuple[float, float, float, float]] = []
+    exact: bool | None = None
     for i in range(warmup + repeats):
         forward, inputs, outs, grads = _pass(block, x, loss, clock, autocast)
         start = clock()
@@ -200,16 +203,20 @@ def _time_block(
             torch.autograd.backward(outs, grads)
         full = clock() - start
         _, inputs, outs, grads = _pass(block, x, loss, clock, autocast)
+        # torch's split detaches the outputs in place, which a view refuses (a sequence-
+        # parallel block's output is one); a stage's outputs in the runtime are not views
+        outs = [t.clone() if t._is_view() else t for t in outs]
+        saved = Saved(inputs=inputs, outputs=outs)
+        if exact is None:  # the block's structure decides, as the runtime decides per stage
+            exact = split_is_exact(saved, block)
         start = clock()
-        if outs and inputs:
-            _, groups = stage_backward_input(outs, grads, inputs, block.parameters())
-            middle = clock()
-            stage_backward_weight(block.parameters(), groups)
-            halves = (middle - start, clock() - middle)
-        else:  # no input gradient: the weight half is the full backward, as in the runtime
-            if outs:
-                torch.autograd.backward(outs, grads)
-            halves = (0.0, clock() - start)
+        backward_input(saved, grads, block, exact=exact)
+        middle = clock()
+        backward_weight(saved, block)  # no input gradient: the full backward, as in the runtime
+        end = clock()
+        # with no input gradient there is no input half (its call only returns)
+        halves = (middle - start, end - middle) if any(t.requires_grad for t in inputs) else (
+            0.0, end - start)  # fmt: skip
         if i >= warmup:
             samples.append((forward, full, *halves))
     block.zero_grad(set_to_none=True)
