@@ -26,6 +26,7 @@ the whole block's input half and 1.5-2.5× its weight half, where its full backw
 from __future__ import annotations
 
 import copy
+import statistics
 from collections.abc import Sequence
 from typing import Any
 
@@ -94,16 +95,28 @@ def tp_ratios(
             shard_block(sharded, mesh, sequence_parallel=sp)
             found = out.setdefault((t, sp), {})
             for size, value in inputs:
-                dist.barrier()
-                plain = _time_block(whole, value, None, warmup=warmup, repeats=repeats,
-                                    clock=clock, autocast=autocast)  # fmt: skip
-                dist.barrier()  # the group's ranks start each pass together
-                split = _time_block(sharded, value, None, warmup=warmup, repeats=repeats,
-                                    clock=clock, autocast=autocast)  # fmt: skip
-                # a half the whole block does not have prices at 0 whatever its ratio
-                found[size] = tuple(s / w if w > 0 else 1.0
-                                    for s, w in zip(split, plain, strict=True))  # fmt: skip
+                plain, split = [], []
+                # whole and sharded in turns, so that a host slowing down slows both
+                for i in range(warmup + repeats):
+                    dist.barrier()
+                    w = _time_block(whole, value, None, warmup=0, repeats=1, clock=clock,
+                                    autocast=autocast)  # fmt: skip
+                    dist.barrier()  # the group's ranks start each pass together
+                    s = _time_block(sharded, value, None, warmup=0, repeats=1, clock=clock,
+                                    autocast=autocast)  # fmt: skip
+                    if i >= warmup:
+                        plain.append(w)
+                        split.append(s)
+                found[size] = tuple(_ratio([t[k] for t in split], [t[k] for t in plain])
+                                    for k in range(4))  # fmt: skip
     return out
+
+
+def _ratio(sharded: Sequence[float], whole: Sequence[float]) -> float:
+    """Median sharded seconds over median whole seconds (a half the whole block does not
+    have prices at 0 whatever its ratio: 1)."""
+    w = statistics.median(whole)
+    return statistics.median(sharded) / w if w > 0 else 1.0
 
 
 def _input_of(blocks: Sequence[nn.Module], index: int, x: object) -> object:
