@@ -94,11 +94,6 @@ class Device:
     # time (`plait.emulate.slowdown`), so heterogeneous plans can be tried on one CPU
     slowdown: float = 1.0
     dispatch_s: float = 0.0
-    # host seconds a rank's compute loses posting one pipeline message (a send or a
-    # receive): microseconds on an idle host; on workers time-sharing cores, a wait for the
-    # communication thread's time slice (`plait.profile.message_overheads`). The simulator
-    # adds it to each compute action that posts a message to or from another rank.
-    message_s: float = 0.0
 
     def __post_init__(self) -> None:
         owner = f"device {self.name!r}"
@@ -126,12 +121,6 @@ class Device:
             raise ValueError(
                 f"{owner}: dispatch_s={self.dispatch_s!r} must be a finite number of seconds "
                 ">= 0 (0: no host time per block action)"
-            )
-        number = isinstance(self.message_s, int | float) and not isinstance(self.message_s, bool)
-        if not (number and 0 <= self.message_s < math.inf):
-            raise ValueError(
-                f"{owner}: message_s={self.message_s!r} must be a finite number of seconds "
-                ">= 0 (0: posting a message costs no compute time)"
             )
 
     def peak(self, dtype: str) -> float:

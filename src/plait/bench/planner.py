@@ -198,7 +198,6 @@ def _worker(cfg: PlannerBenchConfig) -> dict[str, Any] | None:
     from plait.mesh import init_worker
     from plait.plan.io import plan_from_dict, plan_to_dict
     from plait.plan.search import describe
-    from plait.profile.calibrate import message_s
     from plait.profile.sharded import tp_degrees, tp_ratios
     from plait.train.autoplan import (
         fit_sharing_efficiency,
@@ -211,7 +210,6 @@ def _worker(cfg: PlannerBenchConfig) -> dict[str, Any] | None:
     env, _ = init_worker(device="cpu")  # plans for this host's cores, measured on them
     corpus = stdlib_corpus(max_chars=200_000)
     link = measure_collectives(torch.device("cpu"))
-    posting = message_s(device=torch.device("cpu"))  # as `--plan auto` measures it
     t0 = time.perf_counter()
     # every worker: a block sharded in its group of each tp degree, timed as `--plan auto` does
     ratios = tp_ratios(_model(cfg, corpus), _samples(cfg, corpus),
@@ -221,7 +219,7 @@ def _worker(cfg: PlannerBenchConfig) -> dict[str, Any] | None:
         _spec(cfg, _model(cfg, corpus), corpus)  # loads its core while rank 0 times blocks
     if env.rank == 0:
         spec = _spec(cfg, _model(cfg, corpus), corpus, ratios)
-        cluster = local_cluster(cfg.workers, link, message_s=posting)
+        cluster = local_cluster(cfg.workers, link)
         spent = time.perf_counter() - t0
         grid = [plan_to_dict(r) for r in _grid(cfg, spec, cluster)]
         box[0] = (_reference(cfg, spec, cluster), grid)
@@ -244,15 +242,14 @@ def _worker(cfg: PlannerBenchConfig) -> dict[str, Any] | None:
     if reference and reference_s:
         efficiency = fit_sharing_efficiency(spec, cluster, reference, reference_s,
                                             global_batch=cfg.batch_size)  # fmt: skip
-    cluster = local_cluster(cfg.workers, link, sharing_efficiency=efficiency, message_s=posting)
+    cluster = local_cluster(cfg.workers, link, sharing_efficiency=efficiency)
     predicted = {describe(r.plan): plan_to_dict(r) for r in _grid(cfg, spec, cluster)}
     plans = [predicted[describe(plan_from_dict(p))] for p in grid]
     measured = [statistics.median(times) for times in zip(*rounds, strict=True)]
     spread = [(min(times), max(times)) for times in zip(*rounds, strict=True)]
     return {"plans": plans, "measured": measured, "spread": spread,
             "plan_seconds": spent + time.perf_counter() - t0, "sharing_efficiency": efficiency,
-            "reference_step_s": reference_s, "reference_turns_s": turns,
-            "message_s": posting}  # fmt: skip
+            "reference_step_s": reference_s, "reference_turns_s": turns}  # fmt: skip
 
 
 def _spearman(a: list[float], b: list[float]) -> float:
@@ -305,7 +302,6 @@ def run_bench(cfg: PlannerBenchConfig) -> dict[str, Any]:
         "sharing_efficiency": out["sharing_efficiency"],
         "reference_step_s": out["reference_step_s"],
         "reference_turns_s": out["reference_turns_s"],
-        "message_s": out["message_s"],
     }
 
 

@@ -5,9 +5,8 @@ A file has a `name`, an `inter_node` link, and one `[[nodes]]` table per node ki
 rank order: either `preset` (a shipped node) and `count`, or `count`, `devices_per_node`,
 `intra_node = { latency_s, bandwidth_Bps }` and `device = { name, peak_flops = { bf16 =
 ... }, efficiency, memory_bytes or memory_gib, memory_bandwidth_Bps, host_bandwidth_Bps,
-slowdown, dispatch_s, message_s }` (a device `slowdown` times slower than its numbers,
-which plait's CPU runtime enforces; `dispatch_s` host seconds to issue one block's forward
-or backward; `message_s` host seconds a rank's compute loses posting one pipeline message).
+slowdown, dispatch_s }` (a device `slowdown` times slower than its numbers, which plait's
+CPU runtime enforces; `dispatch_s` host seconds to issue one block's forward or backward).
 The `*.toml` files beside this module are the presets (one node each); `local-cpu` is
 built in code because it reads this machine. Unknown keys and bad values
 raise `ValueError` naming key and value.
@@ -86,7 +85,7 @@ _KEYS = {
     "cluster": {"name", "inter_node", "nodes"},
     "link": {"latency_s", "bandwidth_Bps"},
     "device": _DEVICE_KEYS | {"memory_bandwidth_Bps", "host_bandwidth_Bps", "codec_s_per_entry",
-               "slowdown", "dispatch_s", "message_s"},
+               "slowdown", "dispatch_s"},
     "node": {"preset", "count", "devices_per_node", "device", "intra_node", "processors",
              "sharing_efficiency"},
 }  # fmt: skip
@@ -214,10 +213,9 @@ def cluster_to_toml(cluster: Cluster) -> str:
             lines += [f"processors = {group.processors}"]
             lines += [f"sharing_efficiency = {_toml(group.sharing_efficiency)}"]
         lines += [f"intra_node = {_toml(_fields(group.intra_node))}", "", "[nodes.device]"]
-        # dispatch_s and message_s only when known: files written before they existed
-        # read back equal
+        # dispatch_s only when known, so files written before it existed read back equal
         lines += [f"{k} = {_toml(v)}" for k, v in _fields(group.device).items()
-                  if v != {} and not (k in ("dispatch_s", "message_s") and v == 0)]  # fmt: skip
+                  if v != {} and not (k == "dispatch_s" and v == 0)]  # fmt: skip
     return "\n".join(lines) + "\n"
 
 

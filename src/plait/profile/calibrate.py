@@ -35,7 +35,6 @@ __all__ = [
     "matmul_flops",
     "measured_device",
     "message_overheads",
-    "message_s",
     "optimizer_bandwidth",
     "pingpong",
     "threads",
@@ -212,26 +211,6 @@ def message_overheads(
             pending.wait()
     dist.barrier()
     return tuple(statistics.median(x) if x else 0.0 for x in (sends, receives))  # type: ignore[return-value]
-
-
-def message_s(num_bytes: int = 64 * 1024, device: torch.device | None = None) -> float:
-    """`Device.message_s` for the workers of the default group: the mean over the ranks
-    that posted of (send + receive) / 2 seconds (`message_overheads`, every rank paired with
-    a neighbour, computing between messages as pipeline stages do). A collective; every
-    rank gets the same answer; 0.0 on one worker."""
-    import torch.distributed as dist
-
-    world = dist.get_world_size()
-    if world < 2:
-        return 0.0
-    send, recv = message_overheads(dist.get_rank(), world - world % 2, num_bytes=num_bytes,
-                                   device=device)  # fmt: skip
-    mine = torch.tensor([send + recv, float(send > 0 or recv > 0)], dtype=torch.float64)
-    if (device or current()).type != "cpu":
-        mine = mine.to(device or current())
-    dist.all_reduce(mine)
-    total, posted = mine.tolist()
-    return total / (2 * posted) if posted else 0.0
 
 
 def _compute(a: torch.Tensor, seconds: float) -> None:

@@ -17,7 +17,7 @@ from plait.cluster import Device
 from plait.cost import StageCost
 from plait.schedule import Op, Schedule
 
-__all__ = ["host_window_s", "issue_times", "posting_s"]
+__all__ = ["host_window_s", "issue_times"]
 
 
 def issue_times(
@@ -41,17 +41,3 @@ def host_window_s(schedule: Schedule, issue: dict[Op, list[float]]) -> float:
     """Host seconds to issue one window's compute actions of every pipeline rank: the
     least a step takes when one process issues them all."""
     return sum(issue[a.op][a.stage] for program in schedule.ranks for a in program if a.op in issue)
-
-
-def posting_s(schedule: Schedule, devices: Sequence[Device]) -> list[float]:
-    """Per stage (on `devices[stage]`), the compute time its forward, and likewise its
-    backward, loses posting its messages to and from other ranks: a send and a receive
-    per boundary that crosses ranks, `Device.message_s` each (the weight half of a split
-    backward posts none)."""
-    place = schedule.stage_to_rank
-    crossings = [0] * len(devices)
-    for i, j in enumerate(schedule.graph[1]):
-        if j >= 0 and place[i] != place[j]:
-            crossings[i] += 1
-            crossings[j] += 1
-    return [c * dev.message_s for c, dev in zip(crossings, devices, strict=True)]

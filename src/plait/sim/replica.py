@@ -51,7 +51,7 @@ from plait.cost import (
 from plait.offload import offloaded_blocks
 from plait.schedule import Op, Replay, Schedule, Unrolled, window_ends
 from plait.sim.cores import replica_sharing
-from plait.sim.host import host_window_s, issue_times, posting_s
+from plait.sim.host import host_window_s, issue_times
 from plait.sim.plan import SimPlan
 from plait.sim.replays import replayed, walked
 from plait.sim.result import MemoryUse, RankReport
@@ -169,20 +169,18 @@ class _Replica:
             for i in range(n):
                 state = self._state(i).optimizer
                 update[i] += 2 * offload_time(state, self.devices[place[i]])
-        place = self.s.stage_to_rank
-        posts = posting_s(self.s, [self.devices[place[i]] for i in range(len(self.stages))])
         issue = self.issue
         return {
             Op.F: [
-                max(x.forward_s + y + h, issue[Op.F][i]) + posts[i]
+                max(x.forward_s + y + h, issue[Op.F][i])
                 for i, (x, y, h) in enumerate(zip(t, g, host, strict=True))
             ],
             Op.B: [
-                max(x.backward_s + y + h, issue[Op.B][i]) + posts[i]
+                max(x.backward_s + y + h, issue[Op.B][i])
                 for i, (x, y, h) in enumerate(zip(t, g, host, strict=True))
             ],
             Op.BI: [
-                max(x.backward_input_s + y + h, issue[Op.BI][i]) + posts[i]
+                max(x.backward_input_s + y + h, issue[Op.BI][i])
                 for i, (x, y, h) in enumerate(zip(t, g, host, strict=True))
             ],
             Op.BW: [max(x.backward_weight_s, issue[Op.BW][i]) for i, x in enumerate(t)],

@@ -29,7 +29,6 @@ from plait.mesh import host_cores
 from plait.plan import ModelSpec, SearchSpace, scaled_spec, search
 from plait.plan.io import parallel_plan_of, plan_to_dict
 from plait.profile import block_costs, measured_device, profile_model
-from plait.profile.calibrate import message_s
 from plait.profile.sharded import TPRatios, tp_degrees, tp_ratios
 from plait.schedule import KINDS
 
@@ -129,15 +128,13 @@ def local_cluster(
     sharing_efficiency: float = 1.0,
     device: str = "cpu",
     declared: Cluster | None = None,
-    message_s: float = 0.0,
 ) -> Cluster:
     """The local workers on `device` (a device type) as the planner sees them: a GPU each,
     or one core each, or, when they outnumber the `cores` (default: those the workers were
     started on, `plait.mesh.host_cores`, not a pinned worker's own), pinned to core i mod
     cores as `plait.mesh.init_worker` pins them and time-sharing it
     (`NodeGroup.processors`). With `declared` (the `--cluster` file), rank r is that
-    file's device r instead (`_declared`). `message_s`: the measured posting time of a
-    pipeline message (`plait.profile.calibrate.message_s`)."""
+    file's device r instead (`_declared`)."""
     from plait.train.memcheck import worker_memory_bytes
 
     memory = int(worker_memory_bytes(world, device))
@@ -146,9 +143,6 @@ def local_cluster(
         name=f"local-workers ({device})", flops={dtype: _SPEED}, memory_bytes=memory,
         devices_per_node=world, intra_node=link,
     )  # fmt: skip
-    group = cluster.groups[0]
-    group = replace(group, device=replace(group.device, message_s=message_s))
-    cluster = replace(cluster, groups=(group,))
     if declared is not None:
         return _declared(cluster, declared, world)
     if world <= cores:
@@ -265,13 +259,11 @@ def _search(
     device: torch.device,
     declared: Cluster | None = None,
     tp_ratios: TPRatios | None = None,
-    message_s: float = 0.0,
 ) -> dict[str, Any]:
     with fork_rng(device):
         spec = measured_spec(model, samples, loss_fn, num_heads=num_heads, seq_len=seq_len,
                              dtype=dtype, device=device, tp_ratios=tp_ratios)  # fmt: skip
-    cluster = local_cluster(world, link, dtype, device=device.type, declared=declared,
-                            message_s=message_s)  # fmt: skip
+    cluster = local_cluster(world, link, dtype, device=device.type, declared=declared)
     # a CPU worker's memory is the host's: moving state "to the host" frees none of it
     space = SearchSpace(dtype=dtype, allow_staleness=allow_staleness,
                         offload=device.type != "cpu")  # fmt: skip
@@ -314,7 +306,7 @@ def auto_plan(
     dist.broadcast_object_list(box, src=0)
     if box[0] is not None:
         return dict(box[0])
-    link, posting = measure_collectives(device), message_s(device=device)
+    link = measure_collectives(device)
     with fork_rng(device):  # every worker: the sharded blocks are timed in their groups
         ratios = tp_ratios(model, samples, degrees=tp_degrees(world, num_heads),
                            sequence_parallel=(False, True), dtype=dtype, device=device)  # fmt: skip
@@ -327,8 +319,8 @@ def auto_plan(
         chosen = _search(model, samples, loss_fn, link, world, num_heads=num_heads,
                          seq_len=seq_len, global_batch=global_batch, dtype=dtype,
                          allow_staleness=allow_staleness, device=device,
-                         declared=declared, tp_ratios=ratios, message_s=posting)  # fmt: skip
-        chosen["decision"] = {**_why("measured", world, link), "message_s": posting}
+                         declared=declared, tp_ratios=ratios)  # fmt: skip
+        chosen["decision"] = _why("measured", world, link)
         box[0] = decisions.save(key, chosen) if key is not None else chosen
     dist.broadcast_object_list(box, src=0)
     return dict(cast("dict[str, Any]", box[0]))  # mypy keeps box[0] as None from above
