@@ -212,11 +212,10 @@ def _time_block(
         start = clock()
         backward_input(saved, grads, block, exact=exact)
         middle = clock()
+        if not any(t.requires_grad for t in inputs):  # no input half: its call only returned
+            middle = start
         backward_weight(saved, block)  # no input gradient: the full backward, as in the runtime
-        end = clock()
-        # with no input gradient there is no input half (its call only returns)
-        halves = (middle - start, end - middle) if any(t.requires_grad for t in inputs) else (
-            0.0, end - start)  # fmt: skip
+        halves = (middle - start, clock() - middle)
         if i >= warmup:
             samples.append((forward, full, *halves))
     block.zero_grad(set_to_none=True)
