@@ -1,8 +1,9 @@
 """The planner's measured tensor-parallel blocks (`plait.profile.sharded.tp_ratios`) on 2
 gloo workers: the sharded copy it times computes what the whole block computes (outputs
 and input gradients equal to 1e-5: it times the real sharded block, not a stand-in), and
-it answers a (forward, backward, input half, weight half) share for every degree, sequence-parallel setting and
-sample size, on every rank. A model with no sharded block answers nothing."""
+it answers a (forward, backward, input half, weight half) share for every degree,
+sequence-parallel setting and sample size, on every rank. A model with no sharded block
+answers nothing."""
 
 from __future__ import annotations
 

@@ -26,10 +26,13 @@ MEASURED = {
     1: [_block("embedding", 1e9, 1e9, 1e9), _block("layer", F1, BI1, BW1)],
     8: [_block("embedding", 8e9, 8e9, 8e9), _block("layer", F8, BI8, BW8)],
 }
-SHARES = {(2, False): {1: (6.0, 4.0), 8: (2.0, 1.5)}}
+# (forward, backward, input half, weight half); a full backward reads only the first two
+SHARES = {(2, False): {1: (6.0, 4.0, 4.0, 4.0), 8: (2.0, 1.5, 1.5, 1.5)}}
 
 
-def _spec(shares: dict[tuple[int, bool], dict[int, tuple[float, float]]] | None) -> ModelSpec:
+def _spec(
+    shares: dict[tuple[int, bool], dict[int, tuple[float, float, float, float]]] | None,
+) -> ModelSpec:
     return scaled_spec("m", MEASURED, seq_len=64, num_heads=4, tp_blocks=[1], tp_ratios=shares)
 
 
@@ -67,7 +70,7 @@ def test_unmeasured_degrees_and_sequence_parallelism_divide_as_before() -> None:
 
 
 def test_one_measured_size_holds_at_every_size() -> None:
-    one = {(2, False): {4: (3.0, 2.5)}}
+    one = {(2, False): {4: (3.0, 2.5, 2.5, 2.5)}}
     for b in (1, 4, 8):
         layer = _spec(one).blocks(b, SimPlan(tp=2))[1]
         whole = _spec(None).blocks(b, SimPlan())[1]
@@ -91,7 +94,9 @@ def test_between_measured_sizes_the_two_around_price_a_block(b: int) -> None:
 
 
 def test_sharded_times_bend_with_the_measured_sizes() -> None:
-    shares = {(2, False): {1: (6.0, 4.0), 8: (2.0, 1.5), 16: (1.0, 1.0)}}
+    shares = {
+        (2, False): {1: (6.0, 4.0, 4.0, 4.0), 8: (2.0, 1.5, 1.5, 1.5), 16: (1.0, 1.0, 1.0, 1.0)}
+    }
     spec = scaled_spec("m", BENT, seq_len=64, num_heads=4, tp_blocks=[1], tp_ratios=shares)
     for b in (4, 12, 32):
         at = (6.0 * F1, 2.0 * F8) if b <= 8 else (2.0 * F8, 1.0 * F16)

@@ -137,7 +137,8 @@ def scaled_spec(
     num_heads: int,
     tp_blocks: Collection[int] = (),
     measured_split: Mapping[int, Sequence[BlockCost]] | None = None,
-    tp_ratios: Mapping[tuple[int, bool], Mapping[int, tuple[float, ...]]] | None = None,
+    tp_ratios: Mapping[tuple[int, bool], Mapping[int, tuple[float, float, float, float]]]
+    | None = None,
 ) -> ModelSpec:
     """A model known from its blocks measured at one or more micro-batch sizes (tp = 1).
 
@@ -151,8 +152,8 @@ def scaled_spec(
 
     `tp_ratios` (`plait.profile.sharded.TPRatios`): a sharded block measured at (tp,
     sequence parallelism), its forward and backward as shares of the whole block's, by
-    micro-batch size (and the backward's input and weight halves', which price the split
-    backward when measured; else the backward's share prices both). Where a layout's
+    micro-batch size, and the backward's input and weight halves' (which price the split
+    backward; a full backward's halves take the backward's share). Where a layout's
     degree was measured, its sharded blocks take the times measured sharded (linear in
     the micro-batch size through the measured sizes, as whole blocks are), collectives
     included, instead of the division and all-reduces."""
@@ -211,17 +212,17 @@ def _piecewise(points: Sequence[tuple[float, float]], b: float) -> float:
 
 def _at(
     points: list[tuple[int, BlockCost]], b: int, tp: int,
-    shares: Mapping[int, tuple[float, ...]] | None = None,
+    shares: Mapping[int, tuple[float, float, float, float]] | None = None,
     *,
     split: bool = False,
 ) -> BlockCost:  # fmt: skip
     """A block, measured at the sizes of `points`, at micro-batch size `b` on one of `tp`
     ranks: between two measured sizes on the line through them, beyond them on the
-    nearest two's line. With `shares` (tp > 1: the sharded block's forward and backward as
-    shares of the whole one's, by micro-batch size), its time runs the same way through
-    the sharded times at the measured sizes (one size: its share of the whole block's
-    time), collectives included; a `split` backward's halves take their own shares where
-    measured (the four-share form), else the full backward's."""
+    nearest two's line. With `shares` (tp > 1: the sharded block's forward, backward and
+    backward halves as shares of the whole one's, by micro-batch size), its time runs the
+    same way through the sharded times at the measured sizes (one size: its share of the
+    whole block's time), collectives included; a `split` backward's halves take their own
+    shares, a full backward's the backward's."""
     b1, c1 = points[0]
 
     def value(field_name: str, size: float = b) -> float:
@@ -243,9 +244,8 @@ def _at(
             return _piecewise([(s, r[part] * value(field_name, s)) for s, r in measured], b)
 
         forward = sharded("forward_flops", 0)
-        halves = split and all(len(r) >= 4 for r in shares.values())
-        backward_input = sharded("backward_input_flops", 2 if halves else 1)
-        backward_weight = sharded("backward_weight_flops", 3 if halves else 1)
+        backward_input = sharded("backward_input_flops", 2 if split else 1)
+        backward_weight = sharded("backward_weight_flops", 3 if split else 1)
     elif tp > 1:
         comm = (Collective(kind="all_reduce", num_bytes=at["activation_bytes"], axis="tp"),) * 2
     return replace(

@@ -41,9 +41,8 @@ from plait.profile.measure import _moved, _time_block
 __all__ = ["TPRatios", "tp_degrees", "tp_ratios"]
 
 # (tp, sequence parallel) -> micro-batch size -> (forward, backward, backward's input
-# half, backward's weight half): seconds of the sharded block over seconds of the whole
-# one (a (forward, backward) pair is read with the backward's ratio for both halves)
-TPRatios = dict[tuple[int, bool], dict[int, tuple[float, ...]]]
+# half, backward's weight half): seconds of the sharded block over seconds of the whole one
+TPRatios = dict[tuple[int, bool], dict[int, tuple[float, float, float, float]]]
 
 
 def tp_degrees(world: int, num_heads: int) -> list[int]:
@@ -107,8 +106,9 @@ def tp_ratios(
                     if i >= warmup:
                         plain.append(w)
                         split.append(s)
-                found[size] = tuple(_ratio([t[k] for t in split], [t[k] for t in plain])
-                                    for k in range(4))  # fmt: skip
+                f, b, bi, bw = (_ratio([t[k] for t in split], [t[k] for t in plain])
+                                for k in range(4))  # fmt: skip
+                found[size] = (f, b, bi, bw)
     return out
 
 
