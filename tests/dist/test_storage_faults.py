@@ -84,8 +84,9 @@ def test_a_stopped_worker_is_reported_within_the_timeout(tmp_path: Path) -> None
     errors = _errors(err)
     assert len(errors) == 1 and "Traceback" not in err, err
     assert "rank" in errors[0] and ("timed out" in errors[0] or "timeout" in errors[0]), errors
-    # the waiting rank gives up after --timeout; the launcher then ends the stopped one
-    assert took < 8 + 60, took
+    # the waiting rank gives up after --timeout; the launcher then ends the stopped one at
+    # once (continued, so that torch's SIGTERM lands), not after torch's 30 s before SIGKILL
+    assert took < 8 + 25, took
 
 
 def _mount(*args: str) -> None:
