@@ -101,7 +101,7 @@ def _stopped(cfg: dict[str, Any] | None) -> str:
 def _run(args: argparse.Namespace, started: dict[str, Any]) -> int:
     from plait.mesh import launched_env, run_id
     from plait.train.launch import WorkerFailed, launch
-    from plait.train.loop import train_worker
+    from plait.train.start import train_worker
 
     cfg = resolve(args)  # validated here, before any worker starts
     _check_user_model(cfg)

@@ -25,12 +25,14 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
 from plait.cluster import Cluster
-from plait.runtime.executor import ActionRecord
+
+if TYPE_CHECKING:  # the launcher reads this module; the runtime (1.2 s to import) it never runs
+    from plait.runtime.executor import ActionRecord
 
 __all__ = ["EmulatedCompute", "compute_seconds", "pad_step", "rank_slowdowns"]
 

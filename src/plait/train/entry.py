@@ -62,7 +62,7 @@ def run(
     data = cfg.to_dict()
     (run_dir / "config.json").write_text(json.dumps(to_file(data), indent=2))
     custom = CustomTask(model, dataset, loss, metrics, validation)
-    from plait.train.loop import train_worker
+    from plait.train.start import train_worker
 
     restarts = cfg.max_restarts if max_restarts is None else max_restarts
     results = launch(train_worker, int(cfg.nproc or 1), data, str(run_dir), custom,

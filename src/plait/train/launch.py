@@ -32,6 +32,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from plait.train.agent import cheap_rendezvous_names, stopped_workers_end
+
 __all__ = ["Interrupted", "WorkerFailed", "WorkerFailure", "free_port", "launch"]
 
 STORE_ENV, ATTEMPT_ENV = "PLAIT_STORE", "PLAIT_ATTEMPT"
@@ -174,7 +176,8 @@ def _attempt(
             _environment(env, loopback),
             _quiet_launcher(),
             _workers_start_sigint_blocked(),
-            _stopped_workers_end(),
+            stopped_workers_end(),
+            cheap_rendezvous_names(),
         ):
             return dict(elastic_launch(config, _worker)(fn, *args))
     except ChildFailedError as err:
@@ -282,34 +285,6 @@ def _workers_start_sigint_blocked() -> Iterator[None]:
 class _DropLauncherLogs(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         return record.levelno >= logging.CRITICAL or not record.name.startswith(_QUIET)
-
-
-@contextlib.contextmanager
-def _stopped_workers_end() -> Iterator[None]:
-    """Continue (SIGCONT) the workers torch is ending after one failed: a stopped worker
-    (SIGSTOP, a debugger) holds torch's SIGTERM pending, and torch waits 30 s for it before
-    SIGKILL, so a run whose peer timed out on a stopped rank reported it half a minute late.
-    torch sends SIGTERM and then joins with a timeout (`ProcessContext.join`); the
-    continue goes in that join. Without the method (another torch), nothing changes."""
-    from torch.multiprocessing.spawn import ProcessContext
-
-    original = getattr(ProcessContext, "_join_procs_with_timeout", None)
-    if original is None or not hasattr(signal, "SIGCONT"):
-        yield
-        return
-
-    def join(self: Any, timeout: float) -> None:
-        for proc in self.processes:
-            if proc.is_alive():
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(proc.pid, signal.SIGCONT)
-        original(self, timeout)
-
-    ProcessContext._join_procs_with_timeout = join  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        ProcessContext._join_procs_with_timeout = original  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager
