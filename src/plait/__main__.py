@@ -2,6 +2,6 @@
 
 import sys
 
-from plait.cli.main import main
+from plait.cli.main import script
 
-sys.exit(main())
+sys.exit(script())

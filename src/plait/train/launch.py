@@ -18,6 +18,7 @@ binds the loopback interface. The only sockets open are the workers' on 127.0.0.
 from __future__ import annotations
 
 import contextlib
+import gc
 import glob
 import logging
 import os
@@ -100,7 +101,9 @@ def _worker(fn: Callable[..., Any], *args: Any) -> Any:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
     # `record` writes the worker's traceback where the launcher reports it
-    return record(fn)(*args)
+    result = record(fn)(*args)
+    gc.freeze()  # as `python -m plait` does: exit without collecting torch's objects
+    return result
 
 
 def launch(
