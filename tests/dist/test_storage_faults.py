@@ -95,6 +95,21 @@ def _mount(*args: str) -> None:
         pytest.skip(f"cannot mount here (needs root): mount {' '.join(args)}: {out.stderr}")
 
 
+def _remount_read_only(folder: Path) -> None:
+    """Turn `folder`'s bind mount read-only; the kernel refuses ("busy") while the run has
+    a file open for writing there (a save every 2 steps), so it is tried until a moment
+    between writes."""
+    deadline = time.time() + 30
+    while True:
+        out = subprocess.run(["mount", "-o", "remount,ro,bind", str(folder)],
+                             capture_output=True, text=True, check=False)  # fmt: skip
+        if out.returncode == 0:
+            return
+        if "busy" not in out.stderr or time.time() > deadline:
+            pytest.skip(f"cannot remount read-only here (needs root): {out.stderr}")
+        time.sleep(0.01)
+
+
 @contextlib.contextmanager
 def _mounted(path: Path, *args: str) -> Iterator[Path]:
     path.mkdir(parents=True, exist_ok=True)
@@ -178,8 +193,7 @@ def test_a_checkpoints_folder_turned_read_only_stops_the_run_in_one_line(
     run_dir = tmp_path / "run"
     folder = run_dir / "checkpoints"
     with _mounted(folder, "--bind", str(tmp_path / "run" / "checkpoints")):
-        made_read_only = lambda: _mount("-o", "remount,ro,bind", str(folder))  # noqa: E731
-        err = _until_a_save_fails(run_dir, made_read_only)
+        err = _until_a_save_fails(run_dir, lambda: _remount_read_only(folder))
         errors = _errors(err)
         assert len(errors) == 1 and "Traceback" not in err, err
         assert "Read-only file system while saving step" in errors[0], errors
