@@ -202,15 +202,15 @@ def _check_user_model(cfg: dict[str, Any]) -> None:
 
 
 def _prepare_data(cfg: dict[str, Any]) -> None:
+    from plait.config import config_from_dict
     from plait.train.language import prepare_data
-    from plait.train.loop import config_from_dict
 
     prepare_data(config_from_dict(cfg))
 
 
 def _check_memory(cfg: dict[str, Any], local_workers: int) -> None:
     """Refuse a batch or sequence the workers cannot hold (a prediction, before they start)."""
-    from plait.train.loop import config_from_dict
+    from plait.config import config_from_dict
     from plait.train.memcheck import check_memory
 
     check_memory(config_from_dict(cfg), local_workers)
@@ -250,8 +250,8 @@ def _preview(cfg: dict[str, Any]) -> str:
     """The layout `--plan auto` chooses: the one kept for these flags on this host
     (`plait.train.decisions`), else one planned here and kept, so that the run with
     these flags trains under exactly this plan."""
+    from plait.config import config_from_dict
     from plait.train.autoplan import preview_plan
-    from plait.train.loop import config_from_dict
 
     chosen = preview_plan(config_from_dict(cfg), int(cfg["nproc"]))
     layout = ", ".join(f"{k}={chosen[k]}" for k in ("dp", "tp", "pp", "schedule", "microbatches",

@@ -9,7 +9,7 @@ the run's other settings. The modules: `fields` (type checks every section share
 
 from __future__ import annotations
 
-from plait.config.load import load_config, read_config_file
+from plait.config.load import config_from_dict, load_config, read_config_file
 from plait.config.model import MODELS, ModelConfig
 from plait.config.plan import ParallelPlan
 from plait.config.specs import DTYPES, RECOMPUTE, PipelineSpec, Recompute
@@ -28,6 +28,7 @@ __all__ = [
     "PipelineSpec",
     "Recompute",
     "TrainConfig",
+    "config_from_dict",
     "load_config",
     "read_config_file",
 ]

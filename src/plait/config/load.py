@@ -13,7 +13,7 @@ from plait.config.plan import ParallelPlan
 from plait.config.sections import OLD_TABLE, from_file, section_of
 from plait.config.train import TrainConfig
 
-__all__ = ["load_config", "read_config_file"]
+__all__ = ["config_from_dict", "load_config", "read_config_file"]
 
 _SECTIONS: dict[str, type[Any]] = {"model": ModelConfig, "parallel": ParallelPlan}
 
@@ -89,3 +89,12 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> TrainConfig
     result: TrainConfig = _build(TrainConfig, {**data, **built}, "the top level")
     result._warn_unused()
     return result
+
+
+def config_from_dict(data: dict[str, Any]) -> TrainConfig:
+    """The `TrainConfig` whose `to_dict()` is `data` (what the launcher hands each worker)."""
+    return TrainConfig(
+        **{k: v for k, v in data.items() if k not in ("model", "parallel")},
+        model=ModelConfig(**data["model"]),
+        parallel=ParallelPlan(**data["parallel"]),
+    )

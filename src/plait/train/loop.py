@@ -14,7 +14,7 @@ from torch import nn
 
 from plait import heartbeat
 from plait.checkpoint import Checkpoint, CheckpointStore
-from plait.config import ModelConfig, ParallelPlan, TrainConfig
+from plait.config import ParallelPlan, TrainConfig, config_from_dict
 from plait.config.sections import flat_plan_file, to_file
 from plait.device import deterministic, peak_memory_bytes, tf32
 from plait.mesh import agreed_restart_count, init_worker
@@ -38,14 +38,6 @@ from plait.train.task import CustomTask, Task, gathered_model, task_from_config
 from plait.train.validate import Validation, due, summarise, validate
 
 __all__ = ["config_from_dict", "train_worker"]
-
-
-def config_from_dict(data: dict[str, Any]) -> TrainConfig:
-    return TrainConfig(
-        **{k: v for k, v in data.items() if k not in ("model", "parallel")},
-        model=ModelConfig(**data["model"]),
-        parallel=ParallelPlan(**data["parallel"]),
-    )
 
 
 def train_worker(
