@@ -127,7 +127,8 @@ _HOST_MEMORY = ("capacity", "capacity_bytes", "headroom_bytes")
 
 
 def _host_memory() -> float:
-    sys.path.insert(0, str(ROOT / "src"))
+    if str(ROOT / "src") not in sys.path:
+        sys.path.insert(0, str(ROOT / "src"))
     from plait.cluster import local_cpu
 
     return float(local_cpu().device(0).memory_bytes)

@@ -9,52 +9,57 @@ import contextlib
 import os
 import signal
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 __all__ = ["cheap_rendezvous_names", "stopped_workers_end"]
 
 
 @contextlib.contextmanager
-def stopped_workers_end() -> Iterator[None]:
+def _replaced(owner: Any, name: str, make: Callable[[Any], Any]) -> Iterator[None]:
+    """`owner.name` replaced by `make(original)` inside the block; nothing when torch has
+    no such attribute."""
+    original = getattr(owner, name, None)
+    if original is None:
+        yield
+        return
+    setattr(owner, name, make(original))
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
+
+
+def stopped_workers_end() -> contextlib.AbstractContextManager[None]:
     """Continue (SIGCONT) the workers torch is ending after one failed: a stopped worker
     (SIGSTOP, a debugger) holds torch's SIGTERM pending, and torch waits 30 s for it before
     SIGKILL, so a run whose peer timed out on a stopped rank reported it half a minute late.
     torch sends SIGTERM and then joins with a timeout (`ProcessContext.join`); the
-    continue goes in that join. Without the method (another torch), nothing changes."""
+    continue goes in that join."""
     from torch.multiprocessing.spawn import ProcessContext
 
-    original = getattr(ProcessContext, "_join_procs_with_timeout", None)
-    if original is None or not hasattr(signal, "SIGCONT"):
-        yield
-        return
+    if not hasattr(signal, "SIGCONT"):
+        return contextlib.nullcontext()
 
-    def join(self: Any, timeout: float) -> None:
-        for proc in self.processes:
-            if proc.is_alive():
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(proc.pid, signal.SIGCONT)
-        original(self, timeout)
+    def make(original: Callable[[Any, float], None]) -> Callable[[Any, float], None]:
+        def join(self: Any, timeout: float) -> None:
+            for proc in self.processes:
+                if proc.is_alive():
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(proc.pid, signal.SIGCONT)
+            original(self, timeout)
 
-    ProcessContext._join_procs_with_timeout = join  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        ProcessContext._join_procs_with_timeout = original  # type: ignore[method-assign]
+        return join
+
+    return _replaced(ProcessContext, "_join_procs_with_timeout", make)
 
 
-@contextlib.contextmanager
-def cheap_rendezvous_names() -> Iterator[None]:
+def cheap_rendezvous_names() -> contextlib.AbstractContextManager[None]:
     """The dynamic rendezvous names the calling method in its log records by
     `inspect.stack()`, which reads the source of every frame: 18 calls took 1.0 s of the
     launcher's CPU while its workers started on the same cores. The frame's own code
     names it as well."""
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous
-
-    original = getattr(dynamic_rendezvous, "get_method_name", None)
-    if original is None:
-        yield
-        return
 
     def get_method_name(depth: int = 2) -> str:
         try:
@@ -62,8 +67,4 @@ def cheap_rendezvous_names() -> Iterator[None]:
         except ValueError:
             return "no_method_name"
 
-    dynamic_rendezvous.get_method_name = get_method_name
-    try:
-        yield
-    finally:
-        dynamic_rendezvous.get_method_name = original
+    return _replaced(dynamic_rendezvous, "get_method_name", lambda _: get_method_name)

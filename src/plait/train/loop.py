@@ -37,7 +37,7 @@ from plait.train.slowdown import check_cluster, padded_step
 from plait.train.task import CustomTask, Task, gathered_model, task_from_config
 from plait.train.validate import Validation, due, summarise, validate
 
-__all__ = ["config_from_dict", "train_worker"]
+__all__ = ["train_worker"]
 
 
 def train_worker(
