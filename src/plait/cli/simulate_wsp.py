@@ -65,7 +65,7 @@ def wsp_summary(
     wave_s: list[float] = []
     for d, (cut, m) in enumerate(zip(cuts, counts, strict=True)):
         mine = dataclasses.replace(plan, microbatches=m)
-        schedule = build_schedule(mine, check=False)
+        schedule = build_schedule(mine, check=False, lowered=False)
         firsts = [sum(cut[:s]) for s in range(len(cut))]
         stage_blocks = [list(blocks[f : f + n]) for f, n in zip(firsts, cut, strict=True)]
         run = simulate_replica(schedule, [StageCost(tuple(b)) for b in stage_blocks],

@@ -72,7 +72,9 @@ def one_stage_a_rank(schedule: str) -> bool:
     """Whether `schedule` is synchronous and runs one stage on each rank (what pipelines of
     their own run)."""
     try:
-        built = build_schedule(SimPlan(schedule=schedule, pp=2, microbatches=2), check=False)
+        built = build_schedule(
+            SimPlan(schedule=schedule, pp=2, microbatches=2), check=False, lowered=False
+        )
     except ValueError:
         return False
     return built.policy == "sync" and built.reach == 0 and len(built.stage_to_rank) == 2
@@ -116,7 +118,7 @@ def simulate_pipelines(plan: SimPlan, blocks: Sequence[BlockCost], cluster: Clus
     for i, spec in enumerate(plan.pipelines):
         ranks = layout.ranks[i]
         mine = _alone(plan, len(ranks), spec.microbatches, spec.partition)
-        schedule = build_schedule(mine, check=False)
+        schedule = build_schedule(mine, check=False, lowered=False)
         if len(schedule.stage_to_rank) != len(spec.partition):
             raise ValueError(
                 f"schedule={plan.schedule} runs {len(schedule.stage_to_rank)} stages on "

@@ -108,7 +108,7 @@ def exact(plan: SimPlan, model: ModelSpec, cluster: Cluster) -> RankedPlan | Rej
         return Rejection(plan, f"no stage split fits in memory: {err}", _excess(err))
     sizes = tuple(part.sizes)
     stage_list = [StageCost(tuple(s)) for s in part.split(list(blocks))]
-    result = simulate(build_schedule(plan, check=False), stage_list, cluster, plan)
+    result = simulate(build_schedule(plan, check=False, lowered=False), stage_list, cluster, plan)
     if not result.fits:
         worst = max(result.overflows, key=lambda o: o.excess_bytes)
         return Rejection(plan, str(worst), worst.excess_bytes)

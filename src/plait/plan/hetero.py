@@ -136,7 +136,7 @@ def _simulate_share(
 ) -> ReplicaRun:
     mine = replace(plan, microbatches=m, total_microbatches=0)
     stage_list = [StageCost(tuple(s)) for s in part.split(list(blocks))]
-    schedule = build_schedule(mine, check=False)
+    schedule = build_schedule(mine, check=False, lowered=False)
     if len(schedule.stage_to_rank) != len(stage_list):  # chunks, or a second direction
         raise ValueError(
             f"schedule={plan.schedule} runs {len(schedule.stage_to_rank)} stages on "

@@ -30,7 +30,7 @@ def lighter_recompute(
     top = LEVELS.index(plan.recompute)
     if top == 0 or plan.pp == 1 or plan.total_microbatches or plan.pipelines is not None:
         return None
-    schedule = build_schedule(plan, check=False)
+    schedule = build_schedule(plan, check=False, lowered=False)
     parts = schedule.parts
     modes = [0] * schedule.num_parts
     cut = _stages(model, sizes)

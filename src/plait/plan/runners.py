@@ -123,7 +123,9 @@ def _scaled(
     blocks = model.blocks_for(changed)
     if changed.pp * changed.chunks * m <= SIMULATED_ACTIONS and est.cluster.is_homogeneous:
         cut = [StageCost(tuple(blocks[a:b])) for a, b in pairwise(accumulate(sizes, initial=0))]
-        result = simulate(build_schedule(changed, check=False), cut, est.cluster, changed)
+        result = simulate(
+            build_schedule(changed, check=False, lowered=False), cut, est.cluster, changed
+        )
         return result.step_time_s, result.fits, True
     e = est.estimate_cut(changed, blocks, sizes)
     return e.step_s, e.fits, False

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from itertools import repeat
 
-from plait.schedule.ir import COMM_OPS, Action
+from plait.schedule.ir import COMM_OPS, Action, Op
 
 __all__ = ["Blocked", "Event", "Replay", "UnitSummary", "new_event"]
 
@@ -45,16 +45,23 @@ class Replay:
     ends: tuple[tuple[float, ...], ...]
     blocked: tuple[Blocked, ...]  # empty when every program ran to its end
     peak_inflight: tuple[int, ...]  # per rank: most micro-batch activations held at once
+    # a compute-only replay's sends: per rank, (its producer's index, start, arrival) in
+    # the order sent; empty for a lowered schedule, whose sends are in its programs
+    sends: tuple[tuple[tuple[int, float, float], ...], ...] = ()
 
     @cached_property
     def events(self) -> tuple[tuple[Event, ...], ...]:
-        """Per rank, in program order (executed ones)."""
-        return tuple(
+        """Per rank, in program order (executed ones); a compute-only replay's sends each
+        right after its producer, with the producer's index (where lowering puts them)."""
+        plain = tuple(
             tuple(map(new_event, repeat(rank), range(len(starts)), program, starts, ends))
             for rank, (program, starts, ends) in enumerate(
                 zip(self.programs, self.starts, self.ends, strict=True)
             )
         )
+        if not self.sends:
+            return plain
+        return tuple(_with_sends(*args) for args in zip(plain, self.sends, strict=True))
 
     @property
     def completed(self) -> bool:
@@ -67,6 +74,22 @@ class Replay:
 
     def busy(self, rank: int) -> float:
         return sum(e.end - e.start for e in self.events[rank] if e.action.op not in COMM_OPS)
+
+
+def _with_sends(
+    events: tuple[Event, ...], sends: tuple[tuple[int, float, float], ...]
+) -> tuple[Event, ...]:
+    out: list[Event] = []
+    at = 0
+    for e in events:
+        out.append(e)
+        while at < len(sends) and sends[at][0] == e.index:
+            index, start, end = sends[at]
+            op = Op.SEND_F if e.action.op is Op.F else Op.SEND_B
+            action = Action(op, e.action.stage, e.action.microbatch)
+            out.append(new_event(e.rank, index, action, start, end))
+            at += 1
+    return tuple(out)
 
 
 def new_event(rank: int, index: int, action: Action, start: float, end: float) -> Event:

@@ -8,9 +8,10 @@ rules are those of `plait.schedule.replay`'s module docstring.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
-from plait.schedule.ir import COMM_OPS, Op, Schedule
+from plait.schedule.ir import COMM_OPS, Action, Op, Schedule
 
 __all__ = [
     "COMPUTE",
@@ -19,6 +20,7 @@ __all__ = [
     "REDUCE",
     "SEND",
     "UNIT",
+    "ByStage",
     "Compiler",
     "Template",
     "describe",
@@ -40,10 +42,28 @@ class Template(NamedTuple):
     publish: int  # the fact that holds once it ends, or -1 (nothing waits on BW)
     channel: int  # sends: the directed channel (rank, peer); reductions: the rank's; else -1
     delta: int  # change of in-flight micro-batches on this rank
-    unit: float  # its unit duration (compute) or 0.0
-    # Compute-only schedules: (source rank, send op, source stage) of the remote need (the
-    # last of `needs`), whose data lands `transfer` after it is produced; else None.
-    lag: tuple[int, Op, int] | None
+    # its unit duration (compute) or 0.0; where an interpreter's costs are fixed per (op,
+    # stage) (`plait.schedule.replay.ByStage`), its duration (a send's: its transfer)
+    unit: float
+    # Compute-only schedules: the message a compute action sends once it ends, as
+    # `add_communication` places a send right after it: (its directed channel, the fact its
+    # arrival makes true, as a base, the send's op, its transfer where fixed); else None.
+    send: tuple[int, int, Op, float | None] | None
+
+
+class ByStage:
+    """Durations that depend on an action's op and stage alone, as a table (`table[op][s]`):
+    the simulator's costs. The interpreter reads each (rank, op, stage)'s once, where a
+    callable would be called, and a send's action made, for every action of the run."""
+
+    __slots__ = ("table",)
+
+    def __init__(self, table: Mapping[Op, Sequence[float]]) -> None:
+        self.table = table
+
+    def __call__(self, rank: int, action: Action) -> float:
+        del rank
+        return self.table[action.op][action.stage]
 
 
 class Compiler:
@@ -63,15 +83,13 @@ class Compiler:
         if op in COMM_OPS:
             return self._comm(rank, op, stage)
         needs: tuple[int, ...] = ()
-        lag = None
         before, after = self.before[stage], self.after[stage]
         if op is Op.F and before >= 0:
-            needs, lag = self._input(rank, stage, before, _F, _POSTED_F, _ARRIVE_F)
+            needs = self._input(rank, stage, before, _F, _POSTED_F, _ARRIVE_F)
         elif op is Op.B or op is Op.BI:
             needs = (self.fact(_F, stage),)
             if after >= 0:
-                grads, lag = self._input(rank, stage, after, _BI, _POSTED_B, _ARRIVE_B)
-                needs += grads
+                needs += self._input(rank, stage, after, _BI, _POSTED_B, _ARRIVE_B)
         elif op is Op.BW:
             needs = (self.fact(_BI, stage),)
         elif op is Op.UPDATE and stage in self.reduced:
@@ -80,19 +98,33 @@ class Compiler:
         if op is Op.BI:
             publish = self.fact(_BI, stage)
         delta = {Op.F: 1, Op.B: -1, Op.BW: -1}.get(op, 0)
-        return Template(COMPUTE, needs, publish, -1, delta, UNIT.get(op, 0.0), lag)
+        send = None
+        if not self.lowered and op is not Op.BW:
+            send = self._send(rank, op, stage)
+        return Template(COMPUTE, needs, publish, -1, delta, UNIT.get(op, 0.0), send)
 
     def _input(
         self, rank: int, stage: int, src_stage: int, produced: int, posted: int, arrive: int
-    ) -> tuple[tuple[int, ...], tuple[int, Op, int] | None]:
-        """Facts for data `stage` on `rank` consumes from `src_stage`, and its transfer lag."""
-        src = self.place[src_stage]
-        if src == rank:
-            return (self.fact(produced, src_stage),), None
+    ) -> tuple[int, ...]:
+        """Facts for data `stage` on `rank` consumes from `src_stage`: its production on
+        the same rank, else its arrival (and, lowered, the receive posted for it)."""
+        if self.place[src_stage] == rank:
+            return (self.fact(produced, src_stage),)
         if not self.lowered:
-            send = Op.SEND_F if produced == _F else Op.SEND_B
-            return (self.fact(produced, src_stage),), (src, send, src_stage)
-        return (self.fact(posted, stage), self.fact(arrive, stage)), None
+            return (self.fact(arrive, stage),)
+        return (self.fact(posted, stage), self.fact(arrive, stage))
+
+    def _send(self, rank: int, op: Op, stage: int) -> tuple[int, int, Op, float | None] | None:
+        """Compute-only: what `op` of `stage` sends to another rank (`Template.send`)."""
+        forward = op is Op.F
+        if not forward and op is not Op.B and op is not Op.BI:
+            return None
+        dst_stage = self.after[stage] if forward else self.before[stage]
+        if dst_stage < 0 or self.place[dst_stage] == rank:
+            return None
+        arrive = self.fact(_ARRIVE_F if forward else _ARRIVE_B, dst_stage)
+        channel = rank * self.num_ranks + self.place[dst_stage]
+        return channel, arrive, Op.SEND_F if forward else Op.SEND_B, None
 
     def _comm(self, rank: int, op: Op, stage: int) -> Template:
         if op is Op.RECV_F or op is Op.RECV_B:
@@ -112,6 +144,19 @@ class Compiler:
         arrive = self.fact(_ARRIVE_F if forward else _ARRIVE_B, dst_stage)
         channel = rank * self.num_ranks + self.place[dst_stage]
         return Template(SEND, (need,), arrive, channel, 0, 0.0, None)
+
+    def producer(self, fact: int) -> int:
+        """Compute-only: the fact whose action sends the data that `fact`'s arrival brings
+        (they hold together), else `fact` itself; what a rank waiting for it waits for."""
+        if self.lowered:
+            return fact
+        rest, mb = divmod(fact, self.width)
+        kind, stage = divmod(rest, self.num_stages)
+        if kind == _ARRIVE_F:
+            return self.fact(_F, self.before[stage]) + mb
+        if kind == _ARRIVE_B:
+            return self.fact(_BI, self.after[stage]) + mb
+        return fact
 
 
 def describe(fact: int, num_stages: int, width: int) -> str:

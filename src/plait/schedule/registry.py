@@ -289,17 +289,20 @@ def build(
     num_chunks: int | None = None,
     *,
     check: bool = True,
+    lowered: bool = True,
 ) -> Schedule:
     """The validated, lowered schedule of `kind`, ready to run or simulate.
 
     `num_chunks` defaults to the kind's. `check=False` skips the validator (the
     generators are proved by the test suite over every small grid), for callers such as
-    the planner that build many large schedules."""
+    the planner that build many large schedules. `lowered=False` stops before the sends
+    and receives are inserted: the simulator replays that form to the same times
+    (`plait.schedule.replay`), without the actions that only carry messages."""
     entry = schedule_kind(kind)
     chunks = entry.chunks(num_chunks)
     with gc_paused():  # a long pipeline's schedule is hundreds of thousands of actions
-        schedule = entry.generate(num_stages, num_microbatches, chunks)
-        lowered = add_communication(add_reductions(schedule))
+        reduced = add_reductions(entry.generate(num_stages, num_microbatches, chunks))
+        full = add_communication(reduced) if lowered or check else reduced
     if check:
-        validate(lowered)
-    return lowered
+        validate(full)
+    return full if lowered else reduced

@@ -21,9 +21,14 @@ durations from the cost model. Semantics, shared with the runtime:
 A schedule is replayed as the run of `windows` windows its stream makes
 (`plait.schedule.stream.unroll`); a synchronous schedule's one window is itself.
 
-A schedule without any communication action is also accepted ("compute-only"): cross-rank
-data then arrives `transfer` seconds after it is produced, as if sends and receives were
-placed perfectly.
+A schedule without any communication action is also accepted ("compute-only"): each
+compute action that produces another rank's data then sends it as soon as it ends, as
+`plait.schedule.passes.add_communication` places a send right after its producer (on the
+same directed channels, in the same order), so every action takes the times it takes in
+the lowered schedule. Receives only post, so they change no time; what a compute-only
+replay lacks is their events, and its sends are kept beside the programs
+(`Replay.sends`). A planner replays the compute-only form of the schedules it prices: less
+than half the actions, and no lowering.
 
 Time-shared processors (`sharing`) are a policy of the same interpreter: one global
 clock instead of a clock per rank, and compute actions that finish as
@@ -51,6 +56,7 @@ from plait.schedule.facts import (
     REDUCE,
     SEND,
     UNIT,
+    ByStage,
     Compiler,
     Template,
     describe,
@@ -144,6 +150,8 @@ class _Machine:
         self.inflight = [0] * p
         self.peak = [0] * p
         self.busy = [0.0] * p  # compute time per rank
+        # compute-only: per rank, (index of the producer, start, end) of each send
+        self.sends: list[list[tuple[int, float, float]]] = [[] for _ in range(p)]
         self.wake: deque[int] = deque(range(p))
         # time-shared processors: one global clock, compute finishing as `shared` says
         self.shared = SharedProcessors(sharing, p) if sharing is not None else None
@@ -151,12 +159,25 @@ class _Machine:
         self.timers: list[tuple[float, int]] = []  # (when, rank): its data lands then
 
     def _template(self, rank: int, a: Action) -> Template:
-        t = self.compiler.template(rank, a.op, a.stage)
+        t = self._priced(self.compiler.template(rank, a.op, a.stage), a)
         if a.op is Op.B and self.split:
             # A full B frees no activations when a BI split the same (stage, micro-batch);
             # such a template depends on the micro-batch, so it is not cached.
             return t._replace(delta=0) if (a.stage, a.microbatch) in self.split else t
         self.templates[rank][a.stage][a.op] = t
+        return t
+
+    def _priced(self, t: Template, a: Action) -> Template:
+        """`t` with the durations a `ByStage` table fixes: its own in `unit`, its send's."""
+        durations = self.duration.table if isinstance(self.duration, ByStage) else None
+        moves = self.transfer.table if isinstance(self.transfer, ByStage) else None
+        if durations is not None and t.code in (COMPUTE, REDUCE):
+            t = t._replace(unit=durations[a.op][a.stage])
+        if moves is not None and t.code == SEND:
+            t = t._replace(unit=moves[a.op][a.stage])
+        if moves is not None and t.send is not None:
+            channel, arrive, op, _ = t.send
+            t = t._replace(send=(channel, arrive, op, moves[op][a.stage]))
         return t
 
     def run_rank(self, rank: int) -> None:
@@ -170,8 +191,11 @@ class _Machine:
         inflight, peak, busy = self.inflight[rank], self.peak[rank], self.busy[rank]
         times, waiters, wake, by_stage = self.times, self.waiters, self.wake, self.templates[rank]
         starts, ends, channel_free = self.starts[rank], self.ends[rank], self.channel_free
-        unit = self.duration is unit_duration
+        sends = self.sends[rank]
+        # durations fixed per (op, stage) are each template's `unit`
+        unit = self.duration is unit_duration or isinstance(self.duration, ByStage)
         no_transfer = self.transfer is _no_transfer
+        fixed_transfer = isinstance(self.transfer, ByStage)
         shared = self.shared
         n = len(program)
         try:
@@ -179,7 +203,7 @@ class _Machine:
                 a = program[pc]
                 m = a.microbatch
                 t = by_stage[a.stage].get(a.op) or self._template(rank, a)
-                code, needs, publish, channel, delta, unit_cost, lag = t
+                code, needs, publish, channel, delta, unit_cost, send = t
                 ready = 0.0
                 for base in needs:
                     when = times[base + m]
@@ -189,8 +213,6 @@ class _Machine:
                         return
                     if when > ready:
                         ready = when
-                if lag is not None and not no_transfer:
-                    ready = self._lagged(t, m)
                 if shared is not None:  # one clock: wait for the data, share the processor
                     if ready > self.now + _EPS:
                         heapq.heappush(self.timers, (ready, rank))
@@ -209,12 +231,15 @@ class _Machine:
                 elif code == SEND:
                     free = channel_free[channel]
                     start = ready if ready > free else free
-                    end = start if no_transfer else start + self.transfer(rank, a)
+                    if no_transfer:
+                        end = start
+                    else:
+                        end = start + (unit_cost if fixed_transfer else self.transfer(rank, a))
                     channel_free[channel] = end
                 elif code == REDUCE:
                     free = channel_free[channel]
                     start = clock if clock > free else free
-                    end = start if unit else start + self.duration(rank, a)
+                    end = start + (unit_cost if unit else self.duration(rank, a))
                     channel_free[channel] = end
                 else:
                     start = end = clock
@@ -222,20 +247,26 @@ class _Machine:
                     times[publish + m] = end
                     if publish + m in waiters:
                         wake.extend(waiters.pop(publish + m))
+                if send is not None:  # compute-only: its send, as if placed right after it
+                    free = channel_free[send[0]]
+                    sent = end if end > free else free
+                    if no_transfer:
+                        arrival = sent
+                    elif send[3] is not None:
+                        arrival = sent + send[3]
+                    else:
+                        arrival = sent + self.transfer(rank, Action(send[2], a.stage, m))
+                    channel_free[send[0]] = arrival
+                    times[send[1] + m] = arrival
+                    if send[1] + m in waiters:
+                        wake.extend(waiters.pop(send[1] + m))
+                    sends.append((pc, sent, arrival))
                 starts.append(start)
                 ends.append(end)
                 pc += 1
         finally:
             self.pc[rank], self.clock[rank] = pc, clock
             self.inflight[rank], self.peak[rank], self.busy[rank] = inflight, peak, busy
-
-    def _lagged(self, t: Template, m: int) -> float:
-        """Compute-only schedules: remote data (the last need) lands `transfer` after it is
-        produced, as if the send had been placed right after the producer."""
-        assert t.lag is not None
-        src, op, stage = t.lag
-        *local, remote = (self.times[base + m] or 0.0 for base in t.needs)
-        return max(0.0, *local, remote + self.transfer(src, Action(op, stage, m)))
 
     def execute(self) -> None:
         if self.shared is not None:
@@ -276,15 +307,27 @@ class _Machine:
             fact = t.publish + a.microbatch
             self.times[fact] = end
             self.wake.extend(self.waiters.pop(fact, ()))
+        if t.send is not None:  # as `run_rank` sends
+            channel, arrive, op, cost = t.send
+            sent = max(end, self.channel_free[channel])
+            if cost is None:
+                cost = self.transfer(rank, Action(op, a.stage, a.microbatch))
+            arrival = sent + cost
+            self.channel_free[channel] = arrival
+            self.times[arrive + a.microbatch] = arrival
+            self.wake.extend(self.waiters.pop(arrive + a.microbatch, ()))
+            self.sends[rank].append((self.pc[rank], sent, arrival))
         self.starts[rank].append(start)
         self.ends[rank].append(end)
         self.pc[rank] += 1
         self.clock[rank] = end
 
     def result(self) -> Replay:
+        describe = self._describe
+        waits = sorted(self.waiting.items())
         blocked = tuple(
-            Blocked(r, self.pc[r], self.s.ranks[r][self.pc[r]], self._describe(f))
-            for r, f in sorted(self.waiting.items())
+            Blocked(r, self.pc[r], self.s.ranks[r][self.pc[r]], describe(self.compiler.producer(f)))
+            for r, f in waits
         )
         return Replay(
             self.s.ranks,
@@ -292,6 +335,7 @@ class _Machine:
             tuple(map(tuple, self.ends)),
             blocked,
             tuple(self.peak),
+            tuple(map(tuple, self.sends)) if not self.compiler.lowered else (),
         )
 
     def _describe(self, fact: int) -> str:

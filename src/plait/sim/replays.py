@@ -12,7 +12,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 
-from plait.schedule import Action, Op, Replay, Schedule, Unrolled, replay, unroll
+from plait.schedule import Op, Replay, Schedule, Unrolled, replay, unroll
+from plait.schedule.facts import ByStage
 from plait.schedule.sharing import Sharing
 from plait.sim.walk import Walk
 
@@ -53,14 +54,13 @@ def replayed(
     if kept is not None and kept[0] is schedule:
         return kept[1], kept[2]
 
-    def duration(rank: int, action: Action) -> float:
-        return durations[action.op][action.stage]
-
-    def transfer(rank: int, action: Action) -> float:
-        return transfers[action.op][action.stage]
-
     unrolled = unroll(schedule, windows)
-    result = replay(unrolled.schedule, duration=duration, transfer=transfer, sharing=sharing)
+    result = replay(
+        unrolled.schedule,
+        duration=ByStage(durations),
+        transfer=ByStage(transfers),
+        sharing=sharing,
+    )
     if len(_KEPT) >= _LIMIT:
         _KEPT.clear()
     _KEPT[key] = (schedule, unrolled, result)

@@ -19,20 +19,26 @@ from plait.sim.result import MemoryOverflow, SimResult
 __all__ = ["build_schedule", "simulate"]
 
 
-def build_schedule(plan: SimPlan, *, check: bool = True) -> Schedule:
+def build_schedule(plan: SimPlan, *, check: bool = True, lowered: bool = True) -> Schedule:
     """The lowered schedule `plan` names (kind, pp, micro-batches, chunks), validated
-    unless `check` is False. Schedules are immutable and the planner simulates many plans
+    unless `check` is False; with `lowered=False` its form before sends and receives are
+    inserted, which `simulate` replays to the same prediction in less than half the time
+    (the planner's). Schedules are immutable and the planner simulates many plans
     that share one (they differ in ZeRO, recomputation, data parallelism), so the last
     few built are kept."""
-    schedule = _built(plan.schedule, plan.pp, plan.microbatches, plan.chunks)
+    schedule = _built(*_shape(plan), lowered)
     if check:
-        validate(schedule)
+        validate(schedule if lowered else _built(*_shape(plan), True))
     return schedule
 
 
+def _shape(plan: SimPlan) -> tuple[str, int, int, int]:
+    return plan.schedule, plan.pp, plan.microbatches, plan.chunks
+
+
 @lru_cache(maxsize=8)
-def _built(kind: str, pp: int, microbatches: int, chunks: int) -> Schedule:
-    return build(kind, pp, microbatches, chunks, check=False)
+def _built(kind: str, pp: int, microbatches: int, chunks: int, lowered: bool) -> Schedule:
+    return build(kind, pp, microbatches, chunks, check=False, lowered=lowered)
 
 
 def _check(schedule: Schedule, num_stages: int, cluster: Cluster, plan: SimPlan) -> None:

@@ -99,6 +99,12 @@ def walk(
     for name, mask in masks.items():
         total = float(np.cumsum(np.where(mask, took, 0.0))[-1]) if len(took) else 0.0
         setattr(out, name, total / windows)
+    if result.sends:  # a compute-only replay: its sends beside the program, in order
+        sent = np.array(result.sends[rank], dtype=float).reshape(-1, 3)
+        out.end = max(out.end, float(sent[:, 2].max(initial=0.0)))
+        inside = (sent[:, 0] >= lo) & (sent[:, 0] < hi)
+        took = sent[inside, 2] - sent[inside, 1]
+        out.p2p = (float(np.cumsum(took)[-1]) if len(took) else 0.0) / windows
     return out
 
 
@@ -116,9 +122,9 @@ def walk_events(
     lo, hi = marks[first], marks[unrolled.num_windows]
     out = Walk()
     held = copies = 0.0
-    for index, e in enumerate(result.events[rank]):
+    for e in result.events[rank]:  # a compute-only replay's sends: their producer's index
         action = e.action
-        op, counted = action.op, lo <= index < hi
+        op, counted = action.op, lo <= e.index < hi
         if op is f:
             held += saved[action.stage]
             out.activation_peak = max(out.activation_peak, held)
