@@ -11,11 +11,11 @@ import random
 import pytest
 
 from plait.cluster import Cluster, Device, Link, NodeGroup
-from plait.cost import BlockCost
-from plait.plan import SearchSpace, gpt_spec, scaled_spec, search
+from plait.cost import BlockCost, MoEShape
+from plait.plan import SearchSpace, gpt_spec, moe_spec, scaled_spec, search
 from plait.plan.estimate import Estimator
 from plait.plan.partition import blocks_fit
-from plait.plan.prune import fastest_of_each_kind, pruned_estimates
+from plait.plan.prune import bounds_of, fastest_of_each_kind, pruned_estimates
 from plait.plan.runners import RunnerUp, runners_up, runners_up_text
 from plait.plan.search import PlanSearch
 from plait.plan.space import ModelSpec, candidates
@@ -112,6 +112,26 @@ def test_pruning_by_bounds_keeps_what_estimating_everything_ranks_first() -> Non
     assert {p for _, p in misfits} == {p for e, p in every if not e.fits}
     fastest = {p.schedule: e.step_s for e, p in reversed(fitting)}
     assert {p.schedule: e.step_s for e, p in fastest_of_each_kind(kept, None)} == fastest
+
+
+def test_bounds_of_many_plans_are_each_plans_bound() -> None:
+    """`bounds_of` computes plans that share a cut together: every field of every plan's
+    bound is `Estimator.bound`'s, to the bit (dense plans of every kind, ZeRO stage and
+    recomputation; MoE plans, bounded one by one)."""
+    cluster = load_cluster("dgx-a100-80gb", num_nodes=4)
+    dense = gpt_spec(num_layers=8, hidden=8192, num_heads=64, seq_len=2048, vocab_size=8000)
+    moe = moe_spec(num_layers=4, hidden=4096, num_heads=32, seq_len=2048, vocab_size=8000,
+                   moe=MoEShape(num_experts=16, top_k=2))  # fmt: skip
+    space = SearchSpace(micro_batch_sizes=(1, 2), chunks=(1, 2), allow_staleness=True)
+    for model in (dense, moe):
+        plans = list(candidates(model, space, num_devices=32, devices_per_node=8,
+                                global_batch=64))  # fmt: skip
+        assert len({p.schedule for p in plans}) >= 6
+        one = Estimator(cluster)
+        expected = [one.bound(p, model.blocks_for(p)) for p in plans]
+        assert bounds_of(plans, model, Estimator(cluster)) == expected
+        assert any(e.fits for e in expected)
+        assert model is moe or not all(e.fits for e in expected)  # dense: some too big
 
 
 def test_an_uneven_cut_beats_the_even_one_by_its_closed_form() -> None:

@@ -16,10 +16,14 @@ import contextlib
 import heapq
 import math
 from collections.abc import Sequence
+from typing import cast
 
-from plait.cluster import Cluster
+import numpy as np
+
+from plait.cluster import Cluster, dtype_bytes
 from plait.cost import BlockCost
-from plait.plan.estimate import Estimate, Estimator
+from plait.plan.estimate import Estimate, Estimator, RankProfile
+from plait.plan.held import held, least_held
 from plait.plan.hetero import split_replica
 from plait.plan.loader import replica_batch
 from plait.plan.partition import blocks_fit
@@ -28,6 +32,7 @@ from plait.schedule import schedule_kind
 from plait.sim import SimPlan
 
 __all__ = [
+    "bounds_of",
     "fastest_of_each_kind",
     "fastest_without_cp",
     "order_key",
@@ -51,7 +56,7 @@ def pruned_estimates(
     if keep is None:
         return [(est.estimate(p, model.blocks_for(p)), p) for p in plans], []
     bounds = sorted(
-        ((est.bound(p, model.blocks_for(p)), p) for p in plans),
+        zip(bounds_of(plans, model, est), plans, strict=True),
         key=lambda x: order_key(x[0].step_s, x[1], rate),
     )
     fastest: list[float] = []  # the `keep` fastest estimated steps, a max-heap by negation
@@ -81,6 +86,48 @@ def pruned_estimates(
         by_kind[plan.schedule] = min(key, by_kind.get(plan.schedule, math.inf))
         out.append((e, plan))
     return out, misfits
+
+
+def bounds_of(plans: Sequence[SimPlan], model: ModelSpec, est: Estimator) -> list[Estimate]:
+    """`est.bound` of each of `plans`, the memory of the plans that share a balanced cut
+    computed together over arrays (a row per plan): the same operations on the same floats
+    in the same order, so the same bounds, at a fifth of the time a search spends on tens
+    of thousands of plans one at a time."""
+    out: list[Estimate | None] = [None] * len(plans)
+    groups: dict[int, tuple[RankProfile, list[int]]] = {}
+    for i, plan in enumerate(plans):
+        profile = est.profile(plan, model.blocks_for(plan))
+        if profile.experts is not None:  # experts' state is sharded otherwise: one by one
+            out[i] = est.bound(plan, model.blocks_for(plan))
+        else:
+            groups.setdefault(id(profile), (profile, []))[1].append(i)
+    capacity = float(est.device.memory_bytes)
+    for profile, rows in groups.values():
+        mine = [plans[i] for i in rows]
+        per = np.array([est.state_per_param(p) for p in mine])[:, None]
+        twice = np.array([2 if schedule_kind(p.schedule).replicated else 1 for p in mine])
+        pbytes = np.array([dtype_bytes(p.dtype) for p in mine])[:, None]
+        shapes = [(p.schedule, p.pp, p.microbatches, p.chunks) for p in mine]
+        counts = np.array([held(*s)[0] for s in shapes])
+        copies = np.array([held(*s)[1] for s in shapes])
+        state = profile.params * per * twice[:, None]  # as `_state`, a row per plan
+        memory = state + counts * profile.saved + profile.transient
+        memory = memory + copies * profile.params * pbytes  # as `_memory`
+        for j, (i, plan) in enumerate(zip(rows, mine, strict=True)):
+            least, kept = least_held(*shapes[j])
+            floor = (
+                float(state[j].sum())
+                + least * profile.saved_total
+                + kept * profile.params_total * dtype_bytes(plan.dtype)
+            )
+            out[i] = Estimate(
+                plan.microbatches * profile.slowest_s,
+                tuple(memory[j].tolist()),
+                capacity,
+                profile.sizes,
+                other_cut_may_fit=floor <= plan.pp * capacity,
+            )
+    return cast(list[Estimate], out)
 
 
 def uneven_cut(
