@@ -17,6 +17,7 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from functools import cache
 
 __all__ = [
     "DTYPE_BYTES",
@@ -55,6 +56,7 @@ def normalize_dtype(name: str) -> str:
     return key
 
 
+@cache  # the planner asks for each of tens of thousands of candidates
 def dtype_bytes(name: str) -> int:
     """Bytes per element of dtype `name`."""
     return DTYPE_BYTES[normalize_dtype(name)]

@@ -195,7 +195,7 @@ def search(
     if without_cp is not None:  # simulated first: a plan with cp > 1 is judged against it
         order = [without_cp, *(x for x in order if x[1] != without_cp[1])]
     ranked: list[RankedPlan] = []
-    rejected = [Rejection(p, _short(e), e.excess_bytes) for e, p in misfits]
+    rejected = [_short(e, p) for e, p in misfits]
     short: list[Rejection] = []  # replayed and over memory: offload may still fit them
     simulated = replayed = 0
     for _, plan in order:
@@ -346,11 +346,15 @@ def _order(
     return sorted(pool, key=lambda x: order_key(x[0].step_s, x[1], rate))
 
 
-def _short(e: Estimate) -> str:
-    return (
-        f"needs about {max(e.memory_bytes) / _GIB:.1f} GiB on a device of "
-        f"{e.capacity_bytes / _GIB:.1f} GiB ({e.excess_bytes / _GIB:.1f} GiB over)"
+def _short(e: Estimate, plan: SimPlan) -> Rejection:
+    """`plan`, set aside by its estimate `e` (tens of thousands of plans a large search:
+    the peak is read once)."""
+    need, capacity = max(e.memory_bytes), e.capacity_bytes
+    reason = (
+        f"needs about {need / _GIB:.1f} GiB on a device of {capacity / _GIB:.1f} GiB "
+        f"({(need - capacity) / _GIB:.1f} GiB over)"
     )
+    return Rejection(plan, reason, need - capacity)
 
 
 def _nothing_fits(
