@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from plait.cluster import Device
 from plait.cost import BlockCost
-from plait.plan import Partition, partition, partition_blocks
+from plait.plan import Partition, balanced, partition, partition_blocks
 
 
 def brute_force(
@@ -172,3 +172,19 @@ def test_inlined_search_cuts_as_the_generic_one(seed: int, monkeypatch: pytest.M
     fast = cut()
     monkeypatch.setattr(part, "REFERENCE", True)
     assert cut() == fast
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_balanced_sizes_feasibility_is_packings(seed: int) -> None:
+    """The bisection asks `_greedy_stages` whether a bottleneck packs into k stages, where
+    it asked `_pack` for the sizes: the same answer at every limit (ties, zero-work
+    blocks and fewer blocks than stages included), so the same cut."""
+    rng = random.Random(seed)
+    n = rng.randint(1, 60)
+    work = [rng.choice([0.0, 1.0, 2.0, rng.random() * 3]) for _ in range(n)]
+    prefix = [0.0, *itertools.accumulate(work)]
+    for k in {1, rng.randint(1, n), n, n + 1}:
+        for limit in (*work, *(rng.random() * prefix[-1] for _ in range(20)), prefix[-1]):
+            assert (balanced._greedy_stages(prefix, k, limit) <= k) == (
+                balanced._pack(prefix, k, limit) is not None
+            )

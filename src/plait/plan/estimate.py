@@ -38,8 +38,8 @@ from plait.cost import (
     sync_degrees,
     weight_gather_time,
 )
+from plait.plan.balanced import balanced_sizes
 from plait.plan.held import held, inflight, least_held
-from plait.plan.partition import balanced_sizes
 from plait.schedule import schedule_kind
 from plait.sim import SimPlan
 
