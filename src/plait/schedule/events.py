@@ -6,10 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 from itertools import repeat
+from typing import NamedTuple
 
 from plait.schedule.ir import COMM_OPS, Action, Op
 
-__all__ = ["Blocked", "Event", "Replay", "UnitSummary", "new_event"]
+__all__ = ["Blocked", "Event", "Replay", "Sends", "UnitSummary", "new_event"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +34,15 @@ class Blocked:
     waiting_for: str
 
 
+class Sends(NamedTuple):
+    """One rank's sends in a compute-only replay, in the order sent: each one's producer
+    (its index in the program), start and arrival at the peer."""
+
+    at: tuple[int, ...]
+    starts: tuple[float, ...]
+    ends: tuple[float, ...]
+
+
 @dataclass(frozen=True)
 class Replay:
     """The outcome of abstract execution: per rank, the start and end of each executed
@@ -45,9 +55,9 @@ class Replay:
     ends: tuple[tuple[float, ...], ...]
     blocked: tuple[Blocked, ...]  # empty when every program ran to its end
     peak_inflight: tuple[int, ...]  # per rank: most micro-batch activations held at once
-    # a compute-only replay's sends: per rank, (its producer's index, start, arrival) in
-    # the order sent; empty for a lowered schedule, whose sends are in its programs
-    sends: tuple[tuple[tuple[int, float, float], ...], ...] = ()
+    # a compute-only replay's sends, per rank in the order sent; empty for a lowered
+    # schedule, whose sends are in its programs
+    sends: tuple[Sends, ...] = ()
 
     @cached_property
     def events(self) -> tuple[tuple[Event, ...], ...]:
@@ -76,15 +86,13 @@ class Replay:
         return sum(e.end - e.start for e in self.events[rank] if e.action.op not in COMM_OPS)
 
 
-def _with_sends(
-    events: tuple[Event, ...], sends: tuple[tuple[int, float, float], ...]
-) -> tuple[Event, ...]:
+def _with_sends(events: tuple[Event, ...], sends: Sends) -> tuple[Event, ...]:
     out: list[Event] = []
     at = 0
     for e in events:
         out.append(e)
-        while at < len(sends) and sends[at][0] == e.index:
-            index, start, end = sends[at]
+        while at < len(sends.at) and sends.at[at] == e.index:
+            index, start, end = sends.at[at], sends.starts[at], sends.ends[at]
             op = Op.SEND_F if e.action.op is Op.F else Op.SEND_B
             action = Action(op, e.action.stage, e.action.microbatch)
             out.append(new_event(e.rank, index, action, start, end))

@@ -49,7 +49,7 @@ from collections import deque
 from collections.abc import Callable
 from operator import attrgetter
 
-from plait.schedule.events import Blocked, Event, Replay, UnitSummary
+from plait.schedule.events import Blocked, Event, Replay, Sends, UnitSummary
 from plait.schedule.facts import (
     COMPUTE,
     FACT_KINDS,
@@ -151,7 +151,9 @@ class _Machine:
         self.peak = [0] * p
         self.busy = [0.0] * p  # compute time per rank
         # compute-only: per rank, (index of the producer, start, end) of each send
-        self.sends: list[list[tuple[int, float, float]]] = [[] for _ in range(p)]
+        self.sent: list[tuple[list[int], list[float], list[float]]] = [
+            ([], [], []) for _ in range(p)
+        ]
         self.wake: deque[int] = deque(range(p))
         # time-shared processors: one global clock, compute finishing as `shared` says
         self.shared = SharedProcessors(sharing, p) if sharing is not None else None
@@ -191,7 +193,7 @@ class _Machine:
         inflight, peak, busy = self.inflight[rank], self.peak[rank], self.busy[rank]
         times, waiters, wake, by_stage = self.times, self.waiters, self.wake, self.templates[rank]
         starts, ends, channel_free = self.starts[rank], self.ends[rank], self.channel_free
-        sends = self.sends[rank]
+        sent_at, sent_start, sent_end = self.sent[rank]
         # durations fixed per (op, stage) are each template's `unit`
         unit = self.duration is unit_duration or isinstance(self.duration, ByStage)
         no_transfer = self.transfer is _no_transfer
@@ -260,7 +262,9 @@ class _Machine:
                     times[send[1] + m] = arrival
                     if send[1] + m in waiters:
                         wake.extend(waiters.pop(send[1] + m))
-                    sends.append((pc, sent, arrival))
+                    sent_at.append(pc)
+                    sent_start.append(sent)
+                    sent_end.append(arrival)
                 starts.append(start)
                 ends.append(end)
                 pc += 1
@@ -316,7 +320,10 @@ class _Machine:
             self.channel_free[channel] = arrival
             self.times[arrive + a.microbatch] = arrival
             self.wake.extend(self.waiters.pop(arrive + a.microbatch, ()))
-            self.sends[rank].append((self.pc[rank], sent, arrival))
+            at, starts, ends = self.sent[rank]
+            at.append(self.pc[rank])
+            starts.append(sent)
+            ends.append(arrival)
         self.starts[rank].append(start)
         self.ends[rank].append(end)
         self.pc[rank] += 1
@@ -335,11 +342,15 @@ class _Machine:
             tuple(map(tuple, self.ends)),
             blocked,
             tuple(self.peak),
-            tuple(map(tuple, self.sends)) if not self.compiler.lowered else (),
+            () if self.compiler.lowered else tuple(_sends(*x) for x in self.sent),
         )
 
     def _describe(self, fact: int) -> str:
         return describe(fact, self.s.num_stages, self.s.num_microbatches)
+
+
+def _sends(at: list[int], starts: list[float], ends: list[float]) -> Sends:
+    return Sends(tuple(at), tuple(starts), tuple(ends))
 
 
 def replay(

@@ -100,10 +100,10 @@ def walk(
         total = float(np.cumsum(np.where(mask, took, 0.0))[-1]) if len(took) else 0.0
         setattr(out, name, total / windows)
     if result.sends:  # a compute-only replay: its sends beside the program, in order
-        sent = np.array(result.sends[rank], dtype=float).reshape(-1, 3)
-        out.end = max(out.end, float(sent[:, 2].max(initial=0.0)))
-        inside = (sent[:, 0] >= lo) & (sent[:, 0] < hi)
-        took = sent[inside, 2] - sent[inside, 1]
+        at, begun, landed = map(np.asarray, result.sends[rank])
+        out.end = max(out.end, float(landed.max(initial=0.0)))
+        inside = (at >= lo) & (at < hi)
+        took = landed[inside] - begun[inside]
         out.p2p = (float(np.cumsum(took)[-1]) if len(took) else 0.0) / windows
     return out
 
