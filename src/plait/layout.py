@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cached_property
 from itertools import permutations
 from math import prod
 
@@ -159,22 +160,32 @@ class Layout:
         unknown = set(full) - set(AXES)
         if unknown:
             raise ValueError(f"coordinates {sorted(unknown)} are no axes of {list(AXES)}")
-        rank, stride = 0, 1
-        for axis in self.order:
-            size, i = self.degree(axis), full.get(axis, 0)
+        rank = 0
+        for axis, (stride, size) in self._strides.items():
+            i = full.get(axis, 0)
             if not 0 <= i < size:
                 raise ValueError(f"{axis} index {i} is outside 0..{size - 1}")
             rank += i * stride
-            stride *= size
         return rank
+
+    @cached_property
+    def _strides(self) -> dict[str, tuple[int, int]]:
+        """Per axis, innermost first: (the ranks between neighbours along it, its degree).
+        A rank is the sum of its coordinates times their strides; the planner and the
+        simulator walk the groups of thousands of layouts' ranks."""
+        out, stride = {}, 1
+        for axis in self.order:
+            out[axis] = (stride, self.degree(axis))
+            stride *= self.degree(axis)
+        return out
 
     def coords(self, rank: int) -> dict[str, int]:
         """The index of `rank` on every axis (not the views: see `index`)."""
         if not 0 <= rank < self.size:
             raise ValueError(f"rank {rank} is outside the layout's 0..{self.size - 1}")
         out: dict[str, int] = {}
-        for axis in self.order:
-            rank, out[axis] = divmod(rank, self.degree(axis))
+        for axis, (_, size) in self._strides.items():
+            rank, out[axis] = divmod(rank, size)
         return {a: out[a] for a in AXES}
 
     def index(self, axis: str, rank: int) -> int:
@@ -193,9 +204,11 @@ class Layout:
         """The group of `rank` along an axis or a view, in index order."""
         at = self.coords(rank)
         if axis in AXES:
-            return [self.global_rank({**at, axis: i}) for i in range(self.degree(axis))]
+            stride, size = self._strides[axis]
+            first = rank - at[axis] * stride
+            return list(range(first, first + size * stride, stride))
         if axis in _FLAT:
-            return _flat_group(self, _FLAT[axis], at, range(self.degree(axis)))
+            return _flat_group(self, _FLAT[axis], at, rank, range(self.degree(axis)))
         flat = _flat_index(self, _BORROWED, at)
         if axis == "ep":
             members = range(flat - flat % self.ep, flat - flat % self.ep + self.ep)
@@ -203,7 +216,7 @@ class Layout:
             members = range(flat % self.ep, self.degree("dp") * self.cp * self.tp, self.ep)
         else:
             raise ValueError(f"axis {axis!r} is unknown: use one of {[*AXES, *VIEWS]}")
-        return _flat_group(self, _BORROWED, at, members)
+        return _flat_group(self, _BORROWED, at, rank, members)
 
     def groups(self, axis: str) -> list[list[int]]:
         """Every group along an axis or a view, ordered by their lowest rank."""
@@ -226,15 +239,20 @@ def _flat_index(layout: Layout, axes: tuple[str, ...], at: Mapping[str, int]) ->
 
 
 def _flat_group(
-    layout: Layout, axes: tuple[str, ...], at: Mapping[str, int], members: range
+    layout: Layout, axes: tuple[str, ...], at: Mapping[str, int], rank: int, members: range
 ) -> list[int]:
-    """The ranks at flat indices `members` of `axes`, the other axes as in `at`."""
+    """The ranks at flat indices `members` of `axes`, the other axes as `rank`'s (whose
+    coordinates are `at`)."""
+    strides = layout._strides
+    inner = [strides[axis] for axis in reversed(axes)]
+    base = rank - sum(at[axis] * strides[axis][0] for axis in axes)
     out = []
     for flat in members:
-        coords = dict(at)
-        for axis in reversed(axes):
-            flat, coords[axis] = divmod(flat, layout.degree(axis))
-        out.append(layout.global_rank(coords))
+        here = base
+        for stride, size in inner:
+            flat, i = divmod(flat, size)
+            here += i * stride
+        out.append(here)
     return out
 
 

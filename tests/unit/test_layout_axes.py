@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from plait.layout import Layout
+from plait.layout import AXES, RANK_ORDERS, Layout
 
 
 def _set(*groups: tuple[int, ...]) -> set[frozenset[int]]:
@@ -101,3 +101,20 @@ def test_bad_layouts_are_refused_with_the_fix() -> None:
         Layout(pp=2).global_rank({"pp": 2})
     with pytest.raises(ValueError, match="not both"):
         Layout(dp_shard=2).global_rank({"dp": 1, "dp_shard": 1})
+
+
+@pytest.mark.parametrize("order", RANK_ORDERS)
+def test_every_group_holds_the_ranks_that_differ_only_along_its_axis(order: str) -> None:
+    """Brute force over every rank of layouts with each axis of degree 1 to 3: the group of
+    a rank along an axis (or dp, the two data-parallel axes read as one) is every rank whose
+    other coordinates are its own, in the order of their index along it."""
+    for pp, rep, shard, cp, tp in itertools.product((1, 3), (1, 2), (1, 3), (1, 2), (1, 2)):
+        layout = Layout(pp=pp, dp_replicate=rep, dp_shard=shard, cp=cp, tp=tp, rank_order=order)
+        at = [layout.coords(r) for r in range(layout.size)]
+        assert sorted(layout.global_rank(c) for c in at) == list(range(layout.size))
+        for axis, inside in [*((a, (a,)) for a in AXES), ("dp", ("dp_replicate", "dp_shard"))]:
+            for r in range(layout.size):
+                same = [q for q in range(layout.size)
+                        if all(at[q][a] == at[r][a] for a in AXES if a not in inside)]  # fmt: skip
+                same.sort(key=lambda q: tuple(at[q][a] for a in inside))
+                assert layout.ranks(axis, r) == same
