@@ -16,6 +16,7 @@ import contextlib
 import heapq
 import math
 from collections.abc import Sequence
+from functools import lru_cache
 from typing import cast
 
 import numpy as np
@@ -139,11 +140,9 @@ def uneven_cut(
     blocks = model.blocks_for(plan)
     key: tuple[object, ...]
     if cluster.is_homogeneous:  # the cut depends on the plan only through these
-        kind = schedule_kind(plan.schedule)
-        held = tuple(kind.inflight(plan.pp, plan.microbatches, plan.chunks, r)
-                     for r in range(plan.pp))  # fmt: skip
+        counts = _counts(plan.schedule, plan.pp, plan.microbatches, plan.chunks)
         key = (id(blocks), plan.pp, plan.chunks, plan.recompute, plan.dtype, plan.zero,
-               plan.layout, plan.optimizer, plan.ep, held)  # fmt: skip
+               plan.layout, plan.optimizer, plan.ep, counts)  # fmt: skip
     else:
         key = (id(blocks), plan)
     if key not in est.cuts:
@@ -185,11 +184,17 @@ def fastest_without_cp(
     return min(fitting, key=lambda x: order_key(x[0].step_s, x[1], rate), default=None)
 
 
+@lru_cache(maxsize=4096)
+def _counts(kind: str, p: int, m: int, v: int) -> tuple[float, ...]:
+    """Per pipeline rank, the micro-batches whose activations it holds at its peak (the
+    kind's closed form, as `partition` is given them), for each of a few hundred shapes."""
+    return tuple(schedule_kind(kind).inflight(p, m, v, r) for r in range(p))
+
+
 def _some_cut_fits(plan: SimPlan, blocks: Sequence[BlockCost], cluster: Cluster) -> bool:
     k = plan.pp * plan.chunks
-    kind = schedule_kind(plan.schedule)
-    held = [max(1, round(kind.inflight(plan.pp, plan.microbatches, plan.chunks, s % plan.pp)))
-            for s in range(k)]  # fmt: skip
+    counts = _counts(plan.schedule, plan.pp, plan.microbatches, plan.chunks)
+    held = [max(1, round(counts[s % plan.pp])) for s in range(k)]
     if cluster.is_homogeneous:  # one device kind: no walk through the layout's ranks
         devices = [cluster.device(0)] * k
     else:
