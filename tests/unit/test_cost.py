@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -233,3 +234,15 @@ def test_recompute_variants_of_a_stage() -> None:
         stage_costs(blocks, [0, 3, 3, 6])
     with pytest.raises(ValueError, match="recompute='some'"):
         stage.times(device, "bf16", recompute="some")  # type: ignore[arg-type]
+
+
+def test_a_gpts_layers_are_one_priced_layer_under_their_names() -> None:
+    """The layers are priced once and copied under their names: each equals the first
+    built anew (checked by the dataclass's own constructor) with its own name."""
+    blocks = transformer_block_costs(num_layers=6, hidden=256, num_heads=8, seq_len=128,
+                                     vocab_size=1000, micro_batch_size=2,
+                                     layout=ParallelPlan(tp=2, sequence_parallel=True))  # fmt: skip
+    layers = blocks[1:-1]
+    assert [b.name for b in layers] == [f"layer{i}" for i in range(6)]
+    assert all(b == dataclasses.replace(layers[0], name=b.name) for b in layers)
+    assert layers[3].forward_flops > 0 and layers[3].saved_bytes > 0
