@@ -9,7 +9,7 @@ the runtime and the simulator consume.
 
 from __future__ import annotations
 
-from plait.schedule.ir import Action, Op, Schedule
+from plait.schedule.ir import Action, Op, Schedule, new_action
 from plait.schedule.replay import replay
 
 __all__ = [
@@ -69,7 +69,7 @@ def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
     check_sizes(num_stages, num_microbatches)
     p, m = num_stages, num_microbatches
     programs = [
-        [Action(Op.F, r, i) for i in range(m)] + [Action(Op.B, r, i) for i in range(m)]
+        [new_action(Op.F, r, i) for i in range(m)] + [new_action(Op.B, r, i) for i in range(m)]
         for r in range(p)
     ]
     return step_schedule("gpipe", p, m, programs)
@@ -86,10 +86,10 @@ def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
     programs = []
     for r in range(p):
         warmup = min(p - 1 - r, m)
-        prog = [Action(Op.F, r, i) for i in range(warmup)]
+        prog = [new_action(Op.F, r, i) for i in range(warmup)]
         for i in range(m - warmup):
-            prog += [Action(Op.F, r, warmup + i), Action(Op.B, r, i)]
-        prog += [Action(Op.B, r, i) for i in range(m - warmup, m)]
+            prog += [new_action(Op.F, r, warmup + i), new_action(Op.B, r, i)]
+        prog += [new_action(Op.B, r, i) for i in range(m - warmup, m)]
         programs.append(prog)
     return step_schedule("1f1b", p, m, programs)
 
@@ -110,9 +110,12 @@ def _interleaved_programs(p: int, m: int, v: int, extra_warmup: int) -> list[lis
     rounds = _rounds(p, m)
     programs = []
     for r in range(p):
-        fwd = [Action(Op.F, c * p + r, i) for rnd in rounds for c in range(v) for i in rnd]
+        fwd = [new_action(Op.F, c * p + r, i) for rnd in rounds for c in range(v) for i in rnd]
         bwd = [
-            Action(Op.B, c * p + r, i) for rnd in rounds for c in reversed(range(v)) for i in rnd
+            new_action(Op.B, c * p + r, i)
+            for rnd in rounds
+            for c in reversed(range(v))
+            for i in rnd
         ]
         warmup = min(len(fwd), (p - r - 1) * 2 + (v - 1) * len(rounds[0]) + extra_warmup)
         prog = fwd[:warmup]
@@ -250,4 +253,4 @@ class _ZeroBubbleState:
             mb = self.nbw[r]
             self.nbw[r] += 1
             self.remaining -= 1
-        self.programs[r].append(Action(op, r, mb))
+        self.programs[r].append(new_action(op, r, mb))

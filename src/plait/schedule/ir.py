@@ -40,6 +40,7 @@ __all__ = [
     "Action",
     "Op",
     "Schedule",
+    "new_action",
 ]
 
 
@@ -152,6 +153,25 @@ class Action:
         return Action(
             op, int(data["stage"]), int(data["mb"]), None if version is None else int(version)
         )
+
+
+def new_action(op: Op, stage: int, microbatch: int) -> Action:
+    """`Action(op, stage, microbatch)` at half the cost, for generators whose stages are
+    valid by construction: it sets the slots through their descriptors, as the frozen
+    dataclass's __init__ does through object.__setattr__, without `__post_init__`'s check
+    (a 64-stage ZB-V pipeline of 512 micro-batches makes 200 000)."""
+    action = _new_action(Action)
+    _set_op(action, op)
+    _set_stage(action, stage)
+    _set_microbatch(action, microbatch)
+    _set_version(action, None)
+    return action
+
+
+_new_action = object.__new__
+_set_op, _set_stage, _set_microbatch, _set_version = (
+    getattr(Action, name).__set__ for name in ("op", "stage", "microbatch", "version")
+)
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 
 from plait.schedule.generators import check_sizes, step_schedule
-from plait.schedule.ir import Action, Op, Schedule
+from plait.schedule.ir import Action, Op, Schedule, new_action
 
 __all__ = ["chimera", "v_placement", "zero_bubble_v"]
 
@@ -60,37 +60,37 @@ def _zbv_rank(p: int, n: int, r: int) -> list[Action]:
     # the next micro-batch of forward, input gradient and weight gradient on each stage
     f1 = f2 = i1 = i2 = w1 = w2 = 0
     for _ in range(2 * (p - r) - 1):
-        put(Action(f, first, f1))
+        put(new_action(f, first, f1))
         f1 += 1
     for _ in range(r):
-        put(Action(f, second, f2))
-        put(Action(f, first, f1))
+        put(new_action(f, second, f2))
+        put(new_action(f, first, f1))
         f1, f2 = f1 + 1, f2 + 1
     for _ in range(p - r):
-        put(Action(f, second, f2))
-        put(Action(bi, second, i2))
-        put(Action(bw, second, w2))
+        put(new_action(f, second, f2))
+        put(new_action(bi, second, i2))
+        put(new_action(bw, second, w2))
         f2, i2, w2 = f2 + 1, i2 + 1, w2 + 1
     while f2 < f1 or f1 < n:
         if f1 < n:
-            put(Action(f, first, f1))
+            put(new_action(f, first, f1))
             f1 += 1
-        put(Action(bi, first, i1))
-        put(Action(bw, first, w1))
-        put(Action(f, second, f2))
-        put(Action(bi, second, i2))
-        put(Action(bw, second, w2))
+        put(new_action(bi, first, i1))
+        put(new_action(bw, first, w1))
+        put(new_action(f, second, f2))
+        put(new_action(bi, second, i2))
+        put(new_action(bw, second, w2))
         i1, w1, f2, i2, w2 = i1 + 1, w1 + 1, f2 + 1, i2 + 1, w2 + 1
     for _ in range(r):
-        put(Action(bi, first, i1))
-        put(Action(bi, second, i2))
+        put(new_action(bi, first, i1))
+        put(new_action(bi, second, i2))
         i1, i2 = i1 + 1, i2 + 1
     for _ in range(p - r):
-        put(Action(bi, first, i1))
-        put(Action(bw, first, w1))
+        put(new_action(bi, first, i1))
+        put(new_action(bw, first, w1))
         i1, w1 = i1 + 1, w1 + 1
-    out += [Action(bw, second, x) for x in range(w2, i2)]
-    out += [Action(bw, first, x) for x in range(w1, i1)]
+    out += [new_action(bw, second, x) for x in range(w2, i2)]
+    out += [new_action(bw, first, x) for x in range(w1, i1)]
     return out
 
 
