@@ -85,10 +85,16 @@ def shares(total: int, throughputs: list[float]) -> list[int]:
 
 
 def split_replica(
-    plan: SimPlan, blocks: Sequence[BlockCost], cluster: Cluster, dp_rank: int = 0
+    plan: SimPlan,
+    blocks: Sequence[BlockCost],
+    cluster: Cluster,
+    dp_rank: int = 0,
+    *,
+    explain: bool = True,
 ) -> tuple[list[Device], Partition]:
     """The devices of replica `dp_rank`'s stages and the fastest split of `blocks` over
-    them within their memory (raises ValueError, naming the stage, when none fits)."""
+    them within their memory (raises ValueError, naming the stage unless not `explain`,
+    when none fits)."""
     k = plan.pp * plan.chunks
     if cluster.is_homogeneous:  # one device kind: no walk through the layout's ranks
         devices = [cluster.device(0)] * k
@@ -100,6 +106,7 @@ def split_replica(
         blocks, devices, dtype=plan.dtype, recompute=plan.recompute,
         inflight=[max(1, round(h)) for h in held], layout=plan, optimizer=plan.optimizer,
         offload_activations=plan.offload_activations, offload_optimizer=plan.offload_optimizer,
+        explain=explain,
     )  # fmt: skip
     return devices, part
 

@@ -20,8 +20,10 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from itertools import pairwise
+from itertools import accumulate, pairwise
 from typing import TypeVar
+
+import numpy as np
 
 from plait.cluster import Device
 from plait.cost import BlockCost, DataDegrees, DataLayout, Optimizer, Recompute, expert_state_bytes
@@ -75,10 +77,7 @@ class Partition:
 
 
 def _prefix(values: Sequence[float]) -> list[float]:
-    out = [0.0]
-    for v in values:
-        out.append(out[-1] + v)
-    return out
+    return list(accumulate(values, initial=0.0))
 
 
 def _minimax(n: int, k: int, cost: Segment, fits: Callable[[int, int, int], bool]) -> list[int]:
@@ -125,9 +124,13 @@ def _minimax_blocks(
     best = [[inf] * (n + 1) for _ in range(k + 1)]
     choice = [[-1] * (n + 1) for _ in range(k + 1)]
     best[0][0] = 0.0
+    arrays = [np.array(x) for x in (time_sum, static_sum, act_sum)]
     for i in range(1, k + 1):
         pace, hold, cap = speed[i - 1], held[i - 1], limit[i - 1]
         before, row, chosen = best[i - 1], best[i], choice[i]
+        if n - k >= _BAND:  # many ends, long segments: every (end, start) at once
+            _minimax_row(i, k, arrays, before, row, chosen, pace, hold, cap)
+            continue
         for j in range(i, n - (k - i) + 1):
             t_end, s_end, a_end = time_sum[j], static_sum[j], act_sum[j]
             top = inf
@@ -149,6 +152,39 @@ def _minimax_blocks(
     return cuts[::-1]
 
 
+# from this many more blocks than stages, `_minimax_blocks` prices its rows over arrays
+_BAND = 16
+
+
+def _minimax_row(
+    i: int,
+    k: int,
+    arrays: list[np.ndarray],
+    before: list[float],
+    row: list[float],
+    chosen: list[int],
+    pace: float,
+    hold: float,
+    cap: float,
+) -> None:
+    """Row i of `_minimax_blocks` over arrays: for each end, the latest start of the least
+    max(before[start], stage seconds) among starts whose stage fits (the scan's answer)."""
+    time_sum, static_sum, act_sum = arrays
+    n = len(time_sum) - 1
+    ends = np.arange(i, n - (k - i) + 1)[:, None]
+    starts = np.arange(i - 1, n - (k - i))[None, :]
+    seconds = (time_sum[ends] - time_sum[starts]) / pace
+    memory = static_sum[ends] - static_sum[starts] + hold * (act_sum[ends] - act_sum[starts])
+    value = np.maximum(np.array(before)[starts], seconds)
+    value[~((starts < ends) & (memory <= cap))] = math.inf
+    last = value.shape[1] - 1 - value[:, ::-1].argmin(axis=1)  # the latest of the least
+    least = value[np.arange(len(last)), last]
+    for j, top, start in zip(ends[:, 0].tolist(), least.tolist(), last.tolist(), strict=True):
+        row[j] = top
+        if top < math.inf:
+            chosen[j] = start + i - 1
+
+
 def _check_inputs(name: str, values: Sequence[float] | None, size: int, what: str) -> None:
     if values is None:
         return
@@ -168,11 +204,13 @@ def partition(
     activation_bytes: Sequence[float] | None = None,
     inflight: Sequence[int] | None = None,
     memory_caps: Sequence[float] | None = None,
+    explain: bool = True,
 ) -> Partition:
     """The contiguous split of blocks with `times` (seconds at speed 1) into `num_stages`
     stages whose slowest stage, time / `speeds[i]`, is fastest, each stage within
     `memory_caps[i]` (static bytes + `inflight[i]` × activation bytes; `inflight` defaults
-    to 1F1B's k - i). Raises ValueError when no split exists, naming the stage and excess."""
+    to 1F1B's k - i). Raises ValueError when no split exists, naming the stage and excess
+    (with `explain=False`, for callers that only ask whether one fits, without them)."""
     n, k = len(times), num_stages
     if k < 1:
         raise ValueError(f"num_stages={k} must be >= 1")
@@ -208,6 +246,8 @@ def partition(
     else:
         cuts = _minimax_blocks(k, time_sum, speed, static_sum, act_sum, held, limit)
     if not cuts:
+        if not explain:
+            raise MemoryShortfall("no split fits the memory caps", stage=-1, excess_bytes=0.0)
         _raise_memory(n, k, memory, caps)
     pairs = list(pairwise(cuts))
     return Partition(
@@ -299,6 +339,7 @@ def partition_blocks(
     optimizer: Optimizer = "adam",
     offload_activations: str = "none",
     offload_optimizer: bool = False,
+    explain: bool = True,
 ) -> Partition:
     """Partition cost-model blocks over `devices` (stage i on devices[i]): times from
     FLOPs (recomputation included) at each device's achievable rate, memory from model
@@ -319,6 +360,7 @@ def partition_blocks(
         activation_bytes=x.activation_bytes,
         inflight=inflight,
         memory_caps=x.memory_caps,
+        explain=explain,
     )
 
 

@@ -149,7 +149,7 @@ def uneven_cut(
         est.cuts[key] = None
         if _some_cut_fits(plan, blocks, cluster):  # a necessary condition, far cheaper
             with contextlib.suppress(ValueError):  # as the greedy pass, to rounding
-                est.cuts[key] = split_replica(plan, blocks, cluster)[1].sizes
+                est.cuts[key] = split_replica(plan, blocks, cluster, explain=False)[1].sizes
     sizes = est.cuts[key]
     return None if sizes is None else est.estimate_cut(plan, blocks, sizes)
 
