@@ -46,6 +46,19 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
+class _Version(argparse.Action):
+    """argparse's "version" action, the version looked up only when asked for (reading the
+    installed package's metadata costs every other command tens of milliseconds)."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS,
+                         help="show program's version number and exit")  # fmt: skip
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: object) -> None:
+        print(f"plait {_version()}")
+        parser.exit()
+
+
 def script() -> int:
     """The `plait` command (and `python -m plait`): `main`, then the objects it made are
     frozen out of the interpreter's last collection, which walked every one torch and the
@@ -71,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str] | None) -> int:
     parser = build_parser()
-    parser.add_argument("--version", action="version", version=f"plait {_version()}")
+    parser.add_argument("--version", action=_Version)
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()
