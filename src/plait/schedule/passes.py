@@ -74,14 +74,15 @@ def add_reductions(schedule: Schedule) -> Schedule:
     """Insert `REDUCE s` after the last backward of stage s before each `UPDATE s` (or just
     before the update when no backward of s precedes it since the previous one)."""
     programs = []
+    b, bw, update, reduction = Op.B, Op.BW, Op.UPDATE, Op.REDUCE  # not looked up per action
     for program in schedule.ranks:
-        out: list[Action] = [a for a in program if a.op is not Op.REDUCE]
+        out: list[Action] = [a for a in program if a.op is not reduction]
         last: dict[int, int] = {}  # stage -> position in `out` after its latest backward
         placed: list[tuple[int, Action]] = []
         for i, a in enumerate(out):
-            if a.op in (Op.B, Op.BW):
+            if a.op is b or a.op is bw:
                 last[a.stage] = i + 1
-            elif a.op is Op.UPDATE:
+            elif a.op is update:
                 at = last.pop(a.stage, i)
                 placed.append((at, Action(Op.REDUCE, a.stage, a.microbatch)))
         for at, reduce in sorted(placed, key=lambda item: item[0], reverse=True):
