@@ -87,6 +87,7 @@ class Replay:
 
 
 def _with_sends(events: tuple[Event, ...], sends: Sends) -> tuple[Event, ...]:
+    """`events` with each send after its producer, as the lowered program has it."""
     out: list[Event] = []
     at = 0
     for e in events:

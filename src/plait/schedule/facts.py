@@ -43,7 +43,7 @@ class Template(NamedTuple):
     channel: int  # sends: the directed channel (rank, peer); reductions: the rank's; else -1
     delta: int  # change of in-flight micro-batches on this rank
     # its unit duration (compute) or 0.0; where an interpreter's costs are fixed per (op,
-    # stage) (`plait.schedule.replay.ByStage`), its duration (a send's: its transfer)
+    # stage) (`ByStage`), its duration (a send's: its transfer)
     unit: float
     # Compute-only schedules: the message a compute action sends once it ends, as
     # `add_communication` places a send right after it: (its directed channel, the fact its
