@@ -114,16 +114,18 @@ def bounds_of(plans: Sequence[SimPlan], model: ModelSpec, est: Estimator) -> lis
         state = profile.params * per * twice[:, None]  # as `_state`, a row per plan
         memory = state + counts * profile.saved + profile.transient
         memory = memory + copies * profile.params * pbytes  # as `_memory`
+        # a row's sum is the sum of that row alone (numpy sums each contiguous row alike)
+        totals, per_rank = state.sum(axis=1).tolist(), memory.tolist()
         for j, (i, plan) in enumerate(zip(rows, mine, strict=True)):
             least, kept = least_held(*shapes[j])
             floor = (
-                float(state[j].sum())
+                totals[j]
                 + least * profile.saved_total
                 + kept * profile.params_total * dtype_bytes(plan.dtype)
             )
             out[i] = Estimate(
                 plan.microbatches * profile.slowest_s,
-                tuple(memory[j].tolist()),
+                tuple(per_rank[j]),
                 capacity,
                 profile.sizes,
                 other_cut_may_fit=floor <= plan.pp * capacity,
