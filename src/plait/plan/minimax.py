@@ -110,30 +110,14 @@ def _minimax_row(
     time_sum, static_sum, act_sum = arrays
     n = len(time_sum) - 1
     ends = np.arange(i, n - (k - i) + 1)[:, None]
-    # the starts of an end j: the `width` before it, in order (a stage fits at most
-    # `_most_blocks`; its first block is at least i - 1)
-    width = min(n - k + 1, _most_blocks(static_sum, act_sum, hold, cap))
-    starts = ends - np.arange(width, 0, -1)[None, :]
-    inside = starts >= i - 1
-    starts = np.where(inside, starts, i - 1)
+    starts = np.arange(i - 1, n - (k - i))[None, :]
     seconds = (time_sum[ends] - time_sum[starts]) / pace
     memory = static_sum[ends] - static_sum[starts] + hold * (act_sum[ends] - act_sum[starts])
     value = np.maximum(np.array(before)[starts], seconds)
-    value[~(inside & (memory <= cap))] = math.inf
-    last = width - 1 - value[:, ::-1].argmin(axis=1)  # the latest of the least
+    value[~((starts < ends) & (memory <= cap))] = math.inf
+    last = value.shape[1] - 1 - value[:, ::-1].argmin(axis=1)  # the latest of the least
     least = value[np.arange(len(last)), last]
-    for j, top, back in zip(ends[:, 0].tolist(), least.tolist(), last.tolist(), strict=True):
+    for j, top, start in zip(ends[:, 0].tolist(), least.tolist(), last.tolist(), strict=True):
         row[j] = top
         if top < math.inf:
-            chosen[j] = j - width + back
-
-
-def _most_blocks(static_sum: np.ndarray, act_sum: np.ndarray, hold: float, cap: float) -> int:
-    """More blocks than any stage within `cap` holds: the lightest block's memory bounds a
-    stage's from below (with room for the prefix sums' rounding); the block count if none
-    is light enough to bound it."""
-    lightest = float((np.diff(static_sum) + hold * np.diff(act_sum)).min(initial=math.inf))
-    total = float(static_sum[-1] + hold * act_sum[-1])
-    if not lightest > 0 or not math.isfinite(cap):
-        return len(static_sum)
-    return int((cap + 1e-9 * total) / lightest) + 2
+            chosen[j] = start + i - 1
