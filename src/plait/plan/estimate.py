@@ -287,51 +287,52 @@ def bound(plan: SimPlan, profile: RankProfile, est: Estimator) -> Estimate:
     """A lower bound on `estimate`'s step, m × the slowest rank's compute (every schedule
     runs m micro-batches through its slowest rank; collectives, bubble and updates only
     add), with the estimate's memory: cheap enough to prune candidates before estimating."""
-    m = plan.microbatches
-    state = _state(plan, profile, est)
-    memory = _memory(plan, profile, est, state)
+    return bounds([plan], profile, est)[0]
+
+
+def bounds(plans: Sequence[SimPlan], profile: RankProfile, est: Estimator) -> list[Estimate]:
+    """`bound` of each of `plans`, which share `profile` (the planner's tens of thousands of
+    candidates share a few thousand cuts): their memory as rows of one array."""
+    state, memory = _memory(plans, profile, est)
     # any cut holds the same model state over all ranks, and at least the fewest
-    # micro-batches (and weight copies) any rank holds of every block
-    least, copies = least_held(plan.schedule, plan.pp, m, plan.chunks)
-    floor = (
-        float(state.sum())
-        + least * profile.saved_total
-        + copies * profile.params_total * dtype_bytes(plan.dtype)
-    )
+    # micro-batches (and weight copies) any rank holds of every block; a row's sum is
+    # that row's alone (numpy sums each contiguous row alike)
+    totals, per_rank = state.sum(axis=1).tolist(), memory.tolist()
     capacity = float(est.device.memory_bytes)
-    return Estimate(
-        m * profile.slowest_s,
-        tuple(memory.tolist()),
-        capacity,
-        profile.sizes,
-        other_cut_may_fit=floor <= plan.pp * capacity,
-    )
-
-
-def _state(plan: SimPlan, profile: RankProfile, est: Estimator) -> np.ndarray:
-    """Model-state bytes per pipeline rank, twice over for a replicated kind (Chimera)."""
-    twice = 2 if schedule_kind(plan.schedule).replicated else 1
-    if profile.experts is None:  # (params - 0) · s + 0 · s_experts is params · s to the bit
-        return profile.params * est.state_per_param(plan) * twice
-    experts = profile.experts
-    state = (profile.params - experts) * est.state_per_param(plan) + experts * (
-        est.state_per_param(plan, experts=True)
-    )
-    return state * twice
+    out = []
+    for plan, total, row in zip(plans, totals, per_rank, strict=True):
+        least, copies = least_held(plan.schedule, plan.pp, plan.microbatches, plan.chunks)
+        floor = (
+            total
+            + least * profile.saved_total
+            + copies * profile.params_total * dtype_bytes(plan.dtype)
+        )
+        fits_other = floor <= plan.pp * capacity
+        step = plan.microbatches * profile.slowest_s
+        out.append(Estimate(step, tuple(row), capacity, profile.sizes, fits_other))
+    return out
 
 
 def _memory(
-    plan: SimPlan, profile: RankProfile, est: Estimator, state: np.ndarray | None = None
-) -> np.ndarray:
-    """Per pipeline rank: model state (`state`, when the caller has it; twice over for
-    Chimera, which replicates each part), in-flight activations, transients, weight copies."""
-    counts, copies = held(plan.schedule, plan.pp, plan.microbatches, plan.chunks)
-    return (
-        (_state(plan, profile, est) if state is None else state)
-        + counts * profile.saved
-        + profile.transient
-        + copies * profile.params * dtype_bytes(plan.dtype)
-    )
+    plans: Sequence[SimPlan], profile: RankProfile, est: Estimator
+) -> tuple[np.ndarray, np.ndarray]:
+    """(model state, memory) of `plans` on `profile`'s cut, a row per plan and a column
+    per pipeline rank: the state (twice over for Chimera, which replicates each part),
+    in-flight activations, transients, weight copies."""
+    twice = np.array([2 if schedule_kind(p.schedule).replicated else 1 for p in plans])
+    per = np.array([est.state_per_param(p) for p in plans])[:, None]
+    if profile.experts is None:  # (params - 0) · s + 0 · s_experts is params · s to the bit
+        state = profile.params * per * twice[:, None]
+    else:
+        experts = profile.experts
+        per_expert = np.array([est.state_per_param(p, experts=True) for p in plans])[:, None]
+        state = ((profile.params - experts) * per + experts * per_expert) * twice[:, None]
+    shapes = [held(p.schedule, p.pp, p.microbatches, p.chunks) for p in plans]
+    counts = np.array([c for c, _ in shapes])
+    copies = np.array([c for _, c in shapes])
+    pbytes = np.array([dtype_bytes(p.dtype) for p in plans])[:, None]
+    memory = state + counts * profile.saved + profile.transient + copies * profile.params * pbytes
+    return state, memory
 
 
 def estimate(plan: SimPlan, profile: RankProfile, est: Estimator) -> Estimate:
@@ -383,5 +384,5 @@ def estimate(plan: SimPlan, profile: RankProfile, est: Estimator) -> Estimate:
             2 * profile.params * pbytes / est.device.memory_bandwidth_Bps * np.minimum(copies, 1)
         )
         step = float((m * work + updates * (syncs + opts + stash)).max()) + p2p / (p or 1)
-    memory = _memory(plan, profile, est)
+    memory = _memory([plan], profile, est)[1][0]
     return Estimate(step, tuple(memory.tolist()), float(est.device.memory_bytes), profile.sizes)

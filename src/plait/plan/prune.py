@@ -19,12 +19,9 @@ from collections.abc import Sequence
 from functools import lru_cache
 from typing import cast
 
-import numpy as np
-
-from plait.cluster import Cluster, dtype_bytes
+from plait.cluster import Cluster
 from plait.cost import BlockCost
-from plait.plan.estimate import Estimate, Estimator, RankProfile
-from plait.plan.held import held, least_held
+from plait.plan.estimate import Estimate, Estimator, RankProfile, bounds
 from plait.plan.hetero import split_replica
 from plait.plan.loader import replica_batch
 from plait.plan.partition import blocks_fit
@@ -90,46 +87,16 @@ def pruned_estimates(
 
 
 def bounds_of(plans: Sequence[SimPlan], model: ModelSpec, est: Estimator) -> list[Estimate]:
-    """`est.bound` of each of `plans`, the memory of the plans that share a balanced cut
-    computed together over arrays (a row per plan): the same operations on the same floats
-    in the same order, so the same bounds, at a fifth of the time a search spends on tens
-    of thousands of plans one at a time."""
+    """`est.bound` of each of `plans`, those that share a balanced cut bounded together
+    (`plait.plan.estimate.bounds`)."""
     out: list[Estimate | None] = [None] * len(plans)
     groups: dict[int, tuple[RankProfile, list[int]]] = {}
     for i, plan in enumerate(plans):
         profile = est.profile(plan, model.blocks_for(plan))
-        if profile.experts is not None:  # experts' state is sharded otherwise: one by one
-            out[i] = est.bound(plan, model.blocks_for(plan))
-        else:
-            groups.setdefault(id(profile), (profile, []))[1].append(i)
-    capacity = float(est.device.memory_bytes)
+        groups.setdefault(id(profile), (profile, []))[1].append(i)
     for profile, rows in groups.values():
-        mine = [plans[i] for i in rows]
-        per = np.array([est.state_per_param(p) for p in mine])[:, None]
-        twice = np.array([2 if schedule_kind(p.schedule).replicated else 1 for p in mine])
-        pbytes = np.array([dtype_bytes(p.dtype) for p in mine])[:, None]
-        shapes = [(p.schedule, p.pp, p.microbatches, p.chunks) for p in mine]
-        counts = np.array([held(*s)[0] for s in shapes])
-        copies = np.array([held(*s)[1] for s in shapes])
-        state = profile.params * per * twice[:, None]  # as `_state`, a row per plan
-        memory = state + counts * profile.saved + profile.transient
-        memory = memory + copies * profile.params * pbytes  # as `_memory`
-        # a row's sum is the sum of that row alone (numpy sums each contiguous row alike)
-        totals, per_rank = state.sum(axis=1).tolist(), memory.tolist()
-        for j, (i, plan) in enumerate(zip(rows, mine, strict=True)):
-            least, kept = least_held(*shapes[j])
-            floor = (
-                totals[j]
-                + least * profile.saved_total
-                + kept * profile.params_total * dtype_bytes(plan.dtype)
-            )
-            out[i] = Estimate(
-                plan.microbatches * profile.slowest_s,
-                tuple(per_rank[j]),
-                capacity,
-                profile.sizes,
-                other_cut_may_fit=floor <= plan.pp * capacity,
-            )
+        for i, e in zip(rows, bounds([plans[i] for i in rows], profile, est), strict=True):
+            out[i] = e
     return cast(list[Estimate], out)
 
 
