@@ -37,12 +37,7 @@ def minimax(n: int, k: int, cost: Segment, fits: Callable[[int, int, int], bool]
                 value = max(best[i - 1][start], here)
                 if value < best[i][j]:
                     best[i][j], choice[i][j] = value, start
-    if best[k][n] == inf:
-        return []
-    cuts = [n]
-    for i in range(k, 0, -1):
-        cuts.append(choice[i][cuts[-1]])
-    return cuts[::-1]
+    return _cuts(best, choice, k, n)
 
 
 def minimax_blocks(
@@ -66,7 +61,7 @@ def minimax_blocks(
     for i in range(1, k + 1):
         pace, hold, cap = speed[i - 1], held[i - 1], limit[i - 1]
         before, row, chosen = best[i - 1], best[i], choice[i]
-        if n - k >= _BAND:  # many ends, long segments: every (end, start) at once
+        if n - k >= _MANY:  # many ends, long segments: every (end, start) at once
             _minimax_row(i, k, arrays, before, row, chosen, pace, hold, cap)
             continue
         for j in range(i, n - (k - i) + 1):
@@ -82,16 +77,21 @@ def minimax_blocks(
                 if value < top:
                     top, chosen[j] = value, start
             row[j] = top
-    if best[k][n] == inf:
+    return _cuts(best, choice, k, n)
+
+
+# from this many more blocks than stages, `minimax_blocks` prices its rows over arrays
+_MANY = 16
+
+
+def _cuts(best: list[list[float]], choice: list[list[int]], k: int, n: int) -> list[int]:
+    """The cut points the programme chose, back from the last stage ([] when none fits)."""
+    if best[k][n] == math.inf:
         return []
     cuts = [n]
     for i in range(k, 0, -1):
         cuts.append(choice[i][cuts[-1]])
     return cuts[::-1]
-
-
-# from this many more blocks than stages, `minimax_blocks` prices its rows over arrays
-_BAND = 16
 
 
 def _minimax_row(
