@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import gc
 import os
 from collections.abc import Callable, Collection, Hashable, Sequence
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ __all__ = [
     "node_of",
     "pipeline_mesh",
     "rank_grid",
+    "release_kept",
     "restart_count",
     "run_id",
     "worker_env",
@@ -84,9 +86,9 @@ def expert_grid(layout: Layout) -> list[list[list[int]]]:
 
 # Communicators made for the current default group, kept by what they connect: another
 # engine on the same ranks in this process (a benchmark's sweep, a notebook) reuses them.
-# Each new one costs gloo's connection threads, never freed while the process group
-# lives: a sweep of 46 plans on 4 workers reached 4,400 threads, and two thirds of the
-# CPU time went to the kernel.
+# Each new one costs gloo's connection threads, freed only when it is destroyed
+# (`release_kept`): a sweep of 46 plans on 4 workers reached 4,400 threads, and two
+# thirds of the CPU time went to the kernel.
 _kept: dict[Hashable, Any] = {}
 _WORLD = object()  # the key under which `_kept` remembers which default group it is for
 _T = TypeVar("_T")
@@ -103,6 +105,38 @@ def kept(key: Hashable, make: Callable[[], _T]) -> _T:
     if key not in _kept:
         _kept[key] = make()
     return cast(_T, _kept[key])
+
+
+def release_kept() -> None:
+    """Destroy every communicator `kept` holds and forget them: the next engine makes its
+    own. For a process that measures engines of many layouts one after another (a sweep):
+    each layout's groups otherwise live on with their gloo threads and slow every plan
+    measured after them. Collective: every rank calls it, once no engine uses them (an
+    engine dropped but not yet collected holds its groups: this collects first)."""
+    gc.collect()
+    groups: dict[str, dist.ProcessGroup] = {}  # by name: a mesh may hand out a new wrapper
+    meshes = [m for v in _kept.values() if isinstance(v, Meshes)
+              for m in (v.main, v.expert, v.flat_dp, v.flat_dp_cp) if m is not None]  # fmt: skip
+    for group in [g for m in meshes for g in m.get_all_groups()] + [
+        v for v in _kept.values() if isinstance(v, dist.ProcessGroup)
+    ]:
+        groups[group.group_name] = group
+    # a mesh dimension over every rank is the default group itself, which stays
+    groups.pop(dist.GroupMember.WORLD.group_name, None)  # type: ignore[union-attr]
+    for mesh in meshes:  # a mesh still held (a DTensor's, a cache's) keeps its groups alive
+        getattr(mesh, "_pg_registry", {}).clear()
+    _kept.clear()
+    # DTensor's sharding and redistribution caches key on meshes by value: a new mesh of the
+    # same ranks would be handed specs naming the destroyed groups
+    from torch.distributed.tensor import _redistribute, debug
+
+    for clear in (getattr(debug, "_clear_sharding_prop_cache", None),
+                  getattr(_redistribute, "clear_redistribute_planner_cache", None)):  # fmt: skip
+        if clear is not None:  # torch versions differ in which caches they have
+            clear()
+    dist.barrier()  # no peer is still in a collective on them
+    for group in groups.values():
+        dist.destroy_process_group(group)
 
 
 def build_mesh(layout: Layout, device_type: str, *, experts: bool = False) -> Meshes:
