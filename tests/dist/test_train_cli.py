@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from plait.config.sections import flat_plan_file
 from plait.cli.main import main
+from plait.config.sections import flat_plan_file
+from plait.mesh import host_cores
 
 pytestmark = pytest.mark.dist
 
@@ -53,6 +54,22 @@ def test_auto_plan_profiles_plans_and_trains(tmp_path: Path) -> None:
     }
     rows = _rows(run_dir)
     assert rows[-1]["loss"] < rows[0]["loss"]  # type: ignore[operator]
+
+
+def test_auto_plan_of_workers_outnumbering_cores_measures_their_sharing(tmp_path: Path) -> None:
+    """4 workers planned as if on 2 cores (`plait.mesh.host_cores`, what `init_worker`
+    pins them by): the decision records the share of a core each kept while all four
+    computed, measured (`plait.profile.sharing`), which the planner priced them at."""
+    run_dir = tmp_path / "shared"
+    code = main(["train", "--nproc", "4", "--max-steps", "2", "--run-dir", str(run_dir),
+                 "--replan", *SMALL])  # fmt: skip
+    assert code == 0
+    decision = json.loads((run_dir / "plan.json").read_text())["decision"]
+    assert decision["source"] == "measured" and decision["workers"] == 4
+    if host_cores() >= 4:  # a core each: nothing is shared
+        assert decision["sharing_efficiency"] == 1.0
+    else:  # two to a core: each keeps between half and all of its share
+        assert 0.5 < decision["sharing_efficiency"] <= 1.0, decision
 
 
 def test_plan_file_is_trained_as_written(tmp_path: Path) -> None:

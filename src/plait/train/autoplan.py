@@ -4,8 +4,8 @@ Rank 0 measures every block on one micro-batch (one thread, like each worker) wh
 others wait, then searches the layouts of the local workers with the planner; the plan
 is broadcast so every worker builds the same engine. Workers that outnumber the cores
 time-share them, pinned as `plait.mesh.init_worker` pins them; the simulator shares each
-core among the workers computing on it (with ideal efficiency unless one was measured:
-`fit_sharing_efficiency`). With `--cluster FILE` the workers are the file's devices as it
+core among the workers computing on it, at the efficiency the workers measure
+(`plait.profile.sharing`). With `--cluster FILE` the workers are the file's devices as it
 declares them instead (`local_cluster`), so plans of pipelines of different depths, which
 the planner keeps from workers that share cores, are proposed for them.
 """
@@ -30,6 +30,7 @@ from plait.plan import ModelSpec, SearchSpace, scaled_spec, search
 from plait.plan.io import parallel_plan_of, plan_to_dict
 from plait.profile import block_costs, measured_device, profile_model
 from plait.profile.sharded import TPRatios, tp_degrees, tp_ratios
+from plait.profile.sharing import measure_sharing_efficiency
 from plait.schedule import KINDS
 
 __all__ = [
@@ -259,11 +260,13 @@ def _search(
     device: torch.device,
     declared: Cluster | None = None,
     tp_ratios: TPRatios | None = None,
+    sharing: float = 1.0,
 ) -> dict[str, Any]:
     with fork_rng(device):
         spec = measured_spec(model, samples, loss_fn, num_heads=num_heads, seq_len=seq_len,
                              dtype=dtype, device=device, tp_ratios=tp_ratios)  # fmt: skip
-    cluster = local_cluster(world, link, dtype, device=device.type, declared=declared)
+    cluster = local_cluster(world, link, dtype, device=device.type, declared=declared,
+                            sharing_efficiency=sharing)  # fmt: skip
     # a CPU worker's memory is the host's: moving state "to the host" frees none of it
     space = SearchSpace(dtype=dtype, allow_staleness=allow_staleness,
                         offload=device.type != "cpu")  # fmt: skip
@@ -310,6 +313,10 @@ def auto_plan(
     with fork_rng(device):  # every worker: the sharded blocks are timed in their groups
         ratios = tp_ratios(model, samples, degrees=tp_degrees(world, num_heads),
                            sequence_parallel=(False, True), dtype=dtype, device=device)  # fmt: skip
+    cores = host_cores() if device.type == "cpu" else world
+    share = samples[len(samples) // 2]  # a worker's share of the batch (`profile_sizes`)
+    with fork_rng(device):  # workers outnumbering the cores: what each keeps of one
+        sharing = measure_sharing_efficiency(model, share, loss_fn, cores=cores)
     rank = dist.get_rank()
     if 0 < rank < workers_apart(world, device):  # loads its core as in training while 0 times
         with fork_rng(device):
@@ -319,8 +326,8 @@ def auto_plan(
         chosen = _search(model, samples, loss_fn, link, world, num_heads=num_heads,
                          seq_len=seq_len, global_batch=global_batch, dtype=dtype,
                          allow_staleness=allow_staleness, device=device,
-                         declared=declared, tp_ratios=ratios)  # fmt: skip
-        chosen["decision"] = _why("measured", world, link)
+                         declared=declared, tp_ratios=ratios, sharing=sharing)  # fmt: skip
+        chosen["decision"] = _why("measured", world, link, sharing)
         box[0] = decisions.save(key, chosen) if key is not None else chosen
     dist.broadcast_object_list(box, src=0)
     return dict(cast("dict[str, Any]", box[0]))  # mypy keeps box[0] as None from above
@@ -360,11 +367,14 @@ def preview_plan(cfg: Any, world: int) -> dict[str, Any]:
     return decisions.save(key, chosen)
 
 
-def _why(source: str, world: int, link: Link) -> dict[str, Any]:
-    """What a decision was made from: who planned it, when, and the link it assumed."""
+def _why(source: str, world: int, link: Link, sharing: float = 1.0) -> dict[str, Any]:
+    """What a decision was made from: who planned it, when, the link it assumed and the
+    share of a core each worker keeps when they outnumber the cores (1: each has one, or
+    previewed in one process, which cannot measure it)."""
     return {
         "source": source, "measured_at": time.time(), "workers": world,
         "link": {"latency_s": link.latency_s, "bandwidth_Bps": link.bandwidth_Bps},
+        "sharing_efficiency": sharing,
     }  # fmt: skip
 
 
