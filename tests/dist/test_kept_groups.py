@@ -7,8 +7,8 @@ engine, on purpose (`plait.runtime.channels.build_channels`), and `Engine.close`
 them: pipelines built and closed one after another leave no threads behind either.
 `plait.mesh.release_kept` destroys the kept meshes too: a process measuring plan after
 plan (`plait bench planner`) is back to the threads it started with after each (but at
-world 4 an engine of data and tensor parallelism without ZeRO still leaves one gloo group
-alive, held where this has not found), and the next engine of the same layout trains as
+world 4 a tensor-parallel engine without ZeRO still leaves one gloo group alive: DTensor
+specs outlive the engine and hold its tp mesh, from where this has not found), and the next engine of the same layout trains as
 before on meshes made afresh (DTensor's caches, which match meshes by value, would
 otherwise hand it the destroyed groups)."""
 
