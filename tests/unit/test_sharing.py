@@ -145,27 +145,6 @@ def test_shared_cluster_round_trips_through_toml() -> None:
     assert back == cluster and [back.processor(r) for r in range(4)] == [0, 1, 0, 1]
 
 
-def test_planner_recovers_a_sharing_efficiency_from_one_measured_plan() -> None:
-    from plait.plan import SearchSpace, gpt_spec, search
-    from plait.plan.io import plan_to_dict
-    from plait.train.autoplan import fit_sharing_efficiency, local_cluster
-
-    model = gpt_spec(num_layers=4, hidden=128, num_heads=4, seq_len=64, vocab_size=256)
-    space = SearchSpace(schedules=("1f1b",), recompute=("none",), zero_stages=(0,), chunks=(),
-                        micro_batch_sizes=(2,), sequence_parallel=(False,),
-                        dtype="fp32")  # fmt: skip
-    link = Link(latency_s=1e-5, bandwidth_Bps=1e9)
-    assert not local_cluster(2, link, cores=2).shares_processors
-    truth = local_cluster(4, link, cores=2, sharing_efficiency=0.7)
-    assert [truth.processor(r) for r in range(4)] == [0, 1, 0, 1]
-    found = search(model, truth, global_batch=16, space=space, top_k=100, exact_limit=10**6)
-    pipeline = next(r for r in found.ranked if r.plan.pp == 4)
-    ideal = local_cluster(4, link, cores=2)
-    fitted = fit_sharing_efficiency(model, ideal, plan_to_dict(pipeline), pipeline.step_time_s,
-                                    global_batch=16)  # fmt: skip
-    assert fitted == pytest.approx(0.7, abs=0.01)
-
-
 def test_fit_efficiency_solves_a_falling_prediction() -> None:
     assert fit_efficiency(lambda e: 1.0 / e, 2.0) == pytest.approx(0.5, abs=1e-4)
     assert fit_efficiency(lambda e: 1.0 / e, 0.5) == pytest.approx(1.0, abs=1e-4)  # bound

@@ -31,12 +31,10 @@ from plait.plan.io import parallel_plan_of, plan_to_dict
 from plait.profile import block_costs, measured_device, profile_model
 from plait.profile.sharded import TPRatios, tp_degrees, tp_ratios
 from plait.profile.sharing import measure_sharing_efficiency
-from plait.schedule import KINDS
 
 __all__ = [
     "auto_plan",
     "declared_cluster",
-    "fit_sharing_efficiency",
     "local_cluster",
     "measure_collectives",
     "measured_spec",
@@ -178,42 +176,6 @@ def _declared(measured: Cluster, declared: Cluster, world: int) -> Cluster:
                               sharing_efficiency=declared.sharing_efficiency(first)))  # fmt: skip
         first += size
     return replace(measured, name=declared.name, groups=tuple(groups), inter_node=base.intra_node)
-
-
-def fit_sharing_efficiency(
-    spec: ModelSpec,
-    cluster: Cluster,
-    plan: dict[str, Any],
-    measured_s: float,
-    *,
-    global_batch: int,
-) -> float:
-    """The `sharing_efficiency` of `cluster`'s node under which the planner predicts the
-    step time `measured_s` measured for `plan` (a plan dict): bisection, as predictions
-    fall while it rises. Workers time-sharing a core lose speed to switching and cache
-    refills that no compute-only measurement shows (see `plait.bench.sim_accuracy`)."""
-    from plait.plan.io import plan_from_dict
-    from plait.schedule.sharing import fit_efficiency
-
-    target = plan_from_dict(plan)
-    space = SearchSpace(
-        schedules=(target.schedule,), allow_staleness=not KINDS[target.schedule].synchronous,
-        recompute=(target.recompute,),
-        zero_stages=(target.zero,), chunks=(), micro_batch_sizes=(target.micro_batch_size,),
-        sequence_parallel=(target.sequence_parallel,), dtype=target.dtype,
-    )  # fmt: skip
-
-    def predicted(efficiency: float) -> float:
-        group = replace(cluster.groups[0], sharing_efficiency=efficiency)
-        found = search(spec, replace(cluster, groups=(group,)), global_batch=global_batch,
-                       space=space, top_k=1000, exact_limit=10**6, memory_margin=0.0)  # fmt: skip
-        same = [r for r in found.ranked if (r.plan.dp, r.plan.tp, r.plan.pp) ==
-                (target.dp, target.tp, target.pp)]  # fmt: skip
-        if not same:
-            raise ValueError(f"the planner cannot evaluate the reference plan {plan}")
-        return same[0].step_time_s
-
-    return fit_efficiency(predicted, measured_s)
 
 
 def workers_apart(world: int, device: torch.device) -> int:
