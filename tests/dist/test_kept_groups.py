@@ -6,9 +6,10 @@ still trains to a plain single-process loop's losses. Pipeline channels are made
 engine, on purpose (`plait.runtime.channels.build_channels`), and `Engine.close` releases
 them: pipelines built and closed one after another leave no threads behind either.
 `plait.mesh.release_kept` destroys the kept meshes too: a process measuring plan after
-plan (`plait bench planner`) is back to the threads it started with after each (but at
-world 4 a tensor-parallel engine without ZeRO still leaves one gloo group alive: DTensor
-specs outlive the engine and hold its tp mesh, from where this has not found), and the next engine of the same layout trains as
+plan (`plait bench planner`) is back to the threads it started with after each (the
+data-parallel reducer's gradient hooks hold it weakly: they live on the parameters, where
+the collector cannot follow them, and a strong reference had kept every tensor-parallel
+engine's parameters and a group alive), and the next engine of the same layout trains as
 before on meshes made afresh (DTensor's caches, which match meshes by value, would
 otherwise hand it the destroyed groups)."""
 
@@ -121,13 +122,16 @@ def test_released_meshes_free_their_threads_and_later_engines_train(tmp_path: Pa
 
 def _released_tensor_parallel(rank: int, world: int) -> None:
     # tp groups that are not the default group (at world 2 the tp group is the world, which
-    # release leaves alone): each engine after a release shards over new groups, and trains
-    # as the plain loop does (its losses are checked against it)
+    # release leaves alone): each engine after a release shards over new groups, trains as
+    # the plain loop does (its losses are checked against it), and leaves no thread behind
     plan = ParallelPlan(dp=2, tp=2, pp=1, microbatches=2)
+    started = _threads()
     for _ in range(2):
         _trains_as_one_process(plan, close=True)
         release_kept()
+        assert _threads() == started, (started, _threads())
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
 def test_a_tensor_parallel_engine_after_release_trains_on_new_groups(tmp_path: Path) -> None:
     run_world(tmp_path, 4, _released_tensor_parallel)

@@ -26,6 +26,7 @@ average, as under DDP.
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -172,13 +173,20 @@ class GradReducer:
         return self.hook is not None and bucket.group is self.group
 
     def _hook(self, stage: int, state: _StageBuckets) -> Any:
+        # the hook lives on the parameter, in C++ where the collector cannot follow it, and
+        # the buckets hold the parameters: strong references here would keep the reducer,
+        # its parameters and its groups alive after the engine (each tensor-parallel engine
+        # of a sweep left a gloo group and its threads behind)
+        reducer, buckets = weakref.ref(self), weakref.ref(state)
+
         def on_grad(p: torch.Tensor) -> None:
-            if not state.armed:
+            me, mine = reducer(), buckets()
+            if me is None or mine is None or not mine.armed:
                 return
-            bucket = state.bucket_of[id(p)]
+            bucket = mine.bucket_of[id(p)]
             bucket.ready += 1
             if bucket.ready == len(bucket.params):
-                self._launch(stage, bucket)
+                me._launch(stage, bucket)
 
         return on_grad
 
