@@ -123,7 +123,10 @@ def release_kept() -> None:
         groups[group.group_name] = group
     # a mesh dimension over every rank is the default group itself, which stays
     groups.pop(dist.GroupMember.WORLD.group_name, None)  # type: ignore[union-attr]
-    for mesh in meshes:  # a mesh still held (a DTensor's, a cache's) keeps its groups alive
+    # a mesh holds its groups (and so gloo's threads) as long as it lives: a mesh and its
+    # flattened view refer to each other (freed only when the collector next runs), and
+    # DTensor specs cached inside torch keep theirs; emptied, they hold only names
+    for mesh in meshes:
         getattr(mesh, "_pg_registry", {}).clear()
     _kept.clear()
     # DTensor's sharding and redistribution caches key on meshes by value: a new mesh of the
