@@ -171,22 +171,6 @@ def _measure(cfg: PlannerBenchConfig, plan: dict[str, Any], corpus: Any) -> floa
     return statistics.median(times)
 
 
-def _profiled(cfg: PlannerBenchConfig, corpus: Any, ratios: Any) -> Any:
-    """The model's measured spec on rank 0 (None elsewhere), timed beside the other workers
-    on cores of their own doing the same, as `--plan auto` does. Every rank calls it."""
-    import torch
-    import torch.distributed as dist
-
-    from plait.train.autoplan import workers_apart
-
-    rank = dist.get_rank()
-    if 0 < rank < workers_apart(cfg.workers, torch.device("cpu")):
-        _spec(cfg, _model(cfg, corpus), corpus)  # loads its core while rank 0 times blocks
-    spec = _spec(cfg, _model(cfg, corpus), corpus, ratios) if rank == 0 else None
-    dist.barrier()
-    return spec
-
-
 def _worker(cfg: PlannerBenchConfig) -> dict[str, Any] | None:
     """Measure how well workers time-share a core, profile and predict the grid (rank 0),
     then measure every plan of the grid, round after round (all)."""
@@ -195,28 +179,30 @@ def _worker(cfg: PlannerBenchConfig) -> dict[str, Any] | None:
 
     from plait.bench._common import single_thread
     from plait.data import stdlib_corpus
-    from plait.mesh import host_cores, init_worker, release_kept
+    from plait.mesh import init_worker, release_kept
     from plait.models import GPT
     from plait.plan.io import plan_to_dict
     from plait.profile.sharded import tp_degrees, tp_ratios
     from plait.profile.sharing import measure_sharing_efficiency
-    from plait.train.autoplan import local_cluster, measure_collectives
+    from plait.train.autoplan import local_cluster, measure_collectives, workers_apart
 
     single_thread()
     env, _ = init_worker(device="cpu")  # plans for this host's cores, measured on them
     corpus = stdlib_corpus(max_chars=200_000)
     link = measure_collectives(torch.device("cpu"))
     t0 = time.perf_counter()
+    apart = workers_apart(cfg.workers, torch.device("cpu"))  # those with a core of their own
     share = corpus.batch(0, max(1, cfg.batch_size // cfg.workers), cfg.seq_len)
-    efficiency = measure_sharing_efficiency(_model(cfg, corpus), share, GPT.loss,
-                                            cores=host_cores())  # fmt: skip
+    efficiency = measure_sharing_efficiency(_model(cfg, corpus), share, GPT.loss, cores=apart)
     # every worker: a block sharded in its group of each tp degree, timed as `--plan auto` does
     ratios = tp_ratios(_model(cfg, corpus), _samples(cfg, corpus),
                        degrees=tp_degrees(cfg.workers, cfg.heads))  # fmt: skip
     release_kept()  # the groups the sharded blocks were timed in
-    spec = _profiled(cfg, corpus, ratios)
     box: list[Any] = [None]
+    if 0 < env.rank < apart:
+        _spec(cfg, _model(cfg, corpus), corpus)  # loads its core while rank 0 times blocks
     if env.rank == 0:
+        spec = _spec(cfg, _model(cfg, corpus), corpus, ratios)
         cluster = local_cluster(cfg.workers, link, sharing_efficiency=efficiency)
         box[0] = [plan_to_dict(r) for r in _grid(cfg, spec, cluster)]
     spent = time.perf_counter() - t0

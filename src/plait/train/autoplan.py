@@ -275,10 +275,10 @@ def auto_plan(
     with fork_rng(device):  # every worker: the sharded blocks are timed in their groups
         ratios = tp_ratios(model, samples, degrees=tp_degrees(world, num_heads),
                            sequence_parallel=(False, True), dtype=dtype, device=device)  # fmt: skip
-    cores = host_cores() if device.type == "cpu" else world
     share = samples[len(samples) // 2]  # a worker's share of the batch (`profile_sizes`)
     with fork_rng(device):  # workers outnumbering the cores: what each keeps of one
-        sharing = measure_sharing_efficiency(model, share, loss_fn, cores=cores)
+        sharing = measure_sharing_efficiency(model, share, loss_fn,
+                                             cores=workers_apart(world, device))  # fmt: skip
     rank = dist.get_rank()
     if 0 < rank < workers_apart(world, device):  # loads its core as in training while 0 times
         with fork_rng(device):
