@@ -44,7 +44,29 @@ def test_the_auto_planner_measures_collectives_on_the_workers_device(
 ) -> None:
     link = measure_collectives(META, repeats=2)
     assert link.bandwidth_Bps > 0
-    assert len(seen) == 6 and {d for _, d in seen} == {META}
+    assert len(seen) == 10 and {d for _, d in seen} == {META}
+
+
+def test_the_measured_link_reproduces_a_ring_all_reduce(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An emulated ring of 4 ranks: each all-reduce of b bytes takes 6 hops of 50 µs and
+    2·3/4·b bytes at 1 GB/s; every fourth call is a slow spell of 2 ms more. The sizes take
+    turns, so the spells land on every size alike and the medians give the ring back."""
+    clock, calls = [0.0], []
+
+    def all_reduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        calls.append(tensor.numel() * 4)
+        hops = 6 * 50e-6 + 1.5 * tensor.numel() * 4 / 1e9
+        clock[0] += hops + (2e-3 if len(calls) % 4 == 0 else 0.0)
+
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    monkeypatch.setattr(dist, "barrier", lambda *a, **k: None)
+    monkeypatch.setattr(dist, "get_world_size", lambda *a, **k: 4)
+    monkeypatch.setattr("plait.train.autoplan.timer", lambda device: lambda: clock[0])
+    link = measure_collectives(torch.device("cpu"), repeats=7)
+    assert link.latency_s == pytest.approx(50e-6, rel=1e-6)
+    assert link.bandwidth_Bps == pytest.approx(1e9, rel=1e-6)
+    sizes = sorted(set(calls))
+    assert calls[: len(sizes)] == sizes  # one of each size before any size again
 
 
 def test_calibration_ping_pongs_on_the_workers_device(

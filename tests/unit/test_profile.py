@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 
@@ -138,6 +139,20 @@ def test_fit_link_recovers_latency_and_bandwidth() -> None:
     assert link.bandwidth_Bps == pytest.approx(2e9, rel=1e-6)
     with pytest.raises(ValueError, match="at least two different sizes"):
         fit_link([(1e3, 1e-5), (1e3, 2e-5)])
+
+
+def test_fit_link_gives_a_finite_link_where_noise_leaves_no_slope() -> None:
+    # a shared host: the small message timed slower than the large one (no slope); the
+    # link is then bounded by what the times say, the largest moved in its whole time
+    link = fit_link([(256.0, 4e-4), (1e6, 3e-4)])
+    assert link.bandwidth_Bps == pytest.approx(1e6 / 3e-4)
+    assert link.latency_s == pytest.approx(4e-4 - 256 * 3e-4 / 1e6)
+    # a slope, but a line through negative time at zero bytes: the latency is what the
+    # smallest message's time leaves after its bytes at the fitted bandwidth
+    samples = [(1e3, 5e-6), (1e4, 1e-5), (1e6, 2e-3)]
+    link = fit_link(samples)
+    assert math.isfinite(link.bandwidth_Bps) and link.latency_s > 0
+    assert link.latency_s + 1e3 / link.bandwidth_Bps == pytest.approx(5e-6)
 
 
 def test_calibration_numbers_are_positive_and_threads_restored() -> None:

@@ -110,8 +110,12 @@ def optimizer_bandwidth(
 
 
 def fit_link(samples: Sequence[tuple[float, float]]) -> Link:
-    """The alpha-beta link that fits (bytes, seconds) samples best (least squares), with
-    latency and inverse bandwidth clamped to stay positive."""
+    """The alpha-beta link that fits (bytes, seconds) samples best (least squares). Where
+    noise leaves the times no slope (small messages as slow as large ones: the link moves
+    the largest in its latency), the bandwidth is the one bound the times give, the largest
+    message's time all spent moving it; where the line leaves no latency, it is what the
+    smallest message's time leaves of it. A finite link either way, not the unbounded one
+    a clamped slope made (1000 GB/s between two processes on one host)."""
     if len(samples) < 2 or len({b for b, _ in samples}) < 2:
         raise ValueError(f"{len(samples)} samples: measure at least two different sizes")
     xs = [float(b) for b, _ in samples]
@@ -119,8 +123,14 @@ def fit_link(samples: Sequence[tuple[float, float]]) -> Link:
     mx, my = statistics.fmean(xs), statistics.fmean(ys)
     sxx = sum((x - mx) ** 2 for x in xs)
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
-    slope = max(slope, 1e-15)  # seconds per byte
-    latency = max(my - slope * mx, 0.0)
+    latency = my - slope * mx
+    flat = slope <= 0
+    if flat:
+        largest = max(range(len(xs)), key=xs.__getitem__)
+        slope = max(ys[largest], 1e-12) / xs[largest]  # seconds per byte
+    if flat or latency < 0:
+        smallest = min(range(len(xs)), key=xs.__getitem__)
+        latency = max(ys[smallest] - slope * xs[smallest], 0.0)
     return Link(latency_s=latency, bandwidth_Bps=1.0 / slope)
 
 

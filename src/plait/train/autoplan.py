@@ -29,6 +29,7 @@ from plait.mesh import host_cores
 from plait.plan import ModelSpec, SearchSpace, scaled_spec, search
 from plait.plan.io import parallel_plan_of, plan_to_dict
 from plait.profile import block_costs, measured_device, profile_model
+from plait.profile.calibrate import fit_link
 from plait.profile.sharded import TPRatios, tp_degrees, tp_ratios
 from plait.profile.sharing import measure_sharing_efficiency
 
@@ -46,12 +47,17 @@ __all__ = [
 ]
 
 
+_REDUCED = (256, 64 * 1024, 256 * 1024, 1024 * 1024, 4 * 1024 * 1024)  # bytes all-reduced
+
+
 def measure_collectives(device: torch.device | None = None, *, repeats: int = 8) -> Link:
     """The link that reproduces the all-reduce times the workers measure among themselves
     (a collective: call on every worker), as the cost model's ring formula reads it:
     t(bytes) = 2(n-1)·latency + 2(n-1)/n · bytes / bandwidth. Measured on the workers'
     `device` (default: `plait.device.current`, so NCCL between GPUs) while every worker
-    takes part, so it includes the backend's and Python's per-call costs and core sharing."""
+    takes part, so it includes the backend's and Python's per-call costs and core sharing.
+    The sizes take turns, so that a slow spell of a shared host falls on all of them, and
+    the line is fitted to the median of each (`_ring_link`)."""
     import statistics
 
     n = dist.get_world_size()
@@ -59,21 +65,28 @@ def measure_collectives(device: torch.device | None = None, *, repeats: int = 8)
         return Link(latency_s=1e-6, bandwidth_Bps=1e9)
     device = device or current()
     now = timer(device)
-    samples = []
-    for size in (256, 64 * 1024, 1024 * 1024):
-        t = torch.zeros(size // 4, device=device)
-        times = []
-        for _ in range(repeats):
+    buffers = [torch.zeros(size // 4, device=device) for size in _REDUCED]
+    times: list[list[float]] = [[] for _ in _REDUCED]
+    for _ in range(repeats):
+        for buffer, seen in zip(buffers, times, strict=True):
             dist.barrier()
             start = now()
-            dist.all_reduce(t)
-            times.append(now() - start)
-        samples.append((float(size), statistics.median(times)))
-    (x1, y1), (x2, y2) = samples[0], samples[-1]
-    slope = max((y2 - y1) / (x2 - x1), 1e-12)
+            dist.all_reduce(buffer)
+            seen.append(now() - start)
+    return _ring_link(
+        [(float(b), statistics.median(t)) for b, t in zip(_REDUCED, times, strict=True)], n
+    )
+
+
+def _ring_link(samples: list[tuple[float, float]], n: int) -> Link:
+    """The link under which the ring formula of `measure_collectives` gives these (bytes,
+    seconds) all-reduce times among `n` ranks: the line `fit_link` fits to them, read as
+    2(n-1) latencies and 2(n-1)/n of the bytes moved."""
+    line = fit_link(samples)
     steps = 2 * (n - 1)
-    latency = max(y1 - slope * x1, 1e-6) / steps
-    return Link(latency_s=latency, bandwidth_Bps=steps / n / slope)
+    return Link(
+        latency_s=max(line.latency_s / steps, 1e-6), bandwidth_Bps=steps / n * line.bandwidth_Bps
+    )
 
 
 def parallel_plan_from(data: dict[str, Any]) -> ParallelPlan:
