@@ -84,3 +84,50 @@ def test_tp_ratios_refuse_a_degree_that_does_not_divide_the_workers() -> None:
 
     for message in launch(_refused, 2, 2).values():
         assert "tp degrees [3]" in message and "divide the 2 workers" in message
+
+
+def _emulated_core(world: int, folder: str) -> tuple[Any, ...]:
+    """Both workers on one emulated core: a whole block timed while the other worker
+    times one too takes 2 s a part, alone 1 s; a sharded block 3 s (every rank at once)."""
+    import os
+    import time
+    from pathlib import Path
+
+    import torch
+
+    import plait.profile.sharded as sharded
+    from plait.mesh import init_worker
+    from plait.models.gpt import GPT, GPTConfig
+
+    env, _ = init_worker(device="cpu")
+    mine, theirs = Path(folder, f"busy{env.rank}"), Path(folder, f"busy{1 - env.rank}")
+
+    def scripted(block: Any, *args: Any, **kwargs: Any) -> tuple[float, ...]:
+        if any(type(p).__name__ == "DTensor" for p in block.parameters()):
+            return (3.0,) * 4
+        mine.touch()
+        time.sleep(0.2)  # long enough for the other worker's timing to overlap, if it runs
+        shared = theirs.exists()
+        time.sleep(0.2)
+        os.remove(mine)
+        return (2.0 if shared else 1.0,) * 4
+
+    sharded._time_block = scripted
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(num_layers=2, hidden=32, num_heads=4, seq_len=16))
+    samples = [(torch.randint(0, 96, (2, 16)), None)]
+    turns = sharded.tp_ratios(model, samples, degrees=[2], repeats=3, warmup=0, cores=1,
+                              sharing_efficiency=0.8)  # fmt: skip
+    together = sharded.tp_ratios(model, samples, degrees=[2], repeats=3, warmup=0)
+    return turns[(2, False)][2], together[(2, False)][2]
+
+
+def test_on_shared_cores_the_sharded_block_is_priced_alone(tmp_path: Any) -> None:
+    # cores=1: the whole block is timed one worker at a time (1 s), the sharded one by
+    # both at once (3 s, two workers on the core), priced alone at 3 × 0.8 / 2 = 1.2 of it;
+    # with a core each (the default) both are timed at once: 3 / 2
+    from plait.train import launch
+
+    for turns, together in launch(_emulated_core, 2, 2, str(tmp_path)).values():
+        assert turns == pytest.approx((1.2,) * 4)
+        assert together == pytest.approx((1.5,) * 4)

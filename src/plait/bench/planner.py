@@ -196,7 +196,8 @@ def _worker(cfg: PlannerBenchConfig) -> dict[str, Any] | None:
     efficiency = measure_sharing_efficiency(_model(cfg, corpus), share, GPT.loss, cores=apart)
     # every worker: a block sharded in its group of each tp degree, timed as `--plan auto` does
     ratios = tp_ratios(_model(cfg, corpus), _samples(cfg, corpus),
-                       degrees=tp_degrees(cfg.workers, cfg.heads))  # fmt: skip
+                       degrees=tp_degrees(cfg.workers, cfg.heads), cores=apart,
+                       sharing_efficiency=efficiency)  # fmt: skip
     release_kept()  # the groups the sharded blocks were timed in
     box: list[Any] = [None]
     if 0 < env.rank < apart:

@@ -285,15 +285,19 @@ def auto_plan(
     if box[0] is not None:
         return dict(box[0])
     link = measure_collectives(device)
-    with fork_rng(device):  # every worker: the sharded blocks are timed in their groups
-        ratios = tp_ratios(model, samples, degrees=tp_degrees(world, num_heads),
-                           sequence_parallel=(False, True), dtype=dtype, device=device)  # fmt: skip
+    apart = workers_apart(world, device)
     share = samples[len(samples) // 2]  # a worker's share of the batch (`profile_sizes`)
     with fork_rng(device):  # workers outnumbering the cores: what each keeps of one
-        sharing = measure_sharing_efficiency(model, share, loss_fn,
-                                             cores=workers_apart(world, device))  # fmt: skip
+        sharing = measure_sharing_efficiency(model, share, loss_fn, cores=apart)
+    # the sharded blocks priced alone, as the simulator shares cores (not for a declared
+    # cluster, whose devices are planned as the file says: one each)
+    shared = (apart, sharing) if declared is None else (None, 1.0)
+    with fork_rng(device):  # every worker: the sharded blocks are timed in their groups
+        ratios = tp_ratios(model, samples, degrees=tp_degrees(world, num_heads),
+                           sequence_parallel=(False, True), dtype=dtype, device=device,
+                           cores=shared[0], sharing_efficiency=shared[1])  # fmt: skip
     rank = dist.get_rank()
-    if 0 < rank < workers_apart(world, device):  # loads its core as in training while 0 times
+    if 0 < rank < apart:  # loads its core as in training while 0 times
         with fork_rng(device):
             measured_spec(model, samples, loss_fn, num_heads=num_heads, seq_len=seq_len,
                           dtype=dtype, device=device)  # fmt: skip
