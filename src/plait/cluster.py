@@ -80,7 +80,13 @@ class Device:
 
     `dispatch_s` is per block action because the block is the cost model's unit (a
     `BlockCost` carries FLOPs and bytes, no operator count) and the unit `plait profile`
-    times; a stage's action issues as many of them as it has blocks."""
+    times; a stage's action issues as many of them as it has blocks.
+
+    `message_s` is the time a rank's computing thread spends posting one message of a
+    pipeline boundary (a send or a receive, `plait.sim.replica`): on CPU workers gloo's
+    `isend`/`irecv` run on the thread that computes, 0.1-0.5 ms each on a 2-core host, where
+    a 4-stage pipeline's middle rank posts 16 a step; measured by `plait.profile.calibrate.
+    message_overheads` for local workers. 0: posting is free (NCCL's is asynchronous)."""
 
     name: str
     peak_flops: Mapping[str, float] = field(hash=False)
@@ -96,6 +102,7 @@ class Device:
     # time (`plait.emulate.slowdown`), so heterogeneous plans can be tried on one CPU
     slowdown: float = 1.0
     dispatch_s: float = 0.0
+    message_s: float = 0.0
 
     def __post_init__(self) -> None:
         owner = f"device {self.name!r}"
@@ -118,12 +125,14 @@ class Device:
         object.__setattr__(self, "codec_s_per_entry", codec)
         if not (isinstance(self.slowdown, int | float) and 1 <= self.slowdown < math.inf):
             raise ValueError(f"{owner}: slowdown={self.slowdown!r} must be a number >= 1")
-        number = isinstance(self.dispatch_s, int | float) and not isinstance(self.dispatch_s, bool)
-        if not (number and 0 <= self.dispatch_s < math.inf):
-            raise ValueError(
-                f"{owner}: dispatch_s={self.dispatch_s!r} must be a finite number of seconds "
-                ">= 0 (0: no host time per block action)"
-            )
+        for name, what in (("dispatch_s", "block action"), ("message_s", "message posted")):
+            value = getattr(self, name)
+            number = isinstance(value, int | float) and not isinstance(value, bool)
+            if not (number and 0 <= value < math.inf):
+                raise ValueError(
+                    f"{owner}: {name}={value!r} must be a finite number of seconds >= 0 "
+                    f"(0: no host time per {what})"
+                )
 
     def peak(self, dtype: str) -> float:
         """Peak FLOP/s in `dtype` (fp32 falls back on nothing: name what the device has)."""

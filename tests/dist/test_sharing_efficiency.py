@@ -88,3 +88,17 @@ def _pinned(rank: int, world: int) -> None:
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="pins workers to one core")
 def test_two_workers_on_one_core_keep_between_half_and_all_of_it(tmp_path: Path) -> None:
     run_world(tmp_path, 2, _pinned)
+
+
+def _posting(rank: int, world: int) -> None:
+    from plait.profile.calibrate import posting_s
+
+    found = posting_s(64 * 1024)
+    everyone = [0.0] * world
+    dist.all_gather_object(everyone, found)
+    assert everyone == [found] * world, everyone
+    assert 0.0 < found < 0.05, found  # posting a message takes time, not a step's worth
+
+
+def test_posting_a_message_is_measured_alike_on_every_rank(tmp_path: Path) -> None:
+    run_world(tmp_path, 2, _posting)

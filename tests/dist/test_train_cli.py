@@ -59,7 +59,8 @@ def test_auto_plan_profiles_plans_and_trains(tmp_path: Path) -> None:
 def test_auto_plan_of_workers_outnumbering_cores_measures_their_sharing(tmp_path: Path) -> None:
     """4 workers planned as if on 2 cores (`plait.mesh.host_cores`, what `init_worker`
     pins them by): the decision records the share of a core each kept while all four
-    computed, measured (`plait.profile.sharing`), which the planner priced them at."""
+    computed, measured (`plait.profile.sharing`), which the planner priced them at, and
+    the seconds a worker took to post a message (`plait.profile.calibrate.posting_s`)."""
     run_dir = tmp_path / "shared"
     code = main(["train", "--nproc", "4", "--max-steps", "2", "--run-dir", str(run_dir),
                  "--replan", *SMALL])  # fmt: skip
@@ -70,6 +71,8 @@ def test_auto_plan_of_workers_outnumbering_cores_measures_their_sharing(tmp_path
         assert decision["sharing_efficiency"] == 1.0
     else:  # two to a core: each keeps between half and all of its share
         assert 0.5 < decision["sharing_efficiency"] <= 1.0, decision
+    # CPU workers post pipeline messages on their computing thread: measured, not assumed
+    assert 0.0 < decision["message_s"] < 0.05, decision
 
 
 def test_plan_file_is_trained_as_written(tmp_path: Path) -> None:

@@ -182,9 +182,15 @@ def _worker(cfg: PlannerBenchConfig) -> dict[str, Any] | None:
     from plait.mesh import init_worker, release_kept
     from plait.models import GPT
     from plait.plan.io import plan_to_dict
+    from plait.profile.calibrate import posting_s
     from plait.profile.sharded import tp_degrees, tp_ratios
     from plait.profile.sharing import measure_sharing_efficiency
-    from plait.train.autoplan import local_cluster, measure_collectives, workers_apart
+    from plait.train.autoplan import (
+        boundary_bytes,
+        local_cluster,
+        measure_collectives,
+        workers_apart,
+    )
 
     single_thread()
     env, _ = init_worker(device="cpu")  # plans for this host's cores, measured on them
@@ -194,6 +200,7 @@ def _worker(cfg: PlannerBenchConfig) -> dict[str, Any] | None:
     apart = workers_apart(cfg.workers, torch.device("cpu"))  # those with a core of their own
     share = corpus.batch(0, max(1, cfg.batch_size // cfg.workers), cfg.seq_len)
     efficiency = measure_sharing_efficiency(_model(cfg, corpus), share, GPT.loss, cores=apart)
+    posting = posting_s(boundary_bytes(_model(cfg, corpus), share))
     # every worker: a block sharded in its group of each tp degree, timed as `--plan auto` does
     ratios = tp_ratios(_model(cfg, corpus), _samples(cfg, corpus),
                        degrees=tp_degrees(cfg.workers, cfg.heads), cores=apart,
@@ -204,7 +211,8 @@ def _worker(cfg: PlannerBenchConfig) -> dict[str, Any] | None:
         _spec(cfg, _model(cfg, corpus), corpus)  # loads its core while rank 0 times blocks
     if env.rank == 0:
         spec = _spec(cfg, _model(cfg, corpus), corpus, ratios)
-        cluster = local_cluster(cfg.workers, link, sharing_efficiency=efficiency)
+        cluster = local_cluster(cfg.workers, link, sharing_efficiency=efficiency,
+                                message_s=posting)  # fmt: skip
         box[0] = [plan_to_dict(r) for r in _grid(cfg, spec, cluster)]
     spent = time.perf_counter() - t0
     dist.broadcast_object_list(box, src=0)
@@ -215,7 +223,7 @@ def _worker(cfg: PlannerBenchConfig) -> dict[str, Any] | None:
     measured = [statistics.median(times) for times in zip(*rounds, strict=True)]
     spread = [(min(times), max(times)) for times in zip(*rounds, strict=True)]
     return {"plans": plans, "measured": measured, "spread": spread, "plan_seconds": spent,
-            "sharing_efficiency": efficiency}  # fmt: skip
+            "sharing_efficiency": efficiency, "message_s": posting}  # fmt: skip
 
 
 def _spearman(a: list[float], b: list[float]) -> float:
@@ -267,6 +275,8 @@ def run_bench(cfg: PlannerBenchConfig) -> dict[str, Any]:
         "plan_seconds": out["plan_seconds"],
         # the share of a core each of its workers keeps while they all compute, measured
         "sharing_efficiency": out["sharing_efficiency"],
+        # the seconds a worker's computing thread takes to post a pipeline message, measured
+        "message_s": out["message_s"],
     }
 
 

@@ -85,7 +85,7 @@ _KEYS = {
     "cluster": {"name", "inter_node", "nodes"},
     "link": {"latency_s", "bandwidth_Bps"},
     "device": _DEVICE_KEYS | {"memory_bandwidth_Bps", "host_bandwidth_Bps", "codec_s_per_entry",
-               "slowdown", "dispatch_s"},
+               "slowdown", "dispatch_s", "message_s"},
     "node": {"preset", "count", "devices_per_node", "device", "intra_node", "processors",
              "sharing_efficiency"},
 }  # fmt: skip
@@ -213,9 +213,9 @@ def cluster_to_toml(cluster: Cluster) -> str:
             lines += [f"processors = {group.processors}"]
             lines += [f"sharing_efficiency = {_toml(group.sharing_efficiency)}"]
         lines += [f"intra_node = {_toml(_fields(group.intra_node))}", "", "[nodes.device]"]
-        # dispatch_s only when known, so files written before it existed read back equal
+        # host times only when known, so files written before they existed read back equal
         lines += [f"{k} = {_toml(v)}" for k, v in _fields(group.device).items()
-                  if v != {} and not (k == "dispatch_s" and v == 0)]  # fmt: skip
+                  if v != {} and not (k in ("dispatch_s", "message_s") and v == 0)]  # fmt: skip
     return "\n".join(lines) + "\n"
 
 

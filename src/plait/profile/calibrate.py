@@ -37,6 +37,7 @@ __all__ = [
     "message_overheads",
     "optimizer_bandwidth",
     "pingpong",
+    "posting_s",
     "threads",
 ]
 
@@ -221,6 +222,22 @@ def message_overheads(
             pending.wait()
     dist.barrier()
     return tuple(statistics.median(x) if x else 0.0 for x in (sends, receives))  # type: ignore[return-value]
+
+
+def posting_s(num_bytes: int, *, device: torch.device | None = None) -> float:
+    """Seconds a worker's computing thread spends posting one message of `num_bytes` (a
+    send or a receive, between compute, `message_overheads`): the median over the ranks
+    that posted, every rank's answer alike (`Device.message_s`). Collective."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world < 2:
+        return 0.0
+    mine = message_overheads(rank, world - world % 2, num_bytes=num_bytes, device=device)
+    everyone: list[tuple[float, float]] = [(0.0, 0.0)] * world
+    dist.all_gather_object(everyone, mine)
+    posted = [t for pair in everyone for t in pair if t > 0]
+    return statistics.median(posted) if posted else 0.0
 
 
 def _compute(a: torch.Tensor, seconds: float) -> None:

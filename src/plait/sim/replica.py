@@ -122,6 +122,19 @@ class _Replica:
         steady = schedule.reach == 0 and schedule.policy == "sync"
         self.num_windows = 1 if steady else schedule.reach + 4
 
+    def _posting(self) -> list[float]:
+        """Per stage, the host seconds each of its forwards (and backwards) spends posting
+        the messages of its boundaries that cross ranks (`Device.message_s`): a forward
+        receives its input and sends its output, a backward (its input half when split)
+        receives the output's gradient and sends the input's; the same boundaries."""
+        s, place = self.s, self.s.stage_to_rank
+        out = []
+        for i in range(len(self.stages)):
+            peers = (s.prev_stage(i), s.next_stage(i))
+            crossing = sum(1 for j in peers if j is not None and place[j] != place[i])
+            out.append(crossing * self.devices[place[i]].message_s)
+        return out
+
     def _offloaded(self) -> list[tuple[float, float]]:
         """Per stage: (saved bytes its offloaded blocks move to the host per micro-batch, the
         largest of them: the one block whose activations are on the device while it
@@ -169,19 +182,19 @@ class _Replica:
             for i in range(n):
                 state = self._state(i).optimizer
                 update[i] += 2 * offload_time(state, self.devices[place[i]])
-        issue = self.issue
+        issue, post = self.issue, self._posting()
         return {
             Op.F: [
-                max(x.forward_s + y + h, issue[Op.F][i])
-                for i, (x, y, h) in enumerate(zip(t, g, host, strict=True))
+                max(x.forward_s + y + h, issue[Op.F][i]) + m
+                for i, (x, y, h, m) in enumerate(zip(t, g, host, post, strict=True))
             ],
             Op.B: [
-                max(x.backward_s + y + h, issue[Op.B][i])
-                for i, (x, y, h) in enumerate(zip(t, g, host, strict=True))
+                max(x.backward_s + y + h, issue[Op.B][i]) + m
+                for i, (x, y, h, m) in enumerate(zip(t, g, host, post, strict=True))
             ],
             Op.BI: [
-                max(x.backward_input_s + y + h, issue[Op.BI][i])
-                for i, (x, y, h) in enumerate(zip(t, g, host, strict=True))
+                max(x.backward_input_s + y + h, issue[Op.BI][i]) + m
+                for i, (x, y, h, m) in enumerate(zip(t, g, host, post, strict=True))
             ],
             Op.BW: [max(x.backward_weight_s, issue[Op.BW][i]) for i, x in enumerate(t)],
             Op.REDUCE: [self.dp_sync_time(i) for i in range(n)],

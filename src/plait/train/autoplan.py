@@ -29,12 +29,13 @@ from plait.mesh import host_cores
 from plait.plan import ModelSpec, SearchSpace, scaled_spec, search
 from plait.plan.io import parallel_plan_of, plan_to_dict
 from plait.profile import block_costs, measured_device, profile_model
-from plait.profile.calibrate import fit_link
+from plait.profile.calibrate import fit_link, posting_s
 from plait.profile.sharded import TPRatios, tp_degrees, tp_ratios
 from plait.profile.sharing import measure_sharing_efficiency
 
 __all__ = [
     "auto_plan",
+    "boundary_bytes",
     "declared_cluster",
     "local_cluster",
     "measure_collectives",
@@ -89,6 +90,15 @@ def _ring_link(samples: list[tuple[float, float]], n: int) -> Link:
     )
 
 
+def boundary_bytes(model: nn.Module, sample: tuple[Any, Any]) -> int:
+    """Bytes of what the model's first block hands the next for `sample`'s inputs: the
+    size of a pipeline boundary's message at that batch."""
+    with torch.no_grad():
+        out = as_blocks(model)[0](sample[0])
+    leaves = out if isinstance(out, tuple | list) else (out,)
+    return sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
+
+
 def parallel_plan_from(data: dict[str, Any]) -> ParallelPlan:
     """The engine's `ParallelPlan` from a plan file's dict (`plait plan --out`). The
     advice a hand-written layout gets (fewer micro-batches than stages idles some stages)
@@ -140,13 +150,15 @@ def local_cluster(
     sharing_efficiency: float = 1.0,
     device: str = "cpu",
     declared: Cluster | None = None,
+    message_s: float = 0.0,
 ) -> Cluster:
     """The local workers on `device` (a device type) as the planner sees them: a GPU each,
     or one core each, or, when they outnumber the `cores` (default: those the workers were
     started on, `plait.mesh.host_cores`, not a pinned worker's own), pinned to core i mod
     cores as `plait.mesh.init_worker` pins them and time-sharing it
-    (`NodeGroup.processors`). With `declared` (the `--cluster` file), rank r is that
-    file's device r instead (`_declared`)."""
+    (`NodeGroup.processors`). `message_s`: the seconds a worker's computing thread takes
+    to post a pipeline message (`plait.profile.calibrate.posting_s`). With `declared` (the
+    `--cluster` file), rank r is that file's device r instead (`_declared`)."""
     from plait.train.memcheck import worker_memory_bytes
 
     memory = int(worker_memory_bytes(world, device))
@@ -157,9 +169,10 @@ def local_cluster(
     )  # fmt: skip
     if declared is not None:
         return _declared(cluster, declared, world)
-    if world <= cores:
-        return cluster
-    group = replace(cluster.groups[0], processors=cores, sharing_efficiency=sharing_efficiency)
+    group = cluster.groups[0]
+    group = replace(group, device=replace(group.device, message_s=message_s))
+    if world > cores:
+        group = replace(group, processors=cores, sharing_efficiency=sharing_efficiency)
     return replace(cluster, groups=(group,))
 
 
@@ -236,12 +249,13 @@ def _search(
     declared: Cluster | None = None,
     tp_ratios: TPRatios | None = None,
     sharing: float = 1.0,
+    message_s: float = 0.0,
 ) -> dict[str, Any]:
     with fork_rng(device):
         spec = measured_spec(model, samples, loss_fn, num_heads=num_heads, seq_len=seq_len,
                              dtype=dtype, device=device, tp_ratios=tp_ratios)  # fmt: skip
     cluster = local_cluster(world, link, dtype, device=device.type, declared=declared,
-                            sharing_efficiency=sharing)  # fmt: skip
+                            sharing_efficiency=sharing, message_s=message_s)  # fmt: skip
     # a CPU worker's memory is the host's: moving state "to the host" frees none of it
     space = SearchSpace(dtype=dtype, allow_staleness=allow_staleness,
                         offload=device.type != "cpu")  # fmt: skip
@@ -287,6 +301,8 @@ def auto_plan(
     link = measure_collectives(device)
     apart = workers_apart(world, device)
     share = samples[len(samples) // 2]  # a worker's share of the batch (`profile_sizes`)
+    # CPU workers post messages on the thread that computes; NCCL's posting is asynchronous
+    posting = posting_s(boundary_bytes(model, share)) if device.type == "cpu" else 0.0
     with fork_rng(device):  # workers outnumbering the cores: what each keeps of one
         sharing = measure_sharing_efficiency(model, share, loss_fn, cores=apart)
     # the sharded blocks priced alone, as the simulator shares cores (not for a declared
@@ -305,8 +321,9 @@ def auto_plan(
         chosen = _search(model, samples, loss_fn, link, world, num_heads=num_heads,
                          seq_len=seq_len, global_batch=global_batch, dtype=dtype,
                          allow_staleness=allow_staleness, device=device,
-                         declared=declared, tp_ratios=ratios, sharing=sharing)  # fmt: skip
-        chosen["decision"] = _why("measured", world, link, sharing)
+                         declared=declared, tp_ratios=ratios, sharing=sharing,
+                         message_s=posting)  # fmt: skip
+        chosen["decision"] = _why("measured", world, link, sharing, posting)
         box[0] = decisions.save(key, chosen) if key is not None else chosen
     dist.broadcast_object_list(box, src=0)
     return dict(cast("dict[str, Any]", box[0]))  # mypy keeps box[0] as None from above
@@ -346,14 +363,17 @@ def preview_plan(cfg: Any, world: int) -> dict[str, Any]:
     return decisions.save(key, chosen)
 
 
-def _why(source: str, world: int, link: Link, sharing: float = 1.0) -> dict[str, Any]:
-    """What a decision was made from: who planned it, when, the link it assumed and the
-    share of a core each worker keeps when they outnumber the cores (1: each has one, or
-    previewed in one process, which cannot measure it)."""
+def _why(
+    source: str, world: int, link: Link, sharing: float = 1.0, message_s: float = 0.0
+) -> dict[str, Any]:
+    """What a decision was made from: who planned it, when, the link it assumed, the
+    share of a core each worker keeps when they outnumber the cores and the seconds a
+    CPU worker takes to post a message (1 and 0: each has a core or a GPU, or previewed
+    in one process, which cannot measure them)."""
     return {
         "source": source, "measured_at": time.time(), "workers": world,
         "link": {"latency_s": link.latency_s, "bandwidth_Bps": link.bandwidth_Bps},
-        "sharing_efficiency": sharing,
+        "sharing_efficiency": sharing, "message_s": message_s,
     }  # fmt: skip
 
 
