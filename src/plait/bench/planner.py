@@ -171,17 +171,15 @@ def _measure(cfg: PlannerBenchConfig, plan: dict[str, Any], corpus: Any) -> floa
     return statistics.median(times)
 
 
-def _worker(cfg: PlannerBenchConfig) -> dict[str, Any] | None:
-    """Measure how well workers time-share a core, profile and predict the grid (rank 0),
-    then measure every plan of the grid, round after round (all)."""
+def _inputs(cfg: PlannerBenchConfig, corpus: Any, rank: int) -> tuple[Any, Any, dict[str, Any]]:
+    """Everything a prediction is made from, measured now (a collective): the link, how
+    well workers time-share a core, what posting a message takes, the sharded blocks
+    (every worker, in its groups) and the blocks (rank 0, while the other workers on cores
+    of their own run them, as in training). Rank 0 gets (spec, cluster, figures)."""
     import torch
-    import torch.distributed as dist
 
-    from plait.bench._common import single_thread
-    from plait.data import stdlib_corpus
-    from plait.mesh import init_worker, release_kept
+    from plait.mesh import release_kept
     from plait.models import GPT
-    from plait.plan.io import plan_to_dict
     from plait.profile.calibrate import posting_s
     from plait.profile.sharded import tp_degrees, tp_ratios
     from plait.profile.sharing import measure_sharing_efficiency
@@ -192,11 +190,7 @@ def _worker(cfg: PlannerBenchConfig) -> dict[str, Any] | None:
         workers_apart,
     )
 
-    single_thread()
-    env, _ = init_worker(device="cpu")  # plans for this host's cores, measured on them
-    corpus = stdlib_corpus(max_chars=200_000)
     link = measure_collectives(torch.device("cpu"))
-    t0 = time.perf_counter()
     apart = workers_apart(cfg.workers, torch.device("cpu"))  # those with a core of their own
     share = corpus.batch(0, max(1, cfg.batch_size // cfg.workers), cfg.seq_len)
     efficiency = measure_sharing_efficiency(_model(cfg, corpus), share, GPT.loss, cores=apart)
@@ -206,24 +200,62 @@ def _worker(cfg: PlannerBenchConfig) -> dict[str, Any] | None:
                        degrees=tp_degrees(cfg.workers, cfg.heads), cores=apart,
                        sharing_efficiency=efficiency)  # fmt: skip
     release_kept()  # the groups the sharded blocks were timed in
-    box: list[Any] = [None]
-    if 0 < env.rank < apart:
+    if 0 < rank < apart:
         _spec(cfg, _model(cfg, corpus), corpus)  # loads its core while rank 0 times blocks
+    if rank != 0:
+        return None, None, {}
+    spec = _spec(cfg, _model(cfg, corpus), corpus, ratios)
+    cluster = local_cluster(cfg.workers, link, sharing_efficiency=efficiency, message_s=posting)
+    figures = {
+        "sharing_efficiency": efficiency,
+        "message_s": posting,
+        "link": {"latency_s": link.latency_s, "bandwidth_Bps": link.bandwidth_Bps},
+    }
+    return spec, cluster, figures
+
+
+def _predicted(spec: Any, cluster: Any, plan: dict[str, Any]) -> float:
+    """The step time the simulator predicts for `plan` (its own stage cut) from `spec`."""
+    from plait.plan.io import plan_from_dict
+    from plait.plan.predict import predict
+
+    p = plan_from_dict(plan)
+    return predict(list(spec.blocks_for(p)), cluster, p).result.step_time_s
+
+
+def _worker(cfg: PlannerBenchConfig) -> dict[str, Any] | None:
+    """Every round: measure the predictions' inputs and predict the grid (rank 0), then
+    measure every plan of the grid (all). The grid is the first round's planning."""
+    import torch.distributed as dist
+
+    from plait.bench._common import single_thread
+    from plait.data import stdlib_corpus
+    from plait.mesh import init_worker
+    from plait.plan.io import plan_to_dict
+
+    single_thread()
+    env, _ = init_worker(device="cpu")  # plans for this host's cores, measured on them
+    corpus = stdlib_corpus(max_chars=200_000)
+    t0 = time.perf_counter()
+    spec, cluster, figures = _inputs(cfg, corpus, env.rank)
+    box: list[Any] = [None]
     if env.rank == 0:
-        spec = _spec(cfg, _model(cfg, corpus), corpus, ratios)
-        cluster = local_cluster(cfg.workers, link, sharing_efficiency=efficiency,
-                                message_s=posting)  # fmt: skip
         box[0] = [plan_to_dict(r) for r in _grid(cfg, spec, cluster)]
     spent = time.perf_counter() - t0
     dist.broadcast_object_list(box, src=0)
     plans = box[0]
-    rounds = [[_measure(cfg, plan, corpus) for plan in plans] for _ in range(cfg.rounds)]
+    predicted, measured, seen = [], [], []
+    for r in range(cfg.rounds):
+        if r:
+            spec, cluster, figures = _inputs(cfg, corpus, env.rank)
+        if env.rank == 0:
+            predicted.append([_predicted(spec, cluster, plan) for plan in plans])
+            seen.append(figures)
+        measured.append([_measure(cfg, plan, corpus) for plan in plans])
     if env.rank != 0:
         return None
-    measured = [statistics.median(times) for times in zip(*rounds, strict=True)]
-    spread = [(min(times), max(times)) for times in zip(*rounds, strict=True)]
-    return {"plans": plans, "measured": measured, "spread": spread, "plan_seconds": spent,
-            "sharing_efficiency": efficiency, "message_s": posting}  # fmt: skip
+    return {"plans": plans, "predicted": predicted, "measured": measured, "inputs": seen,
+            "plan_seconds": spent}  # fmt: skip
 
 
 def _spearman(a: list[float], b: list[float]) -> float:
@@ -244,39 +276,63 @@ def _spearman(a: list[float], b: list[float]) -> float:
     return cov / var if var else 1.0
 
 
+def _scores(predicted: list[float], measured: list[float]) -> tuple[dict[str, float], int, int]:
+    """How well `predicted` step times match `measured` ones, with the pick (the least
+    predicted) and the measured best."""
+    errors = [abs(p - m) / m for p, m in zip(predicted, measured, strict=True)]
+    pick = min(range(len(predicted)), key=predicted.__getitem__)
+    best = min(range(len(measured)), key=measured.__getitem__)
+    return (
+        {
+            # |predicted - measured| / measured over every plan of the sweep
+            "median_abs_error": statistics.median(errors),
+            "max_abs_error": max(errors),
+            "pick_fraction_of_best": measured[best] / measured[pick],
+            "rank_correlation": _spearman(predicted, measured),
+        },
+        pick,
+        best,
+    )
+
+
 def run_bench(cfg: PlannerBenchConfig) -> dict[str, Any]:
     from plait.plan.io import plan_from_dict
     from plait.plan.search import describe
     from plait.train import launch
 
     out = next(r for r in launch(_worker, cfg.workers, cfg).values() if r is not None)
-    plans, measured = out["plans"], out["measured"]
-    predicted = [p["predicted"]["step_time_s"] for p in plans]
-    pick = min(range(len(plans)), key=predicted.__getitem__)
-    best = min(range(len(plans)), key=measured.__getitem__)
+    plans = out["plans"]
+    # each plan's figure: the median over rounds of what was measured, and of what each
+    # round's inputs predicted
+    measured = [statistics.median(t) for t in zip(*out["measured"], strict=True)]
+    predicted = [statistics.median(t) for t in zip(*out["predicted"], strict=True)]
+    scores, pick, best = _scores(predicted, measured)
     rows = [
         {"plan": describe(plan_from_dict(p)), "predicted_step_s": predicted[i],
          "measured_step_s": measured[i], "error": (predicted[i] - measured[i]) / measured[i],
-         "measured_spread_s": list(out["spread"][i])}
+         "measured_spread_s": [min(t[i] for t in out["measured"]),
+                               max(t[i] for t in out["measured"])],
+         "predicted_spread_s": [min(t[i] for t in out["predicted"]),
+                                max(t[i] for t in out["predicted"])]}
         for i, p in enumerate(plans)
     ]  # fmt: skip
-    errors = [abs(p - m) / m for p, m in zip(predicted, measured, strict=True)]
+    inputs = out["inputs"]
     return {
         "config": asdict(cfg),
         "plans": rows,
-        # |predicted - measured| / measured over every plan of the sweep
-        "median_abs_error": statistics.median(errors),
-        "max_abs_error": max(errors),
+        **scores,
         "kinds": sorted({plan_from_dict(p).schedule for p in plans}),
         "pick": rows[pick]["plan"],
         "measured_best": rows[best]["plan"],
-        "pick_fraction_of_best": measured[best] / measured[pick],
-        "rank_correlation": _spearman(predicted, measured),
         "plan_seconds": out["plan_seconds"],
-        # the share of a core each of its workers keeps while they all compute, measured
-        "sharing_efficiency": out["sharing_efficiency"],
-        # the seconds a worker's computing thread takes to post a pipeline message, measured
-        "message_s": out["message_s"],
+        # the share of a core each of its workers keeps while they all compute, and the
+        # seconds a worker's computing thread takes to post a pipeline message: measured
+        # each round, their medians
+        "sharing_efficiency": statistics.median(f["sharing_efficiency"] for f in inputs),
+        "message_s": statistics.median(f["message_s"] for f in inputs),
+        "inputs": inputs,
+        # the same scores from the first round's inputs alone, as `--plan auto` plans
+        "first_round": _scores(out["predicted"][0], measured)[0],
     }
 
 
