@@ -84,9 +84,11 @@ class Device:
 
     `message_s` is the time a rank's computing thread spends posting one message of a
     pipeline boundary (a send or a receive, `plait.sim.replica`): on CPU workers gloo's
-    `isend`/`irecv` run on the thread that computes, 0.1-0.5 ms each on a 2-core host, where
-    a 4-stage pipeline's middle rank posts 16 a step; measured by `plait.profile.calibrate.
-    message_overheads` for local workers. 0: posting is free (NCCL's is asynchronous)."""
+    `isend`/`irecv` run on the thread that computes (0.08-0.13 ms each among 4 workers on a
+    2-core host, where the runtime's send and receive actions with their bookkeeping took
+    0.1-0.5 ms, and a 4-stage pipeline's middle rank posts 16 a step); measured for local
+    workers by `plait.profile.calibrate.posting_s`. 0: posting is free (NCCL's is
+    asynchronous)."""
 
     name: str
     peak_flops: Mapping[str, float] = field(hash=False)

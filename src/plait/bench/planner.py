@@ -6,22 +6,28 @@ other workers on cores of their own run the same blocks, as in training; and eac
 of tp workers a block sharded among them, `plait.profile.sharded`), the planner
 predicts every plan of the grid (all (dp, tp, pp) factorisations of the workers, each
 schedule, two micro-batch counts) on a cluster of the local workers, and then every plan
-is trained for a few steps with the real engine. Printed: the planner's pick, the
-measured best, the pick's measured throughput as a fraction of the best
-(`pick_fraction_of_best`) and the Spearman rank correlation between predicted and
+is trained for a few steps with the real engine. This is one round; each later round
+measures the inputs again (profile, link, sharing efficiency, message posting) and
+predicts the same plans from them before training them again, and each plan's predicted
+and measured step times are the medians over rounds: on this host a block's time moves by
+a third from one second to the next (a profile of one forward and backward read 19-21 ms
+or 25-30 ms in turns over 200 s), so inputs measured once are one draw where the steps
+they predict are medians over minutes. The first round's scores alone, what planning
+once as `--plan auto` does gives, are printed beside (`first_round`). Printed: the
+planner's pick, the measured best, the pick's measured throughput as a fraction of the
+best (`pick_fraction_of_best`) and the Spearman rank correlation between predicted and
 measured step times (`rank_correlation`), and the median of the predictions' relative
 errors (`median_abs_error`). Targets: 0.95, 0.8 and 10%.
 
 Four workers share this machine's two cores, pinned two to a core; the planner's local
 cluster says so, and the simulator shares each core among the workers computing on it,
-each at the sharing efficiency over two of its speed. That efficiency is measured as the
-model defines it, before anything of the grid runs (`plait.profile.sharing`): the model's
-forward and backward timed by one worker a core, then by all four at once. It used to be
-fitted to a reference plan's median step (a 4-stage 1F1B pipeline, measured in turns
-among the grid's plans), which absorbed whatever else a pipeline lost: fits of 0.38-0.48,
-where two processes looping a block on one core keep 0.85-0.93 of its speed, had the
-data-parallel plans predicted 33-87% over their steps. Nothing measured of the grid
-enters a prediction.
+each at the sharing efficiency over two of its speed. That efficiency is measured before the
+round's plans run (`plait.profile.sharing`): the CPU seconds of the model's forward and
+backward by one worker a core, against those of the pass while all four train at once
+with their gradients all-reduced. It used to be fitted to a reference plan's median step
+(a 4-stage 1F1B pipeline, measured in turns among the grid's plans), which absorbed
+whatever else a pipeline lost: fits of 0.38-0.48 had the data-parallel plans predicted
+33-87% over their steps. Nothing measured of the grid enters a prediction.
 
 Each plan's engine releases its pipeline channels (`Engine.close`) and its meshes
 (`plait.mesh.release_kept`) once measured, so every plan runs with its own groups only, as
@@ -352,8 +358,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--steps", type=int, default=4)
     a("--warmup", type=int, default=1)
     a("--rounds", type=int, default=3,
-      help="measure every plan once a round, this many rounds; each plan's time is the "
-      "median over rounds (3; a round takes about 4 minutes here)")  # fmt: skip
+      help="measure the inputs and every plan once a round, this many rounds; each plan's "
+      "predicted and measured times are medians over rounds (3; a round takes about 2 "
+      "minutes here)")  # fmt: skip
     a("--schedules", type=_kinds, default=(), metavar="KINDS",
       help="schedule kinds of the grid, comma-separated (every synchronous kind the "
       "planner searches)")  # fmt: skip

@@ -7,6 +7,8 @@ is the issue time of one block's forward or backward, measured by `plait profile
 per device in a cluster file; 0 leaves every action device-bound. When one process issues
 every pipeline stage's actions (torchgpipe's runner, `SimPlan.single_process`), their
 issue times share one host timeline: `host_window_s` is their sum over one window.
+Where the thread that computes also posts the pipeline's messages (gloo on CPU workers),
+`posting_times` is what each action adds for them (`Device.message_s`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from plait.cluster import Device
 from plait.cost import StageCost
 from plait.schedule import Op, Schedule
 
-__all__ = ["host_window_s", "issue_times"]
+__all__ = ["host_window_s", "issue_times", "posting_times"]
 
 
 def issue_times(
@@ -41,3 +43,16 @@ def host_window_s(schedule: Schedule, issue: dict[Op, list[float]]) -> float:
     """Host seconds to issue one window's compute actions of every pipeline rank: the
     least a step takes when one process issues them all."""
     return sum(issue[a.op][a.stage] for program in schedule.ranks for a in program if a.op in issue)
+
+
+def posting_times(schedule: Schedule, devices: Sequence[Device]) -> list[float]:
+    """Per stage, the host seconds each of its forwards (and backwards) spends posting the
+    messages of its boundaries that cross ranks (`Device.message_s` of the stage's device
+    `devices[s]`): a forward receives its input and sends its output, a backward (its input
+    half when split) receives the output's gradient and sends the input's."""
+    place, out = schedule.stage_to_rank, []
+    for i, device in enumerate(devices):
+        peers = (schedule.prev_stage(i), schedule.next_stage(i))
+        crossing = sum(1 for j in peers if j is not None and place[j] != place[i])
+        out.append(crossing * device.message_s)
+    return out

@@ -51,7 +51,7 @@ from plait.cost import (
 from plait.offload import offloaded_blocks
 from plait.schedule import Op, Replay, Schedule, Unrolled, window_ends
 from plait.sim.cores import replica_sharing
-from plait.sim.host import host_window_s, issue_times
+from plait.sim.host import host_window_s, issue_times, posting_times
 from plait.sim.plan import SimPlan
 from plait.sim.replays import replayed, walked
 from plait.sim.result import MemoryUse, RankReport
@@ -122,19 +122,6 @@ class _Replica:
         steady = schedule.reach == 0 and schedule.policy == "sync"
         self.num_windows = 1 if steady else schedule.reach + 4
 
-    def _posting(self) -> list[float]:
-        """Per stage, the host seconds each of its forwards (and backwards) spends posting
-        the messages of its boundaries that cross ranks (`Device.message_s`): a forward
-        receives its input and sends its output, a backward (its input half when split)
-        receives the output's gradient and sends the input's; the same boundaries."""
-        s, place = self.s, self.s.stage_to_rank
-        out = []
-        for i in range(len(self.stages)):
-            peers = (s.prev_stage(i), s.next_stage(i))
-            crossing = sum(1 for j in peers if j is not None and place[j] != place[i])
-            out.append(crossing * self.devices[place[i]].message_s)
-        return out
-
     def _offloaded(self) -> list[tuple[float, float]]:
         """Per stage: (saved bytes its offloaded blocks move to the host per micro-batch, the
         largest of them: the one block whose activations are on the device while it
@@ -182,7 +169,8 @@ class _Replica:
             for i in range(n):
                 state = self._state(i).optimizer
                 update[i] += 2 * offload_time(state, self.devices[place[i]])
-        issue, post = self.issue, self._posting()
+        issue = self.issue
+        post = posting_times(self.s, [self.devices[place[i]] for i in range(n)])
         return {
             Op.F: [
                 max(x.forward_s + y + h, issue[Op.F][i]) + m
