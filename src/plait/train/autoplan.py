@@ -303,15 +303,14 @@ def auto_plan(
     share = samples[len(samples) // 2]  # a worker's share of the batch (`profile_sizes`)
     # CPU workers post messages on the thread that computes; NCCL's posting is asynchronous
     posting = posting_s(boundary_bytes(model, share)) if device.type == "cpu" else 0.0
+    # a declared cluster's devices are planned as the file says, one each: none shared
+    cores = apart if declared is None else world
     with fork_rng(device):  # workers outnumbering the cores: what each keeps of one
-        sharing = measure_sharing_efficiency(model, share, loss_fn, cores=apart)
-    # the sharded blocks priced alone, as the simulator shares cores (not for a declared
-    # cluster, whose devices are planned as the file says: one each)
-    shared = (apart, sharing) if declared is None else (None, 1.0)
+        sharing = measure_sharing_efficiency(model, share, loss_fn, cores=cores)
     with fork_rng(device):  # every worker: the sharded blocks are timed in their groups
         ratios = tp_ratios(model, samples, degrees=tp_degrees(world, num_heads),
                            sequence_parallel=(False, True), dtype=dtype, device=device,
-                           cores=shared[0], sharing_efficiency=shared[1])  # fmt: skip
+                           cores=cores, sharing_efficiency=sharing)  # fmt: skip
     rank = dist.get_rank()
     if 0 < rank < apart:  # loads its core as in training while 0 times
         with fork_rng(device):
