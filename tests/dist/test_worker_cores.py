@@ -18,7 +18,7 @@ pytestmark = [
 def _seen(world: int) -> tuple[int, int, int | None, bool]:
     from plait.cluster import local_cpu
     from plait.mesh import host_cores, init_worker
-    from plait.train.autoplan import local_cluster
+    from plait.train.planinputs import local_cluster
 
     init_worker(device="cpu")
     cluster = local_cluster(world, local_cpu(devices=1).groups[0].intra_node)

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from plait.profile.calibrate import pingpong
 from plait.schedule import build
-from plait.train.autoplan import measure_collectives
+from plait.train.planinputs import measure_collectives
 from plait.train.repartition import stage_seconds
 
 META = torch.device("meta")
@@ -61,7 +61,7 @@ def test_the_measured_link_reproduces_a_ring_all_reduce(monkeypatch: pytest.Monk
     monkeypatch.setattr(dist, "all_reduce", all_reduce)
     monkeypatch.setattr(dist, "barrier", lambda *a, **k: None)
     monkeypatch.setattr(dist, "get_world_size", lambda *a, **k: 4)
-    monkeypatch.setattr("plait.train.autoplan.timer", lambda device: lambda: clock[0])
+    monkeypatch.setattr("plait.train.planinputs.timer", lambda device: lambda: clock[0])
     link = measure_collectives(torch.device("cpu"), repeats=7)
     assert link.latency_s == pytest.approx(50e-6, rel=1e-6)
     assert link.bandwidth_Bps == pytest.approx(1e9, rel=1e-6)

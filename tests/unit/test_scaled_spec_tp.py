@@ -107,7 +107,7 @@ def test_sharded_times_bend_with_the_measured_sizes() -> None:
 
 
 def test_the_planner_measures_up_to_the_largest_micro_batch_a_plan_may_take() -> None:
-    from plait.train.autoplan import profile_sizes
+    from plait.train.planinputs import profile_sizes
 
     # one sample, a worker's share (16 / 4), the largest size of the space dividing 16
     assert profile_sizes(16, 4) == [1, 4, 16]

@@ -172,7 +172,7 @@ def test_a_declared_cluster_makes_a_node_of_each_kind_on_cores_of_their_own() ->
     """`--cluster FILE`: the planner sees the file's devices (their slowdown, their memory
     up to a worker's share, their nodes), each on a core of its own however few cores this
     host has: the file states the hardware, so pipelines of different depths are planned."""
-    from plait.train.autoplan import local_cluster
+    from plait.train.planinputs import local_cluster
 
     link = Link(latency_s=1e-5, bandwidth_Bps=1e9)
     declared = _declared((1.0, 1.0, 3.0, 3.0), (2**40, 2**40, 2**20, 2**20))

@@ -110,19 +110,11 @@ def _grid(cfg: PlannerBenchConfig, spec: Any, cluster: Any) -> list[Any]:
 
 
 def _samples(cfg: PlannerBenchConfig, corpus: Any) -> list[Any]:
-    from plait.train.autoplan import profile_sizes
+    from plait.train.planinputs import profile_sizes
 
     largest = cfg.batch_size // min(cfg.microbatch_counts)  # the grid's largest micro-batch
     sizes = profile_sizes(cfg.batch_size, cfg.workers, largest)
     return [corpus.batch(0, b, cfg.seq_len) for b in sizes]
-
-
-def _spec(cfg: PlannerBenchConfig, model: Any, corpus: Any, ratios: Any = None) -> Any:
-    from plait.models import GPT
-    from plait.train.autoplan import measured_spec
-
-    return measured_spec(model, _samples(cfg, corpus), GPT.loss, num_heads=cfg.heads,
-                         seq_len=cfg.seq_len, tp_ratios=ratios)  # fmt: skip
 
 
 def _model(cfg: PlannerBenchConfig, corpus: Any) -> Any:
@@ -178,46 +170,36 @@ def _measure(cfg: PlannerBenchConfig, plan: dict[str, Any], corpus: Any) -> floa
 
 
 def _inputs(cfg: PlannerBenchConfig, corpus: Any, rank: int) -> tuple[Any, Any, dict[str, Any]]:
-    """Everything a prediction is made from, measured now (a collective): the link, how
-    well workers time-share a core, what posting a message takes, the sharded blocks
-    (every worker, in its groups) and the blocks (rank 0, while the other workers on cores
-    of their own run them, as in training). Rank 0 gets (spec, cluster, figures)."""
+    """Everything a prediction is made from, measured now as `--plan auto` measures it (a
+    collective, `plait.train.planinputs`): the link, how well workers time-share a core,
+    what posting a message takes, the sharded blocks (every worker, in its groups) and the
+    blocks (rank 0, while the other workers on cores of their own run them, as in
+    training). Rank 0 gets (spec, cluster, figures)."""
     import torch
 
     from plait.mesh import release_kept
     from plait.models import GPT
-    from plait.profile.calibrate import posting_s
-    from plait.profile.sharded import tp_degrees, tp_ratios
-    from plait.profile.sharing import measure_sharing_efficiency
-    from plait.train.autoplan import (
-        boundary_bytes,
-        local_cluster,
-        measure_collectives,
-        workers_apart,
-    )
+    from plait.train.planinputs import measure_inputs, planning_view
 
-    link = measure_collectives(torch.device("cpu"))
-    apart = workers_apart(cfg.workers, torch.device("cpu"))  # those with a core of their own
-    share = corpus.batch(0, max(1, cfg.batch_size // cfg.workers), cfg.seq_len)
-    efficiency = measure_sharing_efficiency(_model(cfg, corpus), share, GPT.loss, cores=apart)
-    posting = posting_s(boundary_bytes(_model(cfg, corpus), share))
-    # every worker: a block sharded in its group of each tp degree, timed as `--plan auto` does
-    ratios = tp_ratios(_model(cfg, corpus), _samples(cfg, corpus),
-                       degrees=tp_degrees(cfg.workers, cfg.heads), cores=apart,
-                       sharing_efficiency=efficiency)  # fmt: skip
+    samples = _samples(cfg, corpus)
+    cpu = torch.device("cpu")
+    # the grid has no sequence-parallel plan: its ratio is not measured
+    inputs = measure_inputs(_model(cfg, corpus), samples, GPT.loss, num_heads=cfg.heads,
+                            seq_len=cfg.seq_len, device=cpu,
+                            sequence_parallel=(False,))  # fmt: skip
+    spec = cluster = None
+    if rank == 0:
+        spec, cluster = planning_view(_model(cfg, corpus), samples, GPT.loss, inputs,
+                                      cfg.workers, num_heads=cfg.heads, seq_len=cfg.seq_len,
+                                      device=cpu)  # fmt: skip
     release_kept()  # the groups the sharded blocks were timed in
-    if 0 < rank < apart:
-        _spec(cfg, _model(cfg, corpus), corpus)  # loads its core while rank 0 times blocks
-    if rank != 0:
-        return None, None, {}
-    spec = _spec(cfg, _model(cfg, corpus), corpus, ratios)
-    cluster = local_cluster(cfg.workers, link, sharing_efficiency=efficiency, message_s=posting)
+    link = inputs.link
     figures = {
-        "sharing_efficiency": efficiency,
-        "message_s": posting,
+        "sharing_efficiency": inputs.sharing,
+        "message_s": inputs.message_s,
         "link": {"latency_s": link.latency_s, "bandwidth_Bps": link.bandwidth_Bps},
     }
-    return spec, cluster, figures
+    return spec, cluster, figures if rank == 0 else {}
 
 
 def _predicted(spec: Any, cluster: Any, plan: dict[str, Any]) -> float:

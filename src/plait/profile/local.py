@@ -8,7 +8,7 @@ TF32 as torch is set), a CPU's on 512² with the workers' one intra-op thread. T
 timed by copying buffers from one GPU to the next (NVLink or PCIe, as the host routes it)
 and fitted to the alpha-beta model; with one GPU, or on CPU workers, there is no device
 link to measure (CPU workers' gloo links are measured by the workers themselves,
-`plait.train.autoplan.measure_collectives`).
+`plait.train.planinputs.measure_collectives`).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """What a tensor-parallel block costs, measured across the workers that would run it.
 
-The planner's measured model (`plait.train.autoplan.measured_spec`) times each block whole
+The planner's measured model (`plait.train.planinputs.measured_spec`) times each block whole
 on one worker. Under tensor parallelism the cost model divides a sharded block's work by
 tp and adds its activation all-reduces at the measured link, which is what a large layer
 on a GPU costs. On small layers (and on CPU workers) a sharded block costs far more: each
