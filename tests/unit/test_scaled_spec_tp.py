@@ -144,3 +144,15 @@ def test_a_split_backward_takes_its_halves_own_measured_shares(b: int) -> None:
     full = spec.blocks_for(Plan(tp=2, schedule="1f1b", pp=2, microbatches=4, micro_batch_size=b))
     assert full[1].backward_input_flops == pytest.approx(_through(4.0 * BI1, 1.5 * BI8, b))
     assert full[1].backward_weight_flops == pytest.approx(_through(4.0 * BW1, 1.5 * BW8, b))
+
+
+def test_profiled_seconds_reads_a_measured_spec_back_in_seconds() -> None:
+    from plait.train.planinputs import profiled_seconds
+
+    # measured specs hold seconds as FLOPs at 1e9 FLOP/s; a block of 2 ms forward, 1.5 ms
+    # backward for the input and 0.5 ms for the weights per sample, three of them
+    def costs(b: int, layout: object) -> list[BlockCost]:
+        return [_block(f"b{i}", 2e6 * b, 1.5e6 * b, 0.5e6 * b) for i in range(3)]
+
+    spec = ModelSpec(name="m", num_blocks=3, seq_len=8, num_heads=1, costs=costs)
+    assert profiled_seconds(spec, 4) == pytest.approx(3 * 4 * 4e-3, rel=1e-12)

@@ -179,7 +179,7 @@ def _inputs(cfg: PlannerBenchConfig, corpus: Any, rank: int) -> tuple[Any, Any, 
 
     from plait.mesh import release_kept
     from plait.models import GPT
-    from plait.train.planinputs import measure_inputs, planning_view
+    from plait.train.planinputs import measure_inputs, planning_view, profiled_seconds
 
     samples = _samples(cfg, corpus)
     cpu = torch.device("cpu")
@@ -193,13 +193,19 @@ def _inputs(cfg: PlannerBenchConfig, corpus: Any, rank: int) -> tuple[Any, Any, 
                                       cfg.workers, num_heads=cfg.heads, seq_len=cfg.seq_len,
                                       device=cpu)  # fmt: skip
     release_kept()  # the groups the sharded blocks were timed in
+    if spec is None:  # not rank 0
+        return None, None, {}
     link = inputs.link
+    share = max(1, cfg.batch_size // cfg.workers)
     figures = {
+        # one forward and backward of the model at a worker's share, as profiled: how far
+        # the host's speed moved between rounds
+        "profiled_s": profiled_seconds(spec, share),
         "sharing_efficiency": inputs.sharing,
         "message_s": inputs.message_s,
         "link": {"latency_s": link.latency_s, "bandwidth_Bps": link.bandwidth_Bps},
     }
-    return spec, cluster, figures if rank == 0 else {}
+    return spec, cluster, figures
 
 
 def _predicted(spec: Any, cluster: Any, plan: dict[str, Any]) -> float:
@@ -318,6 +324,12 @@ def run_bench(cfg: PlannerBenchConfig) -> dict[str, Any]:
         # each round, their medians
         "sharing_efficiency": statistics.median(f["sharing_efficiency"] for f in inputs),
         "message_s": statistics.median(f["message_s"] for f in inputs),
+        # the profile of one forward and backward at a worker's share, least and most over
+        # the rounds: the host's own drift, which no prediction can follow
+        "profiled_spread_s": [
+            min(f["profiled_s"] for f in inputs),
+            max(f["profiled_s"] for f in inputs),
+        ],
         "inputs": inputs,
         # the same scores from the first round's inputs alone, as `--plan auto` plans
         "first_round": _scores(out["predicted"][0], measured)[0],

@@ -37,6 +37,7 @@ __all__ = [
     "measured_spec",
     "planning_view",
     "profile_sizes",
+    "profiled_seconds",
     "workers_apart",
 ]
 
@@ -285,3 +286,13 @@ def planning_view(
                             declared=declared, sharing_efficiency=inputs.sharing,
                             message_s=inputs.message_s)  # fmt: skip
     return spec, cluster
+
+
+def profiled_seconds(spec: ModelSpec, micro_batch_size: int) -> float:
+    """Seconds of one forward and backward of every block of `spec` (a `measured_spec`)
+    at `micro_batch_size`, on one worker: what the profile read, back from its FLOPs."""
+    from plait.sim import SimPlan
+
+    blocks = spec.blocks(micro_batch_size, SimPlan())  # no tp, sp, ep or cp
+    return sum(b.forward_flops + b.backward_input_flops + b.backward_weight_flops
+               for b in blocks) / _SPEED  # fmt: skip
