@@ -24,7 +24,7 @@ from torch import nn
 from plait.cluster import Cluster
 from plait.config import ParallelPlan
 from plait.device import current
-from plait.plan import SearchSpace, search
+from plait.plan import ModelSpec, SearchSpace, search
 from plait.plan.io import parallel_plan_of, plan_to_dict
 from plait.train.planinputs import PlanInputs, measure_inputs, planning_view, profile_sizes
 
@@ -54,23 +54,9 @@ def plan_samples(task: Any, batch_size: int, world: int) -> list[tuple[Any, Any]
 
 
 def _search(
-    model: nn.Module,
-    samples: list[tuple[Any, Any]],
-    loss_fn: Any,
-    inputs: PlanInputs,
-    world: int,
-    *,
-    num_heads: int,
-    seq_len: int,
-    global_batch: int,
-    dtype: str,
-    allow_staleness: bool,
+    spec: ModelSpec, cluster: Cluster, *, global_batch: int, dtype: str, allow_staleness: bool,
     device: torch.device,
-    declared: Cluster | None = None,
-) -> dict[str, Any]:
-    spec, cluster = planning_view(model, samples, loss_fn, inputs, world, num_heads=num_heads,
-                                  seq_len=seq_len, dtype=dtype, device=device,
-                                  declared=declared)  # fmt: skip
+) -> dict[str, Any]:  # fmt: skip
     # a CPU worker's memory is the host's: moving state "to the host" frees none of it
     space = SearchSpace(dtype=dtype, allow_staleness=allow_staleness,
                         offload=device.type != "cpu")  # fmt: skip
@@ -116,10 +102,11 @@ def auto_plan(
     inputs = measure_inputs(model, samples, loss_fn, num_heads=num_heads, seq_len=seq_len,
                             device=device, dtype=dtype, declared=declared)  # fmt: skip
     if dist.get_rank() == 0:
-        chosen = _search(model, samples, loss_fn, inputs, world, num_heads=num_heads,
-                         seq_len=seq_len, global_batch=global_batch, dtype=dtype,
-                         allow_staleness=allow_staleness, device=device,
-                         declared=declared)  # fmt: skip
+        view = planning_view(model, samples, loss_fn, inputs, world, num_heads=num_heads,
+                             seq_len=seq_len, dtype=dtype, device=device,
+                             declared=declared)  # fmt: skip
+        chosen = _search(*view, global_batch=global_batch, dtype=dtype,
+                         allow_staleness=allow_staleness, device=device)  # fmt: skip
         chosen["decision"] = _why("measured", world, inputs)
         box[0] = decisions.save(key, chosen) if key is not None else chosen
     dist.broadcast_object_list(box, src=0)
@@ -149,11 +136,12 @@ def preview_plan(cfg: Any, world: int) -> dict[str, Any]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        chosen = _search(task.model(), plan_samples(task, cfg.batch_size, world), task.loss,
-                         PlanInputs(link), world, num_heads=task.num_heads, seq_len=task.seq_len,
-                         global_batch=cfg.batch_size, dtype=cfg.parallel.dtype,
-                         allow_staleness=cfg.allow_staleness, device=device,
-                         declared=declared_cluster(cfg, world))  # fmt: skip
+        view = planning_view(task.model(), plan_samples(task, cfg.batch_size, world),
+                             task.loss, PlanInputs(link), world, num_heads=task.num_heads,
+                             seq_len=task.seq_len, dtype=cfg.parallel.dtype, device=device,
+                             declared=declared_cluster(cfg, world))  # fmt: skip
+        chosen = _search(*view, global_batch=cfg.batch_size, dtype=cfg.parallel.dtype,
+                         allow_staleness=cfg.allow_staleness, device=device)  # fmt: skip
     finally:
         torch.set_num_threads(threads)
     chosen["decision"] = _why("previewed", world, PlanInputs(link))
