@@ -29,6 +29,7 @@ __all__ = [
     "host_cores",
     "init_worker",
     "kept",
+    "kept_keys",
     "launched_env",
     "node_of",
     "pipeline_mesh",
@@ -84,11 +85,10 @@ def expert_grid(layout: Layout) -> list[list[list[int]]]:
     return [[layout.ranks("ep", r) for r in layout.ranks("edp", first)] for first in firsts]
 
 
-# Communicators made for the current default group, kept by what they connect: another
-# engine on the same ranks in this process (a benchmark's sweep, a notebook) reuses them.
-# Each new one costs gloo's connection threads, freed only when it is destroyed
-# (`release_kept`): a sweep of 46 plans on 4 workers reached 4,400 threads, and two
-# thirds of the CPU time went to the kernel.
+# Communicators made for the current default group, kept by what they connect for another
+# engine on the same ranks in this process to reuse (a sweep, a notebook). Each new one
+# costs gloo's connection threads until destroyed (`release_kept`): a sweep of 46 plans on
+# 4 workers reached 4,400 threads, two thirds of the CPU time in the kernel.
 _kept: dict[Hashable, Any] = {}
 _WORLD = object()  # the key under which `_kept` remembers which default group it is for
 _T = TypeVar("_T")
@@ -107,18 +107,24 @@ def kept(key: Hashable, make: Callable[[], _T]) -> _T:
     return cast(_T, _kept[key])
 
 
-def release_kept() -> None:
-    """Destroy every communicator `kept` holds and forget them: the next engine makes its
-    own. For a process that measures engines of many layouts one after another (a sweep):
-    each layout's groups otherwise live on with their gloo threads and slow every plan
-    measured after them. Collective: every rank calls it, once no engine uses them (an
-    engine dropped but not yet collected holds its groups: this collects first)."""
+def kept_keys() -> frozenset[Hashable]:
+    """The keys `kept` holds now: `release_kept(keys=...)` of those made after it."""
+    return frozenset(_kept)
+
+
+def release_kept(keys: Collection[Hashable] | None = None) -> None:
+    """Destroy every communicator `kept` holds (or those under `keys`) and forget them: the
+    next engine makes its own. For a process that measures engines of many layouts one
+    after another (a sweep): each layout's groups otherwise live on with their gloo threads
+    and slow every plan measured after them. Collective: every rank calls it, once no engine
+    uses them (an engine dropped but not yet collected holds its groups: collected first)."""
     gc.collect()
+    chosen = [v for k, v in _kept.items() if keys is None or (k in keys and k is not _WORLD)]
     groups: dict[str, dist.ProcessGroup] = {}  # by name: a mesh may hand out a new wrapper
-    meshes = [m for v in _kept.values() if isinstance(v, Meshes)
+    meshes = [m for v in chosen if isinstance(v, Meshes)
               for m in (v.main, v.expert, v.flat_dp, v.flat_dp_cp) if m is not None]  # fmt: skip
     for group in [g for m in meshes for g in m.get_all_groups()] + [
-        v for v in _kept.values() if isinstance(v, dist.ProcessGroup)
+        v for v in chosen if isinstance(v, dist.ProcessGroup)
     ]:
         groups[group.group_name] = group
     # a mesh dimension over every rank is the default group itself, which stays
@@ -128,7 +134,8 @@ def release_kept() -> None:
     # DTensor specs cached inside torch keep theirs; emptied, they hold only names
     for mesh in meshes:
         getattr(mesh, "_pg_registry", {}).clear()
-    _kept.clear()
+    for key in list(_kept) if keys is None else [k for k in keys if k is not _WORLD]:
+        _kept.pop(key, None)
     # DTensor's sharding and redistribution caches key on meshes by value: a new mesh of the
     # same ranks would be handed specs naming the destroyed groups
     from torch.distributed.tensor import _redistribute, debug

@@ -135,3 +135,29 @@ def _released_tensor_parallel(rank: int, world: int) -> None:
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
 def test_a_tensor_parallel_engine_after_release_trains_on_new_groups(tmp_path: Path) -> None:
     run_world(tmp_path, 4, _released_tensor_parallel)
+
+
+def _released_since(rank: int, world: int) -> None:
+    # `--plan auto` times sharded blocks in meshes it then releases, and only those: a mesh
+    # kept before (a caller's engine) still reduces over its groups afterwards
+    from plait.layout import Layout
+    from plait.mesh import kept_keys
+
+    old = build_mesh(Layout(dp_replicate=2, tp=2), "cpu").main["tp"]
+    before, started = kept_keys(), _threads()
+    build_mesh(Layout(dp_replicate=1, tp=4), "cpu")
+    build_mesh(Layout(dp_replicate=4, tp=1), "cpu")
+    assert _threads() > started
+    release_kept(kept_keys() - before)
+    assert kept_keys() == before
+    assert _threads() == started, (started, _threads())
+    value = torch.tensor([float(rank)])
+    dist.all_reduce(value, group=old.get_group())
+    pair = [r for r in range(world) if r // 2 == rank // 2]  # the tp pairs: (0, 1), (2, 3)
+    assert value.item() == float(sum(pair)), (rank, value.item(), pair)
+    release_kept()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_release_of_the_meshes_made_since_leaves_the_older_ones_working(tmp_path: Path) -> None:
+    run_world(tmp_path, 4, _released_since)

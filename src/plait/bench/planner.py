@@ -177,7 +177,6 @@ def _inputs(cfg: PlannerBenchConfig, corpus: Any, rank: int) -> tuple[Any, Any, 
     training). Rank 0 gets (spec, cluster, figures)."""
     import torch
 
-    from plait.mesh import release_kept
     from plait.models import GPT
     from plait.train.planinputs import measure_inputs, planning_view, profiled_seconds
 
@@ -192,7 +191,6 @@ def _inputs(cfg: PlannerBenchConfig, corpus: Any, rank: int) -> tuple[Any, Any, 
         spec, cluster = planning_view(_model(cfg, corpus), samples, GPT.loss, inputs,
                                       cfg.workers, num_heads=cfg.heads, seq_len=cfg.seq_len,
                                       device=cpu)  # fmt: skip
-    release_kept()  # the groups the sharded blocks were timed in
     if spec is None:  # not rank 0
         return None, None, {}
     link = inputs.link
