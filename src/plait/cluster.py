@@ -83,7 +83,7 @@ class Device:
     times; a stage's action issues as many of them as it has blocks.
 
     `message_s` is the time a rank's computing thread spends posting one message of a
-    pipeline boundary (a send or a receive, `plait.sim.replica`): on CPU workers gloo's
+    pipeline boundary (a send or a receive, `plait.sim.host.posting_times`): on CPU workers gloo's
     `isend`/`irecv` run on the thread that computes (0.08-0.13 ms each among 4 workers on a
     2-core host, where the runtime's send and receive actions with their bookkeeping took
     0.1-0.5 ms, and a 4-stage pipeline's middle rank posts 16 a step); measured for local

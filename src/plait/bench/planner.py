@@ -182,27 +182,19 @@ def _inputs(cfg: PlannerBenchConfig, corpus: Any, rank: int) -> tuple[Any, Any, 
 
     samples = _samples(cfg, corpus)
     cpu = torch.device("cpu")
+    model = _model(cfg, corpus)  # one model measured throughout, as `--plan auto`'s
     # the grid has no sequence-parallel plan: its ratio is not measured
-    inputs = measure_inputs(_model(cfg, corpus), samples, GPT.loss, num_heads=cfg.heads,
+    inputs = measure_inputs(model, samples, GPT.loss, num_heads=cfg.heads,
                             seq_len=cfg.seq_len, device=cpu,
                             sequence_parallel=(False,))  # fmt: skip
-    spec = cluster = None
-    if rank == 0:
-        spec, cluster = planning_view(_model(cfg, corpus), samples, GPT.loss, inputs,
-                                      cfg.workers, num_heads=cfg.heads, seq_len=cfg.seq_len,
-                                      device=cpu)  # fmt: skip
-    if spec is None:  # not rank 0
+    if rank != 0:
         return None, None, {}
-    link = inputs.link
+    spec, cluster = planning_view(model, samples, GPT.loss, inputs, cfg.workers,
+                                  num_heads=cfg.heads, seq_len=cfg.seq_len, device=cpu)  # fmt: skip
     share = max(1, cfg.batch_size // cfg.workers)
-    figures = {
-        # one forward and backward of the model at a worker's share, as profiled: how far
-        # the host's speed moved between rounds
-        "profiled_s": profiled_seconds(spec, share),
-        "sharing_efficiency": inputs.sharing,
-        "message_s": inputs.message_s,
-        "link": {"latency_s": link.latency_s, "bandwidth_Bps": link.bandwidth_Bps},
-    }
+    # one forward and backward of the model at a worker's share, as profiled: how far the
+    # host's speed moved between rounds
+    figures = {"profiled_s": profiled_seconds(spec, share), **inputs.figures()}
     return spec, cluster, figures
 
 

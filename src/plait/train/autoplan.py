@@ -153,12 +153,8 @@ def _why(source: str, world: int, inputs: PlanInputs) -> dict[str, Any]:
     share of a core each worker keeps when they outnumber the cores and the seconds a
     CPU worker takes to post a message (1 and 0: each has a core or a GPU, or previewed
     in one process, which cannot measure them)."""
-    link = inputs.link
-    return {
-        "source": source, "measured_at": time.time(), "workers": world,
-        "link": {"latency_s": link.latency_s, "bandwidth_Bps": link.bandwidth_Bps},
-        "sharing_efficiency": inputs.sharing, "message_s": inputs.message_s,
-    }  # fmt: skip
+    return {"source": source, "measured_at": time.time(), "workers": world,
+            **inputs.figures()}  # fmt: skip
 
 
 def declared_cluster(cfg: Any, world: int) -> Cluster | None:

@@ -223,6 +223,14 @@ class PlanInputs:
     message_s: float = 0.0
     tp_ratios: TPRatios | None = None
 
+    def figures(self) -> dict[str, Any]:
+        """The measured figures as `plan.json`'s decision and the planner sweep report them."""
+        return {
+            "link": {"latency_s": self.link.latency_s, "bandwidth_Bps": self.link.bandwidth_Bps},
+            "sharing_efficiency": self.sharing,
+            "message_s": self.message_s,
+        }
+
 
 def measure_inputs(
     model: nn.Module,
